@@ -1,0 +1,1 @@
+"""Dataflow over the blocks of one scope: sites, axes, producers and chains."""

@@ -1,0 +1,88 @@
+"""From a chain to a proven repair, and from the repair back to TIR."""
+from dataclasses import dataclass
+
+import sympy
+import tvm
+import tvm_ffi
+
+from ..analysis.scope import dtype_of
+from ..algebra.convert import Symbolic, UnsupportedExpr, to_tir
+from ..algebra.repair import COUNT, RUNNING, NoRepair, Repair, derive_repair
+
+
+@dataclass
+class Fusion:
+    """A proven repair and, for each incomplete symbol, the producer and the load it reads."""
+
+    repair: Repair
+    producers: list
+    loads: list
+    names: dict
+
+    def describe(self) -> str:
+        """The repair with symbols named after buffers: ``max`` (new) and ``max_prev``."""
+        subs = {}
+        for old, new, producer in zip(self.repair.old, self.repair.new, self.producers):
+            buf = producer.write_buffers()[0].name
+            subs[old] = sympy.Symbol(f"{buf}_prev")
+            subs[new] = sympy.Symbol(buf)
+        return sympy.sstr(self.repair.h.subs(subs, simultaneous=True))
+
+
+def derive(chain) -> Fusion:
+    """Translate the target's combiner, derive its repair and prove it; FusionError if none."""
+    combiner = chain.inline(chain.combiner)
+    seen = {}
+
+    def classify(load):
+        index = chain.incomplete_key(load)
+        if index is None:
+            return None
+        known = seen.setdefault(index, load)
+        if not tvm_ffi.structural_equal(known.indices, load.indices):
+            chain._fail(
+                f"it reads the incomplete result '{load.source.name}' at two different places"
+            )
+        return index
+
+    symbolic = Symbolic(classify)
+    try:
+        g = symbolic.convert(combiner)
+    except UnsupportedExpr as err:
+        chain._fail(
+            f"reducer '{chain.reducer}' has combiner '{combiner}', whose sub-expression "
+            f"'{err.expr}' holds incomplete values in a form the algebra cannot analyse"
+        )
+    if not symbolic.incomplete:
+        chain._fail(
+            f"it reads no result of a reduction that loop '{chain.loop.loop_var.name}' drives "
+            f"(its combiner is '{combiner}')"
+        )
+    names = {sym: sympy.Symbol(load.source.name) for sym, _, load in symbolic.incomplete}
+    names.update({sym: sympy.Symbol(f"[{expr}]") for sym, expr in symbolic.opaque})
+    try:
+        repair = derive_repair(chain.reducer, g, tuple(s for s, _, _ in symbolic.incomplete))
+    except NoRepair as err:
+        pretty = sympy.sstr(g.subs(names, simultaneous=True))
+        blocking = sympy.sstr(err.blocking.subs(names, simultaneous=True))
+        chain._fail(
+            f"reducer '{chain.reducer}' with combiner {pretty} has no repair: {err.reason}. "
+            f"The sub-expression {blocking} blocks it"
+        )
+    producers = [chain.sites[key] for _, key, _ in symbolic.incomplete]
+    loads = [load for _, _, load in symbolic.incomplete]
+    return Fusion(repair, producers, loads, names)
+
+
+def repair_to_tir(fusion: Fusion, running, prev_loads, count, dtype: str):
+    """The repair as TIR: ``running`` is the accumulator, ``prev_loads`` the snapshots of the
+    producers (old values), ``fusion.loads`` the current ones, ``count`` the folded elements."""
+
+    def as_dtype(expr):
+        return expr if dtype_of(expr) == dtype else tvm.tirx.Cast(dtype, expr)
+
+    env = {RUNNING: running, COUNT: as_dtype(count)}
+    for old, new, prev, cur in zip(fusion.repair.old, fusion.repair.new, prev_loads, fusion.loads):
+        env[old] = as_dtype(prev)
+        env[new] = as_dtype(cur)
+    return to_tir(fusion.repair.h, env, dtype)

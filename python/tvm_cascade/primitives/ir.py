@@ -1,0 +1,129 @@
+"""Small IR-building helpers shared by the fusion primitives."""
+import tvm
+import tvm_ffi
+from tvm.ir import expr as ir_expr
+from tvm.s_tir.analysis import get_sblock_read_write_region
+from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+from ..analysis.chain import substitute
+from ..analysis.scope import dtype_of
+
+
+def copy_block(block: SBlock, **changes) -> SBlock:
+    fields = dict(
+        iter_vars=block.iter_vars,
+        reads=block.reads,
+        writes=block.writes,
+        name_hint=block.name_hint,
+        body=block.body,
+        init=block.init,
+        alloc_buffers=block.alloc_buffers,
+        match_buffers=block.match_buffers,
+        annotations=block.annotations,
+    )
+    fields.update(changes)
+    return SBlock(**fields)
+
+
+def with_regions(block: SBlock, buffers) -> SBlock:
+    """``block`` with read/write regions detected from its body, as TVMScript would."""
+    reads, writes = get_sblock_read_write_region(block, {b: b for b in buffers})
+    return copy_block(block, reads=reads, writes=writes)
+
+
+def replace_buffers(node, bmap: dict):
+    """``node`` with loads and stores of the buffers in ``bmap`` redirected."""
+    if not bmap:
+        return node
+
+    def load(l):
+        new = bmap.get(l.source)
+        return l if new is None else tvm.tirx.BufferLoad(new, l.indices)
+
+    def store(s):
+        new = bmap.get(s.buffer)
+        return s if new is None else tvm.tirx.BufferStore(new, s.value, s.indices)
+
+    return tvm_ffi.structural_map(
+        node, [(ir_expr.TensorLoad, load), (tvm.tirx.BufferStore, store)]
+    )
+
+
+def same_computation(a: SBlock, b: SBlock) -> bool:
+    """Whether spatial blocks ``a`` and ``b`` compute the same values into their one buffer."""
+    if a.init is not None or b.init is not None or len(a.writes) != 1 or len(b.writes) != 1:
+        return False
+    if len(a.iter_vars) != len(b.iter_vars):
+        return False
+    vmap = {}
+    for x, y in zip(a.iter_vars, b.iter_vars):
+        if not tvm_ffi.structural_equal(x.dom, y.dom) or x.iter_type != y.iter_type:
+            return False
+        vmap[x.var] = y.var
+    body = replace_buffers(substitute(a.body, vmap), {a.writes[0].source: b.writes[0].source})
+    return tvm_ffi.structural_equal(body, b.body)
+
+
+def rebuild_scope(stmt, replaced: dict, loop, appended: list):
+    """Rebuild a scope body: realizes in ``replaced`` become their value (None drops them,
+    and loops left empty go too); ``appended`` statements are added at the end of ``loop``."""
+
+    def go(node):
+        if isinstance(node, SBlockRealize):
+            return replaced.get(node, node)
+        if isinstance(node, tvm.tirx.For):
+            body = go(node.body)
+            if node.same_as(loop):
+                body = seq([body] + appended)
+            if body is None:
+                return None
+            if body.same_as(node.body):
+                return node
+            return tvm.tirx.For(
+                node.loop_var,
+                node.min,
+                node.extent,
+                node.kind,
+                body,
+                node.thread_binding,
+                node.annotations,
+                node.step,
+            )
+        if isinstance(node, tvm.tirx.SeqStmt):
+            items = [go(item) for item in node]
+            if all(x is not None and x.same_as(y) for x, y in zip(items, node)):
+                return node
+            return seq(items)
+        raise TypeError(f"unexpected statement in a schedulable scope: {type(node).__name__}")
+
+    return go(stmt)
+
+
+def seq(items):
+    flat = []
+    for item in items:
+        if item is None:
+            continue
+        if isinstance(item, tvm.tirx.SeqStmt):
+            flat.extend(item)
+        else:
+            flat.append(item)
+    if not flat:
+        return None
+    return flat[0] if len(flat) == 1 else tvm.tirx.SeqStmt(flat)
+
+
+def nest(loops, body):
+    """Wrap ``body`` in serial loops given as (var, extent), outermost first."""
+    for var, extent in reversed(loops):
+        body = tvm.tirx.For(var, tvm.tirx.const(0, dtype_of(var)), extent, tvm.tirx.ForKind.SERIAL, body)
+    return body
+
+
+def realize(bindings, predicate, block):
+    return SBlockRealize(bindings, predicate, block)
+
+
+def like_buffer(buf, name: str):
+    """A new buffer with ``buf``'s shape, type, scope and layout, named ``name``."""
+    return tvm.tirx.decl_buffer(buf.shape, buf.dtype, name=name, scope=buf.scope(), layout=buf.layout)
