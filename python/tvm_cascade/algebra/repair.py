@@ -89,13 +89,24 @@ def _candidates(reducer: Reducer, g: sympy.Expr, old, new):
             yield "difference", RUNNING + delta
     opaque = _opaque(g, old)
     if len(opaque) == 1:
-        (c,) = opaque
-        solutions = sympy.solve(sympy.Eq(g, RUNNING), c, dict=False)
-        if len(solutions) == 1:
-            yield "inverse", g_new.subs(c, solutions[0])
+        inverse = _real_inverse(g, opaque.pop())
+        if inverse is not None:
+            c, solution = inverse
+            yield "inverse", g_new.subs(c, solution)
 
 
-def _prove(reducer: Reducer, g, old, new, h):
+def _real_inverse(g, c):
+    """(c, g^-1(t)) when ``g = t`` has exactly one real solution for c, else None."""
+    solutions = sympy.solveset(sympy.Eq(g, RUNNING), c, domain=sympy.S.Reals)
+    if isinstance(solutions, sympy.Intersection):
+        finite = [s for s in solutions.args if isinstance(s, sympy.FiniteSet)]
+        solutions = finite[0] if len(finite) == 1 else solutions
+    if isinstance(solutions, sympy.FiniteSet) and len(solutions) == 1:
+        return c, next(iter(solutions))
+    return None
+
+
+def _prove(reducer: Reducer, g, old, new, h, method):
     """Return the proven identities, or None with the first one that failed."""
     to_new = dict(zip(old, new))
     g_new = g.subs(to_new, simultaneous=True)
@@ -106,10 +117,15 @@ def _prove(reducer: Reducer, g, old, new, h):
         return h.subs({RUNNING: t, COUNT: n}, simultaneous=True)
 
     proofs = []
-    exact = f"h(g(r, c), r, r') = g(r', c): {sympy.sstr(at(g, 1))} = {sympy.sstr(g_new)}"
-    if not _is_zero(at(g, 1) - g_new):
-        return None, exact
-    proofs.append(exact)
+    if method == "inverse":
+        # The only real solution of g(r, c) = t makes g injective in c, so
+        # g^-1(r, g(r, c)) = c and h(g(r, c)) = g(r', c) hold by construction.
+        proofs.append("h(g(r, c), r, r') = g(r', g^-1(r, g(r, c))) = g(r', c): unique real inverse")
+    else:
+        exact = f"h(g(r, c), r, r') = g(r', c): {sympy.sstr(at(g, 1))} = {sympy.sstr(g_new)}"
+        if not _is_zero(at(g, 1) - g_new):
+            return None, exact
+        proofs.append(exact)
     if reducer.is_monotone_order:
         slope = sympy.simplify(sympy.diff(h, RUNNING))
         claim = f"dh/dt = {sympy.sstr(slope)} >= 0, so h commutes with {reducer.name}"
@@ -155,7 +171,7 @@ def derive_repair(reducer: Reducer, combiner: sympy.Expr, incomplete: tuple) -> 
     new = tuple(new_symbol(r) for r in incomplete)
     failures = []
     for method, h in _candidates(reducer, combiner, incomplete, new):
-        proofs, failed = _prove(reducer, combiner, incomplete, new, h)
+        proofs, failed = _prove(reducer, combiner, incomplete, new, h, method)
         if proofs is not None:
             return Repair(reducer, combiner, incomplete, new, sympy.simplify(h) if method != "inverse" else h, method, proofs)
         failures.append(f"{method} candidate h = {sympy.sstr(h)} is not proven: {failed}")

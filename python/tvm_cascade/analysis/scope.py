@@ -100,10 +100,9 @@ def buffer_accesses(stmt) -> list:
     return found
 
 
-def scope_buffers(func, scope_block: SBlock) -> list:
-    """The buffers visible in the scope: parameters and the scope's allocations."""
-    params = [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
-    return params + list(scope_block.alloc_buffers)
+def buffer_params(func) -> list:
+    """The parameters of ``func`` that are buffers."""
+    return [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
 
 
 def dtype_of(expr) -> str:

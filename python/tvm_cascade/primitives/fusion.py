@@ -17,11 +17,12 @@ class Fusion:
     repair: Repair
     producers: list
     loads: list
-    names: dict
+    target_buffer: str
 
     def describe(self) -> str:
-        """The repair with symbols named after buffers: ``max`` (new) and ``max_prev``."""
-        subs = {}
+        """The repair with symbols named after buffers: the running ``sum``, the producers'
+        current ``max`` and ``max_prev`` from before the tile, ``n`` elements folded."""
+        subs = {RUNNING: sympy.Symbol(self.target_buffer)}
         for old, new, producer in zip(self.repair.old, self.repair.new, self.producers):
             buf = producer.write_buffers()[0].name
             subs[old] = sympy.Symbol(f"{buf}_prev")
@@ -69,9 +70,14 @@ def derive(chain) -> Fusion:
             f"reducer '{chain.reducer}' with combiner {pretty} has no repair: {err.reason}. "
             f"The sub-expression {blocking} blocks it"
         )
+    placeholders = {sym: tvm.tirx.Var(sym.name, "float32") for sym in repair.h.free_symbols}
+    try:
+        to_tir(repair.h, placeholders, "float32")
+    except NotImplementedError as err:
+        chain._fail(f"its proven repair h = {sympy.sstr(repair.h)} has no TIR form ({err})")
     producers = [chain.sites[key] for _, key, _ in symbolic.incomplete]
     loads = [load for _, _, load in symbolic.incomplete]
-    return Fusion(repair, producers, loads, names)
+    return Fusion(repair, producers, loads, chain.target.write_buffers()[0].name)
 
 
 def repair_to_tir(fusion: Fusion, running, prev_loads, count, dtype: str):

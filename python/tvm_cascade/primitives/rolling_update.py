@@ -5,7 +5,7 @@ from tvm.s_tir.stmt import SBlock
 
 from ..algebra.reducers import match_reducer
 from ..analysis.chain import Chain, substitute
-from ..analysis.scope import dtype_of
+from ..analysis.scope import buffer_params, dtype_of
 from ..errors import FusionError
 from . import ir
 from .fusion import derive, repair_to_tir
@@ -99,7 +99,7 @@ def rolling_update(sch, block_rv, loop_rv) -> None:
     """Rewrite the IR for ``Schedule.rolling_update`` (the public method documents it)."""
     func, root_sref = scope_of(sch, block_rv)
     root = root_sref.stmt
-    params = [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
+    params = buffer_params(func)
     chain = Chain(root, params, sch.get(block_rv), sch.get(loop_rv), "rolling_update")
     fusion = derive(chain)
 

@@ -1,0 +1,1 @@
+"""Schedules built on the fusion primitives."""
