@@ -421,12 +421,8 @@ def test_other_splits(split, roll):
     _check_close(out, R.attention_ref(q, k, v, variant="causal"), out_unfused, "float32")
 
 
-# Known library bug (see the report): when rolling_update leaves a
-# ``<block>_complete`` copy, the copy reuses the moved block's iterator Vars, so
-# the PrimFunc defines them twice and TVM's well-formedness check rejects it
-# (``tvm.s_tir.Schedule(sch.mod)`` raises "multiple definitions of variable v_b").
-# Numerics are still correct (tested above and in test_cascades).
-@pytest.mark.xfail(strict=True, reason="library bug: <block>_complete copy shares iter vars (ill-formed TIR)")
+# A ``<block>_complete`` copy left for consumers outside the loop must define its own
+# iterator variables, or TVM rejects the function as ill-formed.
 @pytest.mark.parametrize("case", ["attention-sum-only", "attention-pv-only", "moe_routing"])
 def test_single_rolling_update_is_well_formed(case):
     if case == "moe_routing":

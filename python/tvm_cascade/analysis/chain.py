@@ -33,21 +33,8 @@ class Chain:
         self.target = self._site_of(target_block)
         self._check_target()
         self.under = [s for s in self.sites if s.under(loop)]
-        self.producers = []
-        self.axis_var = {}
-        for site in self.under:
-            axis = self._driven_reduce_var(site)
-            if axis is not None:
-                self.producers.append(site)
-                self.axis_var[site] = axis
-        if not self.producers:
-            self._fail(
-                f"loop '{_name(loop)}' does not drive the reduction iterator of any "
-                "reduction block under it, so nothing is incomplete there to repair"
-            )
-        self.template = self.producers[0]
-        self._check_template()
         self.axes = AxisClasses(self.sites)
+        self._find_producers()
         self.writer = {}
         self.readers = {}
         for site in self.sites:
@@ -81,7 +68,28 @@ class Chain:
             f"block '{block.name_hint}' is not a direct child of the scope being fused"
         )
 
+    def _find_producers(self):
+        self.producers = []
+        self.axis_var = {}
+        for site in self.under:
+            axis = self._driven_reduce_var(site)
+            if axis is not None:
+                self.producers.append(site)
+                self.axis_var[site] = axis
+        if not self.producers:
+            self._fail(
+                f"loop '{_name(self.loop)}' does not drive the reduction iterator of any "
+                "reduction block under it, so nothing is incomplete there to repair"
+            )
+        self.template = self.producers[0]
+        self._check_template()
+
     def _check_target(self):
+        if self.target.under(self.loop):
+            self._fail(f"it already runs under loop '{_name(self.loop)}'")
+        self._check_target_update()
+
+    def _check_target_update(self):
         block = self.target.block
         if not self.target.is_reduction:
             self._fail("it is not a reduction block (it has no init), so there is nothing to fuse")
@@ -94,8 +102,6 @@ class Chain:
                 "accumulator and one more term"
             )
         self.reducer, self.combiner = matched
-        if self.target.under(self.loop):
-            self._fail(f"it already runs under loop '{_name(self.loop)}'")
 
     def _driven_reduce_var(self, site):
         if not site.is_reduction:
@@ -137,6 +143,11 @@ class Chain:
         for inner in self.inner_loops:
             tile = tile * tvm.tirx.Cast(dtype_of(axis_iv.var), inner.extent)
         self.tile = tvm.sym.Analyzer().simplify(tile)
+        self.row_vars = [iv for iv in tmpl.block.iter_vars if iv.iter_type != REDUCE]
+
+    def axis_binding(self, fresh):
+        """The reduced axis as the template binds it, with ``fresh`` loops below the loop."""
+        return substitute(self.template.binding(self.axis_var[self.template]), fresh)
 
     def _target_axis(self):
         tmpl_axis = self.axis_var[self.template].var

@@ -127,3 +127,14 @@ def realize(bindings, predicate, block):
 def like_buffer(buf, name: str):
     """A new buffer with ``buf``'s shape, type, scope and layout, named ``name``."""
     return tvm.tirx.decl_buffer(buf.shape, buf.dtype, name=name, scope=buf.scope(), layout=buf.layout)
+
+
+def with_fresh_iter_vars(block: SBlock) -> SBlock:
+    """``block`` with new iterator variables, so that it can stand beside the original."""
+    vmap, iter_vars = {}, []
+    for iv in block.iter_vars:
+        var = tvm.tirx.Var(iv.var.name, dtype_of(iv.var))
+        vmap[iv.var] = var
+        iter_vars.append(tvm.tirx.IterVar(iv.dom, var, iv.iter_type))
+    init = None if block.init is None else substitute(block.init, vmap)
+    return copy_block(block, iter_vars=iter_vars, body=substitute(block.body, vmap), init=init)

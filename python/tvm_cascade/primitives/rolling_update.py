@@ -63,21 +63,19 @@ class Placement:
 
     def __init__(self, chain: Chain):
         self.chain = chain
-        tmpl = chain.template
-        self.axis = chain.axis_var[tmpl]
-        self.rows = [iv for iv in tmpl.block.iter_vars if iv is not self.axis and iv.iter_type != 2]
 
     def place(self, block: SBlock):
+        """A loop nest, to go under the chain's loop, that runs ``block`` for one tile."""
         chain = self.chain
         tmpl = chain.template
         bindings, free, reduced = [], [], False
         fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in chain.inner_loops}
         for iv in block.iter_vars:
-            if chain.axes.same(iv.var, self.axis.var):
-                bindings.append(substitute(tmpl.binding(self.axis), fresh))
+            if chain.axes.same(iv.var, chain.target_axis.var):
+                bindings.append(chain.axis_binding(fresh))
                 reduced = True
                 continue
-            row = [r for r in self.rows if chain.axes.same(iv.var, r.var)]
+            row = [r for r in chain.row_vars if chain.axes.same(iv.var, r.var)]
             if row:
                 bindings.append(tmpl.binding(row[0]))
                 continue
@@ -129,10 +127,10 @@ def rolling_update(sch, block_rv, loop_rv) -> None:
         new_buffers.append(complete[buf])
     for site in chain.complete_copies:
         copy = ir.copy_block(
-            site.block,
+            ir.with_fresh_iter_vars(site.block),
             name_hint=f"{site.name}_complete",
-            body=ir.replace_buffers(site.block.body, complete),
         )
+        copy = ir.copy_block(copy, body=ir.replace_buffers(copy.body, complete))
         replaced[site.realize] = ir.realize(
             site.realize.iter_values,
             site.realize.predicate,
