@@ -182,7 +182,7 @@ class Chain:
         for buf in site.read_buffers():
             buf = self.redirects.get(buf, buf)
             writer = self.writer.get(buf)
-            if writer is None or writer is site:
+            if writer is None or writer is site or writer in self.producers:
                 continue
             if writer in self.under or writer in self.intermediates:
                 if writer in self.under and writer.is_reduction and writer not in self.producers:

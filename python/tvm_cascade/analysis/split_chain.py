@@ -119,10 +119,9 @@ class SplitKChain(Chain):
                 return producer.index
         return None
 
-    def localize(self, node, axis_var):
-        """``node`` with loads of global results replaced by the chunk partial of the
-        chunk that ``axis_var`` falls in."""
-        chunk = tvm.tirx.floordiv(axis_var, self.chunk)
+    def localize(self, node, chunk):
+        """``node`` with loads of global results replaced by loads of the partial result of
+        chunk ``chunk``."""
         partial_buf = {
             producer.write_buffers()[0]: self.partial_of[producer].write_buffers()[0]
             for producer in self.producers
@@ -142,7 +141,8 @@ class SplitKChain(Chain):
         axis = [iv for iv in outside.block.iter_vars if self.axes.same(iv.var, self.target_axis.var)]
         if len(axis) != 1:
             return None
-        local = copy_block(outside.block, body=self.localize(outside.block.body, axis[0].var))
+        chunk = tvm.tirx.floordiv(axis[0].var, self.chunk)
+        local = copy_block(outside.block, body=self.localize(outside.block.body, chunk))
         for site in self.under:
             if not site.is_reduction and same_computation(local, site.block):
                 return site

@@ -3,6 +3,7 @@ from tvm.s_tir import Schedule
 
 from ..trace import append_instruction
 from . import rolling_update as _rolling
+from . import split_k_update as _split_k
 
 
 def rolling_update(self: Schedule, block, loop) -> None:
@@ -144,6 +145,120 @@ def rolling_update(self: Schedule, block, loop) -> None:
     append_instruction(self, "RollingUpdate", [block, loop])
 
 
+def split_k_update(self: Schedule, block, loop) -> None:
+    """Split the reduction ``block`` into independent chunks of the key loop: each chunk
+    folds its own partial result, and a separate global block combines the partials,
+    repairing each from the earlier reductions' chunk partials to their global values
+    (FlashDecoding's ``l = sum_c l_c * exp(m_c - m)``).
+
+    ``loop`` must be the chunk loop: the outer loop of a split of the reduction loop of the
+    chain's first reduction (``j0, j1 = sch.split(j, [chunks, None])``). Call the primitive
+    on the chain's reductions in order: the first (``max``) needs no repair; each later one
+    (``sum``, ``pv``) reads earlier results, directly or through spatial blocks, and its
+    repair is derived and proven exactly as for :meth:`rolling_update` (else
+    :class:`tvm_cascade.FusionError`, with the schedule unchanged).
+
+    For ``block`` writing ``X`` the primitive creates:
+
+    * ``<block>_partial`` under ``loop``, with iterators ``(v_chunk, <block's spatial
+      iterators>, <reduced>_in)``, folding one chunk into a new buffer ``X_partial[c, ...]``
+      and reading earlier reductions' partials ``Y_partial[c, ...]`` instead of ``Y``;
+    * ``block`` itself, now the global combine, right after the root-level loop nest it
+      was in (the chunk loop's nest for the first reduction), reducing over ``v_chunk``.
+
+    Spatial blocks between the earlier reductions and ``block`` move under ``loop`` and
+    read the partial of their chunk (``Y_partial[v_j // chunk, ...]``); one that also feeds
+    blocks left outside keeps a ``<block>_complete`` copy for them, as in
+    :meth:`rolling_update`. Iterations of ``loop`` share no state, so it can be bound to
+    thread blocks; the combines can be scheduled on their own.
+
+    Parameters
+    ----------
+    block : SBlockRV
+        The reduction to split, e.g. ``max``, then ``sum``, then ``pv``.
+    loop : LoopRV
+        The chunk loop, e.g. ``j_0`` of ``sch.split(j, [8, None])`` on ``max``'s key loop.
+
+    Examples
+    --------
+    Before split_k_update, in TensorIR, the IR is the ``before`` function shown for
+    :meth:`rolling_update`. Create the schedule and do split_k_update:
+
+    .. code-block:: python
+
+        sch = tvm.s_tir.Schedule(before)
+        j0, j1 = sch.split(sch.get_loops(sch.get_sblock("max"))[1], [4, None])
+        sch.split_k_update(sch.get_sblock("max"), j0)
+        sch.split_k_update(sch.get_sblock("sum"), j0)
+        sch.split_k_update(sch.get_sblock("pv"), j0)
+
+    After applying split_k_update, the IR becomes:
+
+    .. code-block:: python
+
+        @T.prim_func(s_tir=True)
+        def after(S: T.Buffer((8, 128), "float32"), V: T.Buffer((128, 64), "float32"),
+                  O: T.Buffer((8, 64), "float32")):
+            m = T.sblock_alloc_buffer((8,))
+            e = T.sblock_alloc_buffer((8, 128))
+            l = T.sblock_alloc_buffer((8,))
+            m_partial = T.sblock_alloc_buffer((4, 8))
+            l_partial = T.sblock_alloc_buffer((4, 8))
+            O_partial = T.sblock_alloc_buffer((4, 8, 64))
+            for i, j_0 in T.grid(8, 4):
+                for j_1 in range(32):
+                    with T.sblock("max_partial"):
+                        v_chunk, vi, vj_in = T.axis.remap("SSR", [j_0, i, j_1])
+                        with T.init():
+                            m_partial[v_chunk, vi] = T.min_value("float32")
+                        m_partial[v_chunk, vi] = T.max(m_partial[v_chunk, vi], S[vi, v_chunk * 32 + vj_in])
+                for j_1 in range(32):
+                    with T.sblock("exp"):
+                        vi = T.axis.spatial(8, i)
+                        vj = T.axis.spatial(128, j_0 * 32 + j_1)
+                        e[vi, vj] = T.exp(S[vi, vj] - m_partial[vj // 32, vi])
+                for j_1 in range(32):
+                    with T.sblock("sum_partial"):
+                        v_chunk, vi, vj_in = T.axis.remap("SSR", [j_0, i, j_1])
+                        with T.init():
+                            l_partial[v_chunk, vi] = T.float32(0)
+                        l_partial[v_chunk, vi] = l_partial[v_chunk, vi] + e[vi, v_chunk * 32 + vj_in]
+                for ax0, j_1 in T.grid(64, 32):
+                    with T.sblock("pv_partial"):
+                        v_chunk, vi, vd, vj_in = T.axis.remap("SSSR", [j_0, i, ax0, j_1])
+                        with T.init():
+                            O_partial[v_chunk, vi, vd] = T.float32(0)
+                        O_partial[v_chunk, vi, vd] = (
+                            O_partial[v_chunk, vi, vd]
+                            + e[vi, v_chunk * 32 + vj_in] * V[v_chunk * 32 + vj_in, vd]
+                        )
+            for ax0, chunk in T.grid(8, 4):
+                with T.sblock("max"):
+                    vi, v_chunk = T.axis.remap("SR", [ax0, chunk])
+                    with T.init():
+                        m[vi] = T.min_value("float32")
+                    m[vi] = T.max(m[vi], m_partial[v_chunk, vi])
+            for ax0, chunk in T.grid(8, 4):
+                with T.sblock("sum"):
+                    vi, v_chunk = T.axis.remap("SR", [ax0, chunk])
+                    with T.init():
+                        l[vi] = T.float32(0)
+                    l[vi] = l[vi] + l_partial[v_chunk, vi] * T.exp(m_partial[v_chunk, vi] - m[vi])
+            for ax0, ax1, chunk in T.grid(8, 64, 4):
+                with T.sblock("pv"):
+                    vi, vd, v_chunk = T.axis.remap("SSR", [ax0, ax1, chunk])
+                    with T.init():
+                        O[vi, vd] = T.float32(0)
+                    O[vi, vd] = O[vi, vd] + O_partial[v_chunk, vi, vd] * T.exp(m_partial[v_chunk, vi] - m[vi])
+
+    (``T.reads``/``T.writes`` omitted.) Returns nothing; ``block``'s random variable now
+    denotes the global combine; get the partial with ``sch.get_sblock("<block>_partial")``.
+    """
+    _split_k.split_k_update(self, block, loop)
+    append_instruction(self, "SplitKUpdate", [block, loop])
+
+
 def install() -> None:
     """Make the primitives methods of every ``tvm.s_tir.Schedule``."""
     Schedule.rolling_update = rolling_update
+    Schedule.split_k_update = split_k_update

@@ -80,15 +80,16 @@ def derive(chain) -> Fusion:
     return Fusion(repair, producers, loads, chain.target.write_buffers()[0].name)
 
 
-def repair_to_tir(fusion: Fusion, running, prev_loads, count, dtype: str):
-    """The repair as TIR: ``running`` is the accumulator, ``prev_loads`` the snapshots of the
-    producers (old values), ``fusion.loads`` the current ones, ``count`` the folded elements."""
+def repair_to_tir(fusion: Fusion, running, prev_loads, cur_loads, count, dtype: str):
+    """The repair as TIR: ``running`` is the value to repair, ``prev_loads`` the producers'
+    values it was computed with, ``cur_loads`` their current ones, ``count`` the number of
+    elements folded into it."""
 
     def as_dtype(expr):
         return expr if dtype_of(expr) == dtype else tvm.tirx.Cast(dtype, expr)
 
     env = {RUNNING: running, COUNT: as_dtype(count)}
-    for old, new, prev, cur in zip(fusion.repair.old, fusion.repair.new, prev_loads, fusion.loads):
+    for old, new, prev, cur in zip(fusion.repair.old, fusion.repair.new, prev_loads, cur_loads):
         env[old] = as_dtype(prev)
         env[new] = as_dtype(cur)
     return to_tir(fusion.repair.h, env, dtype)

@@ -64,9 +64,10 @@ def same_computation(a: SBlock, b: SBlock) -> bool:
     return tvm_ffi.structural_equal(body, b.body)
 
 
-def rebuild_scope(stmt, replaced: dict, loop, appended: list):
+def rebuild_scope(stmt, replaced: dict, loop, appended: list, after: dict):
     """Rebuild a scope body: realizes in ``replaced`` become their value (None drops them,
-    and loops left empty go too); ``appended`` statements are added at the end of ``loop``."""
+    and loops left empty go too); ``appended`` statements are added at the end of ``loop``;
+    ``after`` maps root-level statements to statements that follow them."""
 
     def go(node):
         if isinstance(node, SBlockRealize):
@@ -96,7 +97,14 @@ def rebuild_scope(stmt, replaced: dict, loop, appended: list):
             return seq(items)
         raise TypeError(f"unexpected statement in a schedulable scope: {type(node).__name__}")
 
-    return go(stmt)
+    top = list(stmt) if isinstance(stmt, tvm.tirx.SeqStmt) else [stmt]
+    items = []
+    for item in top:
+        items.append(go(item))
+        items.extend(after.get(item, []))
+    if all(x is not None and x.same_as(y) for x, y in zip(items, top)) and len(items) == len(top):
+        return stmt
+    return seq(items)
 
 
 def seq(items):

@@ -4,10 +4,11 @@ from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
 from ..algebra.reducers import match_reducer
-from ..analysis.chain import Chain, substitute
+from ..analysis.chain import Chain
 from ..analysis.scope import buffer_params, dtype_of
 from ..errors import FusionError
 from . import ir
+from .rewrite import ScopeRewrite
 from .fusion import derive, repair_to_tir
 
 
@@ -58,41 +59,6 @@ def add_snapshot(block: SBlock, axis_var, tile):
     return ir.copy_block(block, body=body), prev
 
 
-class Placement:
-    """Binds the iterators of blocks moved under the loop the way the template block's are."""
-
-    def __init__(self, chain: Chain):
-        self.chain = chain
-
-    def place(self, block: SBlock):
-        """A loop nest, to go under the chain's loop, that runs ``block`` for one tile."""
-        chain = self.chain
-        tmpl = chain.template
-        bindings, free, reduced = [], [], False
-        fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in chain.inner_loops}
-        for iv in block.iter_vars:
-            if chain.axes.same(iv.var, chain.target_axis.var):
-                bindings.append(chain.axis_binding(fresh))
-                reduced = True
-                continue
-            row = [r for r in chain.row_vars if chain.axes.same(iv.var, r.var)]
-            if row:
-                bindings.append(tmpl.binding(row[0]))
-                continue
-            var = tvm.tirx.Var(f"ax{len(free)}", dtype_of(iv.var))
-            free.append((var, iv.dom.extent))
-            bindings.append(iv.dom.min + var if not _is_zero(iv.dom.min) else var)
-        predicate = substitute(tmpl.realize.predicate, fresh) if reduced else tvm.tirx.const(True, "bool")
-        body = ir.realize(bindings, predicate, block)
-        if reduced:
-            body = ir.nest([(fresh[l.loop_var], l.extent) for l in chain.inner_loops], body)
-        return ir.nest(free, body)
-
-
-def _is_zero(expr) -> bool:
-    return isinstance(expr, tvm.tirx.IntImm) and expr.value == 0
-
-
 def rolling_update(sch, block_rv, loop_rv) -> None:
     """Rewrite the IR for ``Schedule.rolling_update`` (the public method documents it)."""
     func, root_sref = scope_of(sch, block_rv)
@@ -101,13 +67,7 @@ def rolling_update(sch, block_rv, loop_rv) -> None:
     chain = Chain(root, params, sch.get(block_rv), sch.get(loop_rv), "rolling_update")
     fusion = derive(chain)
 
-    buffers = params + list(root.alloc_buffers)
-    new_buffers, dead_buffers = [], []
-    replaced, reuse = {}, {}
-
-    def update(site, block):
-        replaced[site.realize] = ir.realize(site.realize.iter_values, site.realize.predicate, block)
-        reuse[site.block] = block
+    edit = ScopeRewrite(chain, params, root)
 
     # Producers keep a copy of their value from before each tile: the repair's old values.
     prev_loads = []
@@ -115,73 +75,27 @@ def rolling_update(sch, block_rv, loop_rv) -> None:
         prev = snapshot_buffer(producer.block)
         if prev is None:
             block, prev = add_snapshot(producer.block, chain.axis_var[producer].var, chain.tile)
-            new_buffers.append(prev)
-            update(producer, ir.with_regions(block, buffers + new_buffers))
+            edit.add_buffer(prev)
+            edit.update(producer, edit.regions(block))
         prev_loads.append(tvm.tirx.BufferLoad(prev, load.indices))
 
-    # Intermediates that feed blocks left outside keep an unfused copy for them.
-    complete = {}
-    for site in chain.complete_copies:
-        buf = site.write_buffers()[0]
-        complete[buf] = ir.like_buffer(buf, f"{buf.name}_complete")
-        new_buffers.append(complete[buf])
-    for site in chain.complete_copies:
-        copy = ir.copy_block(
-            ir.with_fresh_iter_vars(site.block),
-            name_hint=f"{site.name}_complete",
-        )
-        copy = ir.copy_block(copy, body=ir.replace_buffers(copy.body, complete))
-        replaced[site.realize] = ir.realize(
-            site.realize.iter_values,
-            site.realize.predicate,
-            ir.with_regions(copy, buffers + new_buffers),
-        )
-    movers = set(chain.movers)
-    for site in chain.sites:
-        if site in movers or site.realize in replaced:
-            continue
-        if any(buf in complete for buf in site.read_buffers()):
-            block = ir.copy_block(
-                site.block,
-                body=ir.replace_buffers(site.block.body, complete),
-                init=site.block.init,
-            )
-            update(site, ir.with_regions(block, buffers + new_buffers))
-
-    # Twins outside the loop that only the movers read are now dead.
-    for old_buf in chain.redirects:
-        twin = chain.writer[old_buf]
-        readers = [r for r in chain.readers.get(old_buf, []) if r not in movers]
-        if not readers and not any(p.same_as(old_buf) for p in params):
-            replaced[twin.realize] = None
-            dead_buffers.append(old_buf)
+    edit.keep_complete_copies()
+    edit.drop_dead_twins()
 
     # Move the intermediates and the target under the loop; the target gets the repair.
-    placement = Placement(chain)
-    appended = []
     for site in chain.movers:
-        block = site.block
-        body = ir.replace_buffers(block.body, chain.redirects)
+        body = ir.replace_buffers(site.block.body, chain.redirects)
         if site is chain.target:
             body = _repaired_store(chain, fusion, prev_loads, body)
-        block = ir.with_regions(ir.copy_block(block, body=body), buffers + new_buffers)
-        reuse[site.block] = block
-        if site.realize not in replaced:
-            replaced[site.realize] = None
-        appended.append(placement.place(block))
-
-    body = ir.rebuild_scope(root.body, replaced, chain.loop, appended)
-    allocs = [b for b in root.alloc_buffers if not any(b.same_as(d) for d in dead_buffers)]
-    new_root = ir.copy_block(root, body=body, alloc_buffers=allocs + new_buffers)
-    reuse[root] = new_root
-    sch.state.replace(root_sref, new_root, reuse)
+        edit.move_under_loop(site, edit.regions(ir.copy_block(site.block, body=body)))
+    edit.commit(sch, root_sref)
 
 
 def _repaired_store(chain: Chain, fusion, prev_loads, store):
     """``X = f(X, e)`` becomes ``X = f(first_in_tile ? h(X) : X, e)``."""
     acc = tvm.tirx.BufferLoad(store.buffer, store.indices)
     axis = chain.target_axis.var
-    h = repair_to_tir(fusion, acc, prev_loads, axis, store.buffer.dtype)
+    h = repair_to_tir(fusion, acc, prev_loads, fusion.loads, axis, store.buffer.dtype)
     entering = tvm.tirx.all(tvm.tirx.const(0, dtype_of(axis)) < axis, tile_start(axis, chain.tile))
     repaired = tvm.tirx.if_then_else(entering, h, acc)
     _, rest = match_reducer(store)

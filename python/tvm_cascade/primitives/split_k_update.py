@@ -1,0 +1,170 @@
+"""``Schedule.split_k_update``: chunk-local partial reductions plus a repairing combine."""
+import tvm
+import tvm_ffi
+from tvm.ir import expr as ir_expr
+from tvm.s_tir.stmt import SBlock
+
+from ..analysis.scope import REDUCE, buffer_params, dtype_of, uses_var
+from ..analysis.split_chain import SplitKChain
+from ..analysis.chain import substitute
+from . import ir
+from .fusion import derive, repair_to_tir
+from .rewrite import ScopeRewrite
+from .rolling_update import scope_of
+
+DATA_PAR = 0
+
+
+def split_k_update(sch, block_rv, loop_rv) -> None:
+    """Rewrite the IR for ``Schedule.split_k_update`` (the public method documents it)."""
+    func, root_sref = scope_of(sch, block_rv)
+    root = root_sref.stmt
+    params = buffer_params(func)
+    chain = SplitKChain(root, params, sch.get(block_rv), sch.get(loop_rv), "split_k_update")
+    fusion = None if chain.target_is_under else derive(chain)
+    edit = ScopeRewrite(chain, params, root)
+    target = chain.target
+    acc = target.write_buffers()[0]
+    partial = edit.add_buffer(
+        tvm.tirx.decl_buffer(
+            [chain.chunks] + list(acc.shape),
+            acc.dtype,
+            name=f"{acc.name}_partial",
+            scope=acc.scope(),
+            layout=acc.layout,
+        )
+    )
+
+    if chain.target_is_under:
+        block = target.block
+        bindings, predicate = list(target.realize.iter_values), target.realize.predicate
+        edit.replaced[target.realize] = _partial_realize(chain, edit, block, bindings, predicate, partial)
+    else:
+        edit.keep_complete_copies()
+        edit.drop_dead_twins()
+        for site in chain.movers[:-1]:
+            axis = _axis_var_of(chain, site.block)
+            body = ir.replace_buffers(site.block.body, chain.redirects)
+            if axis is not None:
+                body = chain.localize(body, tvm.tirx.floordiv(axis, chain.chunk))
+            edit.move_under_loop(site, edit.regions(ir.copy_block(site.block, body=body)))
+        block = ir.copy_block(target.block, body=ir.replace_buffers(target.block.body, chain.redirects))
+        bindings, predicate, loops = edit.placement.bind(block)
+        realize = _partial_realize(chain, edit, block, bindings, predicate, partial)
+        edit.replaced[target.realize] = None
+        edit.appended.append(ir.nest(loops, realize))
+
+    combine, nest = _global_combine(chain, edit, fusion, partial)
+    edit.reuse[target.block] = combine
+    edit.insert_after(target, nest)
+    edit.commit(sch, root_sref)
+
+
+def _axis_var_of(chain, block):
+    axis = [iv.var for iv in block.iter_vars if chain.axes.same(iv.var, chain.target_axis.var)]
+    return axis[0] if axis else None
+
+
+def _redirect_accumulator(node, acc, partial, chunk):
+    def load(l):
+        if not l.source.same_as(acc):
+            return l
+        return tvm.tirx.BufferLoad(partial, [chunk] + list(l.indices))
+
+    def store(s):
+        if not s.buffer.same_as(acc):
+            return s
+        return tvm.tirx.BufferStore(partial, s.value, [chunk] + list(s.indices))
+
+    return tvm_ffi.structural_map(node, [(ir_expr.TensorLoad, load), (tvm.tirx.BufferStore, store)])
+
+
+def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partial):
+    """``block`` folding one chunk into ``partial[chunk, ...]``: iterators (chunk, its own
+    spatial ones, position in the chunk), with earlier results read from their partials."""
+    axis = chain.target_axis
+    index = [k for k, iv in enumerate(block.iter_vars) if iv.var.same_as(axis.var)][0]
+    loop_var = chain.loop.loop_var
+    inner = tvm.sym.Analyzer().simplify(bindings[index] - loop_var * chain.chunk)
+    if uses_var(inner, loop_var):
+        chain._fail(
+            f"its reduced axis is not split as chunk * {chain.chunk} + position by loop "
+            f"'{loop_var.name}'"
+        )
+    dtype = dtype_of(axis.var)
+    chunk_iv = tvm.tirx.IterVar(
+        tvm.ir.Range(0, chain.chunks), tvm.tirx.Var("v_chunk", dtype), DATA_PAR
+    )
+    inner_iv = tvm.tirx.IterVar(
+        tvm.ir.Range(0, chain.chunk), tvm.tirx.Var(f"{axis.var.name}_in", dtype), REDUCE
+    )
+    position = {axis.var: chunk_iv.var * chain.chunk + inner_iv.var}
+    acc = block.writes[0].source
+
+    def rewrite(stmt):
+        stmt = chain.localize(substitute(stmt, position), chunk_iv.var)
+        return _redirect_accumulator(stmt, acc, partial, chunk_iv.var)
+
+    others = [(iv, b) for iv, b in zip(block.iter_vars, bindings) if not iv.var.same_as(axis.var)]
+    new_block = ir.copy_block(
+        block,
+        name_hint=f"{block.name_hint}_partial",
+        iter_vars=[chunk_iv] + [iv for iv, _ in others] + [inner_iv],
+        body=rewrite(block.body),
+        init=rewrite(block.init),
+    )
+    new_bindings = [loop_var] + [b for _, b in others] + [inner]
+    return ir.realize(new_bindings, predicate, edit.regions(new_block))
+
+
+def _global_combine(chain, edit, fusion, partial):
+    """The block that folds the chunks' partials into the target's buffer, repairing each
+    partial from the earlier results it used (their partials) to their global values."""
+    target = chain.target.block
+    store = target.body
+    acc = store.buffer
+    vmap, iter_vars, loops, bindings = {}, [], [], []
+    for iv in target.iter_vars:
+        if iv.iter_type == REDUCE:
+            continue
+        var = tvm.tirx.Var(iv.var.name, dtype_of(iv.var))
+        loop = tvm.tirx.Var(f"ax{len(loops)}", dtype_of(iv.var))
+        vmap[iv.var] = var
+        iter_vars.append(tvm.tirx.IterVar(iv.dom, var, DATA_PAR))
+        loops.append((loop, iv.dom.extent))
+        bindings.append(iv.dom.min + loop)
+    dtype = dtype_of(chain.target_axis.var)
+    chunk = tvm.tirx.IterVar(tvm.ir.Range(0, chain.chunks), tvm.tirx.Var("v_chunk", dtype), REDUCE)
+    chunk_loop = tvm.tirx.Var("chunk", dtype)
+    iter_vars.append(chunk)
+    loops.append((chunk_loop, chain.chunks))
+    bindings.append(chunk_loop)
+
+    idx = [substitute(i, vmap) for i in store.indices]
+    running = tvm.tirx.BufferLoad(acc, idx)
+    part = tvm.tirx.BufferLoad(partial, [chunk.var] + idx)
+    if fusion is None:
+        term = part
+    else:
+        prev_loads, cur_loads = [], []
+        for producer, load in zip(fusion.producers, fusion.loads):
+            global_buf = producer.write_buffers()[0]
+            partial_buf = chain.partial_of[producer].write_buffers()[0]
+            rows = list(load.indices)
+            if load.source.same_as(partial_buf):
+                rows = rows[1:]
+            rows = [substitute(r, vmap) for r in rows]
+            prev_loads.append(tvm.tirx.BufferLoad(partial_buf, [chunk.var] + rows))
+            cur_loads.append(tvm.tirx.BufferLoad(global_buf, rows))
+        extent = chain.target_axis.dom.extent
+        count = tvm.tirx.min(chain.chunk, extent - chunk.var * chain.chunk)
+        term = repair_to_tir(fusion, part, prev_loads, cur_loads, count, acc.dtype)
+    value = chain.reducer.tir_combine(running, term)
+    block = ir.copy_block(
+        target,
+        iter_vars=iter_vars,
+        body=tvm.tirx.BufferStore(acc, value, idx),
+        init=substitute(target.init, vmap),
+    )
+    block = edit.regions(block)
+    return block, ir.nest(loops, ir.realize(bindings, tvm.tirx.const(True, "bool"), block))

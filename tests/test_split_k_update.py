@@ -1,0 +1,172 @@
+"""split_k_update: exact IR, errors that leave the schedule alone, traces."""
+import numpy as np
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+from tvm.script import tirx as T
+
+from tvm_cascade import FusionError, ops
+from tvm_cascade import trace as cascade_trace
+from tvm_cascade.ops import reference, testing
+
+from test_rolling_update import softmax_pv, two_sums, variance
+
+# fmt: off
+@T.prim_func(s_tir=True)
+def softmax_pv_split(S: T.Buffer((8, 128), "float32"), V: T.Buffer((128, 64), "float32"), O: T.Buffer((8, 64), "float32")):
+    # with T.sblock("root"):
+    m = T.sblock_alloc_buffer((8,))
+    e = T.sblock_alloc_buffer((8, 128))
+    l = T.sblock_alloc_buffer((8,))
+    m_partial = T.sblock_alloc_buffer((4, 8))
+    l_partial = T.sblock_alloc_buffer((4, 8))
+    O_partial = T.sblock_alloc_buffer((4, 8, 64))
+    for i, j_0 in T.grid(8, 4):
+        for j_1 in range(32):
+            with T.sblock("max_partial"):
+                v_chunk, vi, vj_in = T.axis.remap("SSR", [j_0, i, j_1])
+                T.reads(S[vi, v_chunk * 32 + vj_in])
+                T.writes(m_partial[v_chunk, vi])
+                with T.init():
+                    m_partial[v_chunk, vi] = T.float32(-340282346638528859811704183484516925440.0)
+                m_partial[v_chunk, vi] = T.max(m_partial[v_chunk, vi], S[vi, v_chunk * 32 + vj_in])
+        for j_1 in range(32):
+            with T.sblock("exp"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.spatial(128, j_0 * 32 + j_1)
+                T.reads(S[vi, vj], m_partial[vj // 32, vi])
+                T.writes(e[vi, vj])
+                e[vi, vj] = T.exp(S[vi, vj] - m_partial[vj // 32, vi])
+        for j_1 in range(32):
+            with T.sblock("sum_partial"):
+                v_chunk, vi, vj_in = T.axis.remap("SSR", [j_0, i, j_1])
+                T.reads(e[vi, v_chunk * 32 + vj_in])
+                T.writes(l_partial[v_chunk, vi])
+                with T.init():
+                    l_partial[v_chunk, vi] = T.float32(0.0)
+                l_partial[v_chunk, vi] = l_partial[v_chunk, vi] + e[vi, v_chunk * 32 + vj_in]
+        for ax0, j_1 in T.grid(64, 32):
+            with T.sblock("pv_partial"):
+                v_chunk, vi, vd, vj_in = T.axis.remap("SSSR", [j_0, i, ax0, j_1])
+                T.reads(e[vi, v_chunk * 32 + vj_in], V[v_chunk * 32 + vj_in, vd])
+                T.writes(O_partial[v_chunk, vi, vd])
+                with T.init():
+                    O_partial[v_chunk, vi, vd] = T.float32(0.0)
+                O_partial[v_chunk, vi, vd] = O_partial[v_chunk, vi, vd] + e[vi, v_chunk * 32 + vj_in] * V[v_chunk * 32 + vj_in, vd]
+    for ax0, chunk in T.grid(8, 4):
+        with T.sblock("max"):
+            vi, v_chunk = T.axis.remap("SR", [ax0, chunk])
+            T.reads(m_partial[v_chunk, vi])
+            T.writes(m[vi])
+            with T.init():
+                m[vi] = T.float32(-340282346638528859811704183484516925440.0)
+            m[vi] = T.max(m[vi], m_partial[v_chunk, vi])
+    for ax0, chunk in T.grid(8, 4):
+        with T.sblock("sum"):
+            vi, v_chunk = T.axis.remap("SR", [ax0, chunk])
+            T.reads(l_partial[v_chunk, vi], m_partial[v_chunk, vi], m[vi])
+            T.writes(l[vi])
+            with T.init():
+                l[vi] = T.float32(0.0)
+            l[vi] = l[vi] + l_partial[v_chunk, vi] * T.exp(m_partial[v_chunk, vi] - m[vi])
+    for ax0, ax1, chunk in T.grid(8, 64, 4):
+        with T.sblock("pv"):
+            vi, vd, v_chunk = T.axis.remap("SSR", [ax0, ax1, chunk])
+            T.reads(O_partial[v_chunk, vi, vd], m_partial[v_chunk, vi], m[vi])
+            T.writes(O[vi, vd])
+            with T.init():
+                O[vi, vd] = T.float32(0.0)
+            O[vi, vd] = O[vi, vd] + O_partial[v_chunk, vi, vd] * T.exp(m_partial[v_chunk, vi] - m[vi])
+# fmt: on
+
+
+def _split_chunks(func, chunks):
+    sch = tvm.s_tir.Schedule(func, debug_mask="all")
+    j = sch.get_loops(sch.get_sblock("max"))[-1]
+    j0, _ = sch.split(j, [chunks, None])
+    return sch, j0
+
+
+def _assert_trace_roundtrip(sch, func):
+    replayed = tvm.s_tir.Schedule(func, debug_mask="all")
+    sch.trace.apply_to_schedule(replayed, remove_postproc=False)
+    tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+    from_json = tvm.s_tir.Schedule(func, debug_mask="all")
+    cascade_trace.apply_json_to_schedule(sch.trace.as_json(), from_json)
+    tvm.ir.assert_structural_equal(from_json.mod, sch.mod)
+
+
+def test_exact_ir_softmax_sum_pv():
+    sch, j0 = _split_chunks(softmax_pv, 4)
+    for name in ("max", "sum", "pv"):
+        sch.split_k_update(sch.get_sblock(name), j0)
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"),
+        softmax_pv_split.without_attr("global_symbol"),
+    )
+    assert "sch.split_k_update(block=b7, loop=l3)" in str(sch.trace)
+    _assert_trace_roundtrip(sch, softmax_pv)
+
+
+def test_exact_ir_numerics():
+    rng = np.random.default_rng(0)
+    s = (rng.standard_normal((8, 128)) * 8).astype("float32")
+    v = rng.standard_normal((128, 64)).astype("float32")
+    (out,) = testing.run_prim_func(softmax_pv_split, [s, v])
+    s64 = s.astype("float64")
+    p = np.exp(s64 - s64.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(out, p @ v, rtol=1e-5, atol=1e-4)
+
+
+def _assert_refused(func, chunks, done, block, match, loop_of=None):
+    sch, j0 = _split_chunks(func, chunks)
+    for name in done:
+        sch.split_k_update(sch.get_sblock(name), j0)
+    loop = j0 if loop_of is None else loop_of(sch)
+    block_rv = sch.get_sblock(block)
+    before = sch.mod
+    trace_len = len(sch.trace.insts)
+    with pytest.raises(FusionError, match=match) as info:
+        sch.split_k_update(block_rv, loop)
+    tvm.ir.assert_structural_equal(sch.mod, before)
+    assert len(sch.trace.insts) == trace_len
+    assert f"'{block}'" in str(info.value)
+
+
+def test_refuses_non_reduction_block():
+    _assert_refused(softmax_pv, 4, ["max"], "exp", "not a reduction block")
+
+
+def test_refuses_a_later_reduction_before_the_first():
+    _assert_refused(softmax_pv, 4, [], "sum", "apply split_k_update to the first reduction")
+
+
+def test_refuses_loop_that_is_not_the_chunk_loop():
+    _assert_refused(
+        softmax_pv,
+        4,
+        [],
+        "max",
+        "does not drive its reduction iterator",
+        loop_of=lambda sch: sch.get_loops(sch.get_sblock("max"))[0],
+    )
+
+
+def test_refuses_block_reading_no_earlier_result():
+    _assert_refused(two_sums, 4, ["max"], "plain_sum", "reads no result")
+
+
+def test_refuses_combiner_without_repair():
+    _assert_refused(variance, 4, ["max"], "spread", "has no repair")
+
+
+def test_decode_attention_all_variants_fp16():
+    for variant in ("global", "causal", "alibi", "softcap", "sliding_window"):
+        func = ops.attention(1, 8, 2, 1, 45, 32, variant=variant, dtype="float16")
+        sch, j0 = _split_chunks(func, 8)
+        for name in ("max", "sum", "pv"):
+            sch.split_k_update(sch.get_sblock(name), j0)
+        q, k, v = testing.random_attention_inputs(1, 8, 2, 1, 45, 32, dtype="float16", magnitude=3)
+        (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
+        ref = reference.attention_ref(q, k, v, variant=variant)
+        np.testing.assert_allclose(out.astype("float64"), ref, atol=1e-2, err_msg=variant)
