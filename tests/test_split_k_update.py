@@ -170,3 +170,27 @@ def test_decode_attention_all_variants_fp16():
         (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
         ref = reference.attention_ref(q, k, v, variant=variant)
         np.testing.assert_allclose(out.astype("float64"), ref, atol=1e-2, err_msg=variant)
+
+
+@pytest.mark.parametrize("variant, normalize", [("causal", False), ("alibi", True), ("sliding_window", False)])
+def test_flash_decoding_rolls_within_chunks(variant, normalize):
+    """Split-k across chunks, rolling update within each chunk."""
+    shape = (1, 4, 2, 1, 77, 16)
+    func = ops.attention(*shape, variant=variant, normalize_before_pv=normalize)
+    sch = tvm.s_tir.Schedule(func, debug_mask="all")
+    j0, j1, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [4, None, 4])
+    sch.rolling_update(sch.get_sblock("sum"), j1)
+    sch.rolling_update(sch.get_sblock("pv"), j1)
+    for name in ("max", "sum", "pv"):
+        sch.split_k_update(sch.get_sblock(name), j0)
+    sch.compute_at(sch.get_sblock("score"), j1)
+    sch.compute_at(sch.get_sblock("qk"), j1)
+    # Running state is private to each chunk: the snapshots gained a chunk dimension.
+    allocs = {b.name: [int(x) for x in b.shape] for b in sch.mod["main"].body.block.alloc_buffers}
+    assert allocs["max_prev_partial"] == [4, 1, 4, 1]
+    assert "max_prev" not in allocs
+    _assert_trace_roundtrip(sch, func)
+    q, k, v = testing.random_attention_inputs(*shape, magnitude=3)
+    (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
+    ref = reference.attention_ref(q, k, v, variant=variant, normalize_before_pv=normalize)
+    np.testing.assert_allclose(out, ref, atol=1e-5)

@@ -39,8 +39,9 @@ REDUCERS = (SUM, PROD, MAX, MIN)
 def match_reducer(store):
     """Split a reduction update ``X[i] = f(X[i], e)`` into ``(reducer, e)``.
 
-    Returns None when the stored value is not one of the supported reducers applied to
-    the block's own accumulator.
+    The accumulator may also stand repaired, as ``rolling_update`` leaves it:
+    ``X[i] = f(if_then_else(cond, h(X[i]), X[i]), e)``. Returns None when the stored value
+    is not one of the supported reducers applied to the block's own accumulator.
     """
     value = store.value
     for reducer in REDUCERS:
@@ -53,6 +54,12 @@ def match_reducer(store):
 
 
 def _is_accumulator(expr, store) -> bool:
+    if (
+        isinstance(expr, ir_expr.Call)
+        and isinstance(expr.op, tvm.ir.Op)
+        and expr.op.name.endswith(".if_then_else")
+    ):
+        expr = expr.args[2]
     return (
         isinstance(expr, ir_expr.TensorLoad)
         and expr.source.same_as(store.buffer)

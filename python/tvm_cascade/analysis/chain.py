@@ -6,7 +6,7 @@ from tvm.ir import expr as ir_expr
 from ..algebra.reducers import match_reducer
 from ..errors import FusionError
 from .axes import AxisClasses
-from .scope import REDUCE, collect_sites, dtype_of, uses_var, vars_in
+from .scope import REDUCE, accumulator_store, collect_sites, dtype_of, snapshot_buffer, uses_var, vars_in
 
 
 def _name(loop) -> str:
@@ -93,12 +93,13 @@ class Chain:
         block = self.target.block
         if not self.target.is_reduction:
             self._fail("it is not a reduction block (it has no init), so there is nothing to fuse")
-        if not isinstance(block.body, tvm.tirx.BufferStore) or len(block.writes) != 1:
+        store = accumulator_store(block)
+        if not isinstance(store, tvm.tirx.BufferStore) or snapshot_buffer(block) is None and len(block.writes) != 1:
             self._fail("its body must be a single store to the one buffer it reduces into")
-        matched = match_reducer(block.body)
+        matched = match_reducer(store)
         if matched is None:
             self._fail(
-                f"its update '{block.body.value}' is not sum, product, max or min of its "
+                f"its update '{store.value}' is not sum, product, max or min of its "
                 "accumulator and one more term"
             )
         self.reducer, self.combiner = matched

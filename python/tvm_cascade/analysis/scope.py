@@ -108,3 +108,22 @@ def buffer_params(func) -> list:
 def dtype_of(expr) -> str:
     """The data type of a scalar expression or variable."""
     return str(expr.ty.dtype)
+
+
+def snapshot_buffer(block: SBlock):
+    """The buffer an earlier fusion made ``block`` copy its accumulator into, or None."""
+    body = block.body
+    if isinstance(body, tvm.tirx.SeqStmt) and isinstance(body[0], tvm.tirx.IfThenElse):
+        then = body[0].then_case
+        if (
+            isinstance(then, tvm.tirx.BufferStore)
+            and isinstance(then.value, ir_expr.TensorLoad)
+            and then.value.source.same_as(accumulator_store(block).buffer)
+        ):
+            return then.buffer
+    return None
+
+
+def accumulator_store(block: SBlock):
+    body = block.body
+    return body[len(body) - 1] if isinstance(body, tvm.tirx.SeqStmt) else body

@@ -30,8 +30,10 @@ class Fusion:
         return sympy.sstr(self.repair.h.subs(subs, simultaneous=True))
 
 
-def derive(chain) -> Fusion:
-    """Translate the target's combiner, derive its repair and prove it; FusionError if none."""
+def derive(chain, required: bool = True):
+    """Translate the target's combiner, derive its repair and prove it; FusionError if none.
+
+    Returns None when the combiner reads no incomplete value and ``required`` is false."""
     combiner = chain.inline(chain.combiner)
     seen = {}
 
@@ -55,6 +57,8 @@ def derive(chain) -> Fusion:
             f"'{err.expr}' holds incomplete values in a form the algebra cannot analyse"
         )
     if not symbolic.incomplete:
+        if not required:
+            return None
         chain._fail(
             f"it reads no result of a reduction that loop '{chain.loop.loop_var.name}' drives "
             f"(its combiner is '{combiner}')"

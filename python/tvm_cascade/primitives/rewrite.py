@@ -68,10 +68,17 @@ class ScopeRewrite:
         self.replaced.setdefault(site.realize, None)
         self.appended.append(self.placement.place(block))
 
-    def insert_after(self, site_or_loop_owner, stmt):
-        """Put ``stmt`` right after the root-level statement that holds ``site_or_loop_owner``."""
-        top = site_or_loop_owner.loops[0] if site_or_loop_owner.loops else site_or_loop_owner.realize
-        self.after.setdefault(top, []).append(stmt)
+    def insert_after(self, sites, stmt):
+        """Put ``stmt`` right after the last root-level statement that holds one of ``sites``."""
+        body = self.root.body
+        top_level = list(body) if hasattr(body, "seq") else [body]
+
+        def position(site):
+            top = site.loops[0] if site.loops else site.realize
+            return next(k for k, item in enumerate(top_level) if item.same_as(top))
+
+        last = top_level[max(position(site) for site in sites)]
+        self.after.setdefault(last, []).append(stmt)
 
     def commit(self, sch, root_sref):
         root = self.root

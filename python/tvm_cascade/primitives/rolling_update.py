@@ -5,7 +5,7 @@ from tvm.s_tir.stmt import SBlock
 
 from ..algebra.reducers import match_reducer
 from ..analysis.chain import Chain
-from ..analysis.scope import buffer_params, dtype_of
+from ..analysis.scope import accumulator_store, buffer_params, dtype_of, snapshot_buffer
 from ..errors import FusionError
 from . import ir
 from .rewrite import ScopeRewrite
@@ -23,25 +23,6 @@ def scope_of(sch, block_rv):
     raise FusionError(
         f"block '{sch.get(block_rv).name_hint}' must sit in the root scope of a PrimFunc"
     )
-
-
-def snapshot_buffer(block: SBlock):
-    """The buffer an earlier fusion made ``block`` copy its accumulator into, or None."""
-    body = block.body
-    if isinstance(body, tvm.tirx.SeqStmt) and isinstance(body[0], tvm.tirx.IfThenElse):
-        then = body[0].then_case
-        if (
-            isinstance(then, tvm.tirx.BufferStore)
-            and isinstance(then.value, ir_expr.TensorLoad)
-            and then.value.source.same_as(block.writes[0].source)
-        ):
-            return then.buffer
-    return None
-
-
-def accumulator_store(block: SBlock):
-    body = block.body
-    return body[len(body) - 1] if isinstance(body, tvm.tirx.SeqStmt) else body
 
 
 def tile_start(axis_var, tile):

@@ -4,7 +4,7 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import REDUCE, buffer_params, dtype_of, uses_var
+from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var
 from ..analysis.split_chain import SplitKChain
 from ..analysis.chain import substitute
 from . import ir
@@ -21,24 +21,41 @@ def split_k_update(sch, block_rv, loop_rv) -> None:
     root = root_sref.stmt
     params = buffer_params(func)
     chain = SplitKChain(root, params, sch.get(block_rv), sch.get(loop_rv), "split_k_update")
-    fusion = None if chain.target_is_under else derive(chain)
+    fusion = derive(chain, required=not chain.target_is_under)
     edit = ScopeRewrite(chain, params, root)
     target = chain.target
-    acc = target.write_buffers()[0]
-    partial = edit.add_buffer(
-        tvm.tirx.decl_buffer(
-            [chain.chunks] + list(acc.shape),
-            acc.dtype,
-            name=f"{acc.name}_partial",
-            scope=acc.scope(),
-            layout=acc.layout,
-        )
-    )
+    acc = accumulator_store(target.block).buffer
+    partial = edit.add_buffer(_chunked_buffer(chain, acc))
 
     if chain.target_is_under:
+        # Already rolled under the chunk loop: the target's snapshots become per chunk too,
+        # and the blocks beside it read the partials of their own chunk.
+        private = {acc: partial}
+        for region in target.block.writes:
+            buf = region.source
+            if not buf.same_as(acc):
+                private[buf] = edit.add_buffer(_chunked_buffer(chain, buf))
         block = target.block
         bindings, predicate = list(target.realize.iter_values), target.realize.predicate
-        edit.replaced[target.realize] = _partial_realize(chain, edit, block, bindings, predicate, partial)
+        edit.replaced[target.realize] = _partial_realize(
+            chain, edit, block, bindings, predicate, private
+        )
+        for buf in private:
+            readers = chain.readers.get(buf, [])
+            if not buf.same_as(acc) and all(r.under(chain.loop) for r in readers):
+                edit.dead_buffers.append(buf)
+        for site in chain.under:
+            if site is target or not any(b in private for b in site.read_buffers()):
+                continue
+            axis = _axis_var_of(chain, site.block)
+            if axis is None:
+                chain._fail(
+                    f"block '{site.name}' under loop '{chain.loop.loop_var.name}' reads its "
+                    "result but does not iterate the reduced axis, so its chunk is unknown"
+                )
+            chunk = tvm.tirx.floordiv(axis, chain.chunk)
+            body = _to_partials(site.block.body, private, chunk)
+            edit.update(site, edit.regions(ir.copy_block(site.block, body=body)))
     else:
         edit.keep_complete_copies()
         edit.drop_dead_twins()
@@ -50,13 +67,13 @@ def split_k_update(sch, block_rv, loop_rv) -> None:
             edit.move_under_loop(site, edit.regions(ir.copy_block(site.block, body=body)))
         block = ir.copy_block(target.block, body=ir.replace_buffers(target.block.body, chain.redirects))
         bindings, predicate, loops = edit.placement.bind(block)
-        realize = _partial_realize(chain, edit, block, bindings, predicate, partial)
+        realize = _partial_realize(chain, edit, block, bindings, predicate, {acc: partial})
         edit.replaced[target.realize] = None
         edit.appended.append(ir.nest(loops, realize))
 
     combine, nest = _global_combine(chain, edit, fusion, partial)
     edit.reuse[target.block] = combine
-    edit.insert_after(target, nest)
+    edit.insert_after([target] + chain.producers, nest)
     edit.commit(sch, root_sref)
 
 
@@ -65,21 +82,36 @@ def _axis_var_of(chain, block):
     return axis[0] if axis else None
 
 
-def _redirect_accumulator(node, acc, partial, chunk):
+def _chunked_buffer(chain, buf):
+    """A buffer like ``buf`` with a leading chunk dimension, named ``<buf>_partial``."""
+    return tvm.tirx.decl_buffer(
+        [chain.chunks] + list(buf.shape),
+        buf.dtype,
+        name=f"{buf.name}_partial",
+        scope=buf.scope(),
+        layout=buf.layout,
+    )
+
+
+def _to_partials(node, partials: dict, chunk):
+    """``node`` with loads and stores of each buffer in ``partials`` moved to its chunked
+    counterpart, at chunk ``chunk``."""
+
+    def find(buf):
+        return next((p for b, p in partials.items() if b.same_as(buf)), None)
+
     def load(l):
-        if not l.source.same_as(acc):
-            return l
-        return tvm.tirx.BufferLoad(partial, [chunk] + list(l.indices))
+        new = find(l.source)
+        return l if new is None else tvm.tirx.BufferLoad(new, [chunk] + list(l.indices))
 
     def store(s):
-        if not s.buffer.same_as(acc):
-            return s
-        return tvm.tirx.BufferStore(partial, s.value, [chunk] + list(s.indices))
+        new = find(s.buffer)
+        return s if new is None else tvm.tirx.BufferStore(new, s.value, [chunk] + list(s.indices))
 
     return tvm_ffi.structural_map(node, [(ir_expr.TensorLoad, load), (tvm.tirx.BufferStore, store)])
 
 
-def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partial):
+def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: dict):
     """``block`` folding one chunk into ``partial[chunk, ...]``: iterators (chunk, its own
     spatial ones, position in the chunk), with earlier results read from their partials."""
     axis = chain.target_axis
@@ -99,11 +131,10 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partial):
         tvm.ir.Range(0, chain.chunk), tvm.tirx.Var(f"{axis.var.name}_in", dtype), REDUCE
     )
     position = {axis.var: chunk_iv.var * chain.chunk + inner_iv.var}
-    acc = block.writes[0].source
 
     def rewrite(stmt):
         stmt = chain.localize(substitute(stmt, position), chunk_iv.var)
-        return _redirect_accumulator(stmt, acc, partial, chunk_iv.var)
+        return _to_partials(stmt, partials, chunk_iv.var)
 
     others = [(iv, b) for iv, b in zip(block.iter_vars, bindings) if not iv.var.same_as(axis.var)]
     new_block = ir.copy_block(
@@ -121,7 +152,7 @@ def _global_combine(chain, edit, fusion, partial):
     """The block that folds the chunks' partials into the target's buffer, repairing each
     partial from the earlier results it used (their partials) to their global values."""
     target = chain.target.block
-    store = target.body
+    store = accumulator_store(target)
     acc = store.buffer
     vmap, iter_vars, loops, bindings = {}, [], [], []
     for iv in target.iter_vars:
