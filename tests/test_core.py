@@ -149,3 +149,32 @@ def test_errors():
         _core.get_instruction_kind_functor(InstructionKind.get("Split"), "bogus")
     with pytest.raises(ValueError):
         _core.register_instruction_kind("", "m", [])
+
+
+def test_schedule_state_mirror_matches_tvm_layout():
+    """The core reads ScheduleState fields behind two std::unordered_maps: debug_mask and
+    enable_check must come out as TVM's reflection reports them."""
+    from tvm_cascade import _core, ops
+
+    for debug_mask in ("all", 0):
+        sch = tvm.s_tir.Schedule(ops.logsumexp(4, 8), debug_mask=debug_mask)
+        seen = _core.inspect_schedule_state(sch.state)
+        assert seen["debug_mask"] == sch.state.debug_mask
+        assert seen["enable_check"] == bool(sch.state.enable_check)
+        assert seen["blocks"] == 5  # root, max, exp, sum, out
+        assert seen["srefs"] > seen["blocks"]
+
+
+def test_refresh_sblock_flags_matches_a_fresh_state():
+    from tvm_cascade import _core, ops
+
+    get_flags = tvm_ffi.get_global_func("s_tir.schedule.ScheduleStateGetCachedFlags")
+    sch = tvm.s_tir.Schedule(ops.logsumexp(4, 8))
+    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [2, None])
+    sch.split_k_update(sch.get_sblock("max"), j0)
+    fresh = tvm.s_tir.Schedule(sch.mod)
+    for name in ("max_partial", "max", "exp", "sum", "out"):
+        ours = [bool(x) for x in get_flags(sch.state, sch.get_sref(sch.get_sblock(name)))]
+        truth = [bool(x) for x in get_flags(fresh.state, fresh.get_sref(fresh.get_sblock(name)))]
+        assert ours == truth, name
+    assert _core.refresh_sblock_flags(sch.state) == 6

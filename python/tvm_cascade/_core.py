@@ -87,6 +87,8 @@ _f_has = _get("tvm_cascade.core.HasInstructionKind")
 _f_list = _get("tvm_cascade.core.ListInstructionKinds")
 _f_inspect = _get("tvm_cascade.core.InspectInstructionKind")
 _f_functor = _get("tvm_cascade.core.GetInstructionKindFunctor")
+_f_refresh_flags = _get("tvm_cascade.core.RefreshSBlockFlags")
+_f_inspect_state = _get("tvm_cascade.core.InspectScheduleState")
 
 #: Names of the four functor slots of an InstructionKind, in layout order.
 FUNCTOR_NAMES = ("apply_to_schedule", "as_python", "attrs_as_json", "attrs_from_json")
@@ -162,6 +164,25 @@ def get_instruction_kind_functor(kind, which: str) -> Optional[tvm_ffi.Function]
     return _f_functor(kind, str(which))
 
 
+def refresh_sblock_flags(state) -> int:
+    """Recompute the cached flags (affine binding, region cover, stage pipeline) of every
+    block of a ``ScheduleState`` after an IR rewrite through ``ScheduleState.replace``,
+    which gives new blocks all-false flags. Returns the number of blocks updated."""
+    return int(_f_refresh_flags(state))
+
+
+def inspect_schedule_state(state) -> Dict[str, int]:
+    """What the core reads from a ``ScheduleState`` through its layout mirror (used to
+    check that the mirror still matches TVM's class)."""
+    debug_mask, enable_check, blocks, srefs = (int(x) for x in _f_inspect_state(state))
+    return {
+        "debug_mask": debug_mask,
+        "enable_check": bool(enable_check),
+        "blocks": blocks,
+        "srefs": srefs,
+    }
+
+
 __all__ = [
     "CoreLibraryNotFoundError",
     "FUNCTOR_NAMES",
@@ -173,5 +194,7 @@ __all__ = [
     "inspect_instruction_kind",
     "instruction_kind_type_index",
     "list_instruction_kinds",
+    "inspect_schedule_state",
+    "refresh_sblock_flags",
     "register_instruction_kind",
 ]

@@ -1,5 +1,6 @@
 """The scope-level bookkeeping both fusion primitives share: new and dead buffers,
 replaced and moved blocks, sref reuse, and the final ``ScheduleState.replace``."""
+from .._core import refresh_sblock_flags
 from . import ir
 from .placement import Placement
 
@@ -87,3 +88,4 @@ class ScopeRewrite:
         new_root = ir.copy_block(root, body=body, alloc_buffers=allocs + self.new_buffers)
         self.reuse[root] = new_root
         sch.state.replace(root_sref, new_root, self.reuse)
+        refresh_sblock_flags(sch.state)
