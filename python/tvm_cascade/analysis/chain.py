@@ -146,6 +146,11 @@ class Chain:
         self.tile = tvm.sym.Analyzer().simplify(tile)
         self.row_vars = [iv for iv in tmpl.block.iter_vars if iv.iter_type != REDUCE]
 
+    def axis_predicate(self, fresh):
+        """The template's predicate (it keeps the reduced axis in range), with ``fresh``
+        loops below the loop."""
+        return substitute(self.template.realize.predicate, fresh)
+
     def axis_binding(self, fresh):
         """The reduced axis as the template binds it, with ``fresh`` loops below the loop."""
         return substitute(self.template.binding(self.axis_var[self.template]), fresh)

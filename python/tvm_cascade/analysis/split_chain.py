@@ -10,7 +10,7 @@ import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
 
-from .chain import Chain, _name
+from .chain import Chain, _name, substitute
 from .scope import REDUCE, uses_var
 
 
@@ -104,9 +104,16 @@ class SplitKChain(Chain):
         return reduce[0]
 
     def axis_binding(self, fresh):
-        from .chain import substitute
-
         return substitute(self.axis_value, fresh)
+
+    def axis_predicate(self, fresh):
+        # Chunk partials guard their fold in the body instead, so keep the axis in range
+        # explicitly.
+        predicate = substitute(self.template.realize.predicate, fresh)
+        extent = self.target_axis.dom.extent
+        if tvm.sym.Analyzer().can_prove(self.chunks * self.chunk <= extent):
+            return predicate
+        return tvm.tirx.all(predicate, self.axis_binding(fresh) < extent)
 
     def incomplete_key(self, load):
         writer = self.writer.get(load.source)

@@ -40,7 +40,7 @@ class Placement:
             bindings.append(iv.dom.min + var if not _is_zero(iv.dom.min) else var)
         if not reduced:
             return bindings, tvm.tirx.const(True, "bool"), free
-        predicate = substitute(tmpl.realize.predicate, fresh)
+        predicate = chain.axis_predicate(fresh)
         return bindings, predicate, free + [(fresh[l.loop_var], l.extent) for l in chain.inner_loops]
 
 

@@ -4,7 +4,7 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var
+from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var, vars_in
 from ..analysis.split_chain import SplitKChain
 from ..analysis.chain import substitute
 from . import ir
@@ -59,15 +59,12 @@ def split_k_update(sch, block_rv, loop_rv) -> None:
     else:
         edit.keep_complete_copies()
         edit.drop_dead_twins()
+        chunked = {}
         for site in chain.movers[:-1]:
-            axis = _axis_var_of(chain, site.block)
-            body = ir.replace_buffers(site.block.body, chain.redirects)
-            if axis is not None:
-                body = chain.localize(body, tvm.tirx.floordiv(axis, chain.chunk))
-            edit.move_under_loop(site, edit.regions(ir.copy_block(site.block, body=body)))
+            _move_intermediate(chain, edit, site, chunked)
         block = ir.copy_block(target.block, body=ir.replace_buffers(target.block.body, chain.redirects))
         bindings, predicate, loops = edit.placement.bind(block)
-        realize = _partial_realize(chain, edit, block, bindings, predicate, {acc: partial})
+        realize = _partial_realize(chain, edit, block, bindings, predicate, {acc: partial, **chunked})
         edit.replaced[target.realize] = None
         edit.appended.append(ir.nest(loops, realize))
 
@@ -75,6 +72,34 @@ def split_k_update(sch, block_rv, loop_rv) -> None:
     edit.reuse[target.block] = combine
     edit.insert_after([target] + chain.producers, nest)
     edit.commit(sch, root_sref)
+
+
+def _move_intermediate(chain, edit, site, chunked: dict):
+    """Move a spatial block between earlier reductions and the target under the chunk
+    loop, reading the partials of its chunk. One that walks the reduced axis finds its
+    chunk from its position; one that does not (a per-row block such as RMSNorm's
+    ``rstd``) runs once per chunk, with a chunk iterator, into ``<buffer>_partial``."""
+    body = ir.replace_buffers(site.block.body, chain.redirects)
+    axis = _axis_var_of(chain, site.block)
+    if axis is not None:
+        chunk = tvm.tirx.floordiv(axis, chain.chunk)
+        body = _to_partials(chain.localize(body, chunk), chunked, chunk)
+        edit.move_under_loop(site, edit.regions(ir.copy_block(site.block, body=body)))
+        return
+    buf = site.write_buffers()[0]
+    chunked[buf] = edit.add_buffer(_chunked_buffer(chain, buf))
+    chunk_iv = tvm.tirx.IterVar(
+        tvm.ir.Range(0, chain.chunks), tvm.tirx.Var("v_chunk", dtype_of(chain.loop.loop_var)), DATA_PAR
+    )
+    body = _to_partials(chain.localize(body, chunk_iv.var), chunked, chunk_iv.var)
+    bindings, predicate, loops = edit.placement.bind(site.block)
+    block = ir.copy_block(site.block, iter_vars=[chunk_iv] + list(site.block.iter_vars), body=body)
+    block = edit.regions(block)
+    edit.reuse[site.block] = block
+    edit.replaced.setdefault(site.realize, None)
+    edit.appended.append(
+        ir.nest(loops, ir.realize([chain.loop.loop_var] + list(bindings), predicate, block))
+    )
 
 
 def _axis_var_of(chain, block):
@@ -136,12 +161,23 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: 
         stmt = chain.localize(substitute(stmt, position), chunk_iv.var)
         return _to_partials(stmt, partials, chunk_iv.var)
 
+    body = rewrite(block.body)
+    extent = axis.dom.extent
+    split_vars = [loop_var] + vars_in(inner)
+    if not tvm.sym.Analyzer().can_prove(chain.chunks * chain.chunk <= extent) and all(
+        any(v.same_as(s) for s in split_vars) for v in vars_in(predicate)
+    ):
+        # Guard the fold, not the block: a predicate over both chunk and position makes
+        # TVM judge the binding non-affine, and it would also skip the init of a chunk
+        # that holds no key, leaving its partial unwritten for the combine.
+        predicate = tvm.tirx.const(True, "bool")
+        body = tvm.tirx.IfThenElse(chunk_iv.var * chain.chunk + inner_iv.var < extent, body, None)
     others = [(iv, b) for iv, b in zip(block.iter_vars, bindings) if not iv.var.same_as(axis.var)]
     new_block = ir.copy_block(
         block,
         name_hint=f"{block.name_hint}_partial",
         iter_vars=[chunk_iv] + [iv for iv, _ in others] + [inner_iv],
-        body=rewrite(block.body),
+        body=body,
         init=rewrite(block.init),
     )
     new_bindings = [loop_var] + [b for _, b in others] + [inner]
