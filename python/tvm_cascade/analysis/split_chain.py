@@ -106,15 +106,6 @@ class SplitKChain(Chain):
     def axis_binding(self, fresh):
         return substitute(self.axis_value, fresh)
 
-    def axis_predicate(self, fresh):
-        # Chunk partials guard their fold in the body instead, so keep the axis in range
-        # explicitly.
-        predicate = substitute(self.template.realize.predicate, fresh)
-        extent = self.target_axis.dom.extent
-        if tvm.sym.Analyzer().can_prove(self.chunks * self.chunk <= extent):
-            return predicate
-        return tvm.tirx.all(predicate, self.axis_binding(fresh) < extent)
-
     def incomplete_key(self, load):
         writer = self.writer.get(load.source)
         if writer in self.producers:

@@ -170,7 +170,11 @@ def split_k_update(self: Schedule, block, loop) -> None:
     read the partial of their chunk (``Y_partial[v_j // chunk, ...]``); one that also feeds
     blocks left outside keeps a ``<block>_complete`` copy for them, as in
     :meth:`rolling_update`. Iterations of ``loop`` share no state, so it can be bound to
-    thread blocks; the combines can be scheduled on their own.
+    thread blocks; the combines can be scheduled on their own. Give a chunk count that
+    divides the length for that: otherwise the partials keep the split's predicate over
+    chunk and position, and TVM judges their bindings non-affine and refuses ``bind`` and
+    ``parallel`` on ``loop`` (the result is still correct; chunks past the last key are
+    skipped by the combines).
 
     Parameters
     ----------

@@ -4,7 +4,7 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var, vars_in
+from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var
 from ..analysis.split_chain import SplitKChain
 from ..analysis.chain import substitute
 from . import ir
@@ -162,16 +162,6 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: 
         return _to_partials(stmt, partials, chunk_iv.var)
 
     body = rewrite(block.body)
-    extent = axis.dom.extent
-    split_vars = [loop_var] + vars_in(inner)
-    if not tvm.sym.Analyzer().can_prove(chain.chunks * chain.chunk <= extent) and all(
-        any(v.same_as(s) for s in split_vars) for v in vars_in(predicate)
-    ):
-        # Guard the fold, not the block: a predicate over both chunk and position makes
-        # TVM judge the binding non-affine, and it would also skip the init of a chunk
-        # that holds no key, leaving its partial unwritten for the combine.
-        predicate = tvm.tirx.const(True, "bool")
-        body = tvm.tirx.IfThenElse(chunk_iv.var * chain.chunk + inner_iv.var < extent, body, None)
     others = [(iv, b) for iv, b in zip(block.iter_vars, bindings) if not iv.var.same_as(axis.var)]
     new_block = ir.copy_block(
         block,
@@ -234,4 +224,9 @@ def _global_combine(chain, edit, fusion, partial):
         init=substitute(target.init, vmap),
     )
     block = edit.regions(block)
-    return block, ir.nest(loops, ir.realize(bindings, tvm.tirx.const(True, "bool"), block))
+    # A chunk past the last key folds nothing (its init never runs): skip it.
+    extent = chain.target_axis.dom.extent
+    predicate = tvm.tirx.const(True, "bool")
+    if not tvm.sym.Analyzer().can_prove((chain.chunks - 1) * chain.chunk < extent):
+        predicate = chunk_loop * chain.chunk < extent
+    return block, ir.nest(loops, ir.realize(bindings, predicate, block))

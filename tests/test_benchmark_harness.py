@@ -1,0 +1,300 @@
+"""CPU tests of the attention benchmark harness (benchmarks/): no GPU needed.
+
+torch and matplotlib are optional: the tests that need them skip without them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
+
+from benchmarks import configs, reference, report  # noqa: E402
+from benchmarks.configs import OPERATORS, Config, suite  # noqa: E402
+from benchmarks.report import NA, OK, WRONG, Cell  # noqa: E402
+
+
+def _op(kind, name):
+    return next(o for o in OPERATORS if o.kind == kind and o.name == name)
+
+
+@pytest.fixture
+def small_window(monkeypatch):
+    monkeypatch.setattr(configs, "WINDOW", 3)
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def test_ten_operators_and_head_counts():
+    heads = {(o.kind, o.name): (o.heads_q, o.heads_kv) for o in OPERATORS}
+    assert heads == {
+        ("prefill", "global"): (32, 32),
+        ("prefill", "causal"): (32, 32),
+        ("prefill", "alibi"): (32, 32),
+        ("prefill", "gqa"): (32, 8),
+        ("prefill", "softcap"): (32, 32),
+        ("prefill", "window"): (32, 32),
+        ("decode", "causal"): (32, 32),
+        ("decode", "alibi"): (32, 32),
+        ("decode", "gqa"): (64, 8),
+        ("decode", "softcap"): (32, 16),
+    }
+    assert _op("prefill", "softcap").softcap == 50.0 and not _op("prefill", "softcap").causal
+    assert _op("prefill", "window").window == 256 and _op("prefill", "window").causal
+    assert _op("prefill", "alibi").alibi and _op("prefill", "alibi").causal
+
+
+def test_suite_shapes_and_filters():
+    full = suite("all")
+    assert len(full) == 6 * 3 + 4 * 2
+    assert len({c.name for c in full}) == len(full)
+    shapes = {(c.op.kind, c.batch, c.seq_q, c.seq_kv) for c in full}
+    assert shapes == {
+        ("prefill", 8, 1024, 1024),
+        ("prefill", 8, 4096, 4096),
+        ("prefill", 1, 16384, 16384),
+        ("decode", 8, 1, 4096),
+        ("decode", 8, 1, 32768),
+    }
+    assert all(c.head_dim == 128 and c.dtype == "float16" for c in full)
+    quick = suite("all", quick=True)
+    assert len(quick) == 10 and {c.seq_kv for c in quick} == {1024, 4096}
+    assert all(c.op.kind == "decode" for c in suite("decode"))
+    assert [c.name for c in suite("all", only=["prefill-gqa-b1"])] == ["prefill-gqa-b1-s16384"]
+    with pytest.raises(ValueError):
+        suite("train")
+
+
+def test_masked_and_scale():
+    assert Config(_op("prefill", "causal"), 1, 8, 8).masked
+    assert not Config(_op("prefill", "global"), 1, 8, 8).masked
+    assert not Config(_op("prefill", "softcap"), 1, 8, 8).masked
+    assert not Config(_op("decode", "causal"), 1, 1, 64).masked  # the last query sees every key
+    assert Config(_op("decode", "causal"), 1, 1, 64).offset == 63
+    assert Config(_op("prefill", "global"), 1, 8, 8).scale == pytest.approx(1 / np.sqrt(128))
+
+
+def test_flop_and_byte_formulas(small_window):
+    b, s, d = 2, 8, 4
+    full = 4 * b * 32 * s * s * d
+    assert Config(_op("prefill", "global"), b, s, s, head_dim=d).flops() == full
+    assert Config(_op("prefill", "softcap"), b, s, s, head_dim=d).flops() == full
+    for name in ("causal", "alibi"):
+        assert Config(_op("prefill", name), b, s, s, head_dim=d).flops() == full / 2
+    # the window counts visible (query, key) pairs: 1 + 2 + 3 * 6
+    assert Config(_op("prefill", "window"), b, s, s, head_dim=d).flops() == 4 * b * 32 * d * 21
+    decode = Config(_op("decode", "gqa"), b, 1, 64, head_dim=d)
+    assert decode.flops() == 4 * b * 64 * 1 * 64 * d  # causal decode is not halved
+    assert decode.kv_bytes() == 2 * b * 8 * 64 * d * 2
+    real = suite("decode", only=["decode-gqa-b8-kv4096"])[0]
+    assert real.kv_bytes() == 2 * 8 * 8 * 4096 * 128 * 2
+
+
+# --------------------------------------------------------------------------- reference semantics
+
+
+def _inputs(cfg, seed=0):
+    rng = np.random.default_rng(seed)
+    o = cfg.op
+    q = rng.standard_normal((cfg.batch, o.heads_q, cfg.seq_q, cfg.head_dim)).astype(np.float16)
+    k = rng.standard_normal((cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)).astype(np.float16)
+    v = rng.standard_normal((cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)).astype(np.float16)
+    return q, k, v
+
+
+def _tiny_configs():
+    for o in OPERATORS:
+        shapes = [(1, 9), (1, 16)] if o.kind == "decode" else [(7, 7), (4, 10)]
+        for seq_q, seq_kv in shapes:
+            yield Config(o, 2, seq_q, seq_kv, head_dim=8)
+
+
+TINY = list(_tiny_configs())
+
+
+def _cascade_ref(cfg, q, k, v):
+    from tvm_cascade.ops.reference import attention_ref
+    from tvm_cascade.ops.variants import AttentionVariant
+
+    o = cfg.op
+    variant = AttentionVariant(o.variant, causal=o.causal, window=o.window, alibi=o.alibi, softcap=o.softcap)
+    return attention_ref(q, k, v, variant=variant)
+
+
+@pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
+def test_reference_matches_tvm_cascade_reference(cfg, small_window, monkeypatch):
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 3 * cfg.op.heads_q * cfg.seq_kv)  # several chunks
+    q, k, v = _inputs(cfg)
+    out = reference.attention_reference(cfg, q, k, v)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    np.testing.assert_allclose(out, _cascade_ref(cfg, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
+def test_torch_reference_matches_numpy(cfg, small_window):
+    torch = pytest.importorskip("torch")
+    q, k, v = _inputs(cfg)
+    out = reference.attention_reference(cfg, *(torch.from_numpy(x) for x in (q, k, v)))
+    np.testing.assert_allclose(out.numpy(), reference.attention_reference(cfg, q, k, v), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- peers on CPU
+
+
+@pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
+def test_stock_tvm_relax_graph_on_llvm(cfg, small_window):
+    import tvm
+
+    from benchmarks.stock_tvm import compile_vm
+
+    q, k, v = _inputs(cfg)
+    main = compile_vm(cfg, tvm.target.Target("llvm"), tvm.cpu())
+    out = main(*(tvm.runtime.tensor(x) for x in (q, k, v))).numpy()
+    np.testing.assert_allclose(out, reference.attention_reference(cfg, q, k, v), rtol=1e-2, atol=5e-3)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
+def test_torch_peers_express_the_variants(cfg, small_window, monkeypatch):
+    """SDPA (MATH backend stands in for the CUDA ones) and eager FlexAttention on CPU."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from benchmarks import peers
+
+    monkeypatch.setattr(peers, "MASK_BACKENDS", {"MATH"})
+    monkeypatch.setattr(peers, "_compiled_flex", flex_attention)
+    q, k, v = (torch.from_numpy(x).float() for x in _inputs(cfg))
+    ref = torch.from_numpy(reference.attention_reference(cfg, q.numpy(), k.numpy(), v.numpy()))
+    fn, _ = peers.flex(cfg, q, k, v)
+    torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-4, atol=1e-4)
+    try:
+        fn, _ = peers.sdpa("MATH")(cfg, q, k, v)
+    except peers.Unsupported:  # softcap, or is_causal with seq_q != seq_kv
+        assert cfg.op.softcap is not None or (cfg.masked and cfg.offset and cfg.op.window is None)
+        return
+    torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _synthetic():
+    prefill = suite("prefill", only=["prefill-causal-b8-s1024"])[0]
+    decode = suite("decode", only=["decode-gqa-b8-kv4096"])[0]
+    prefill_cells = [
+        Cell("tvm-cascade", OK, ms=0.5, max_err=1e-3),
+        Cell("sdpa-flash", OK, ms=1.0, max_err=1e-3),
+        Cell("sdpa-efficient", OK, ms=2.0, max_err=1e-3, note="enable_gqa"),
+        Cell("flex", WRONG, max_err=0.5),
+        Cell("tvm-stock", NA, note="needs 99 GB"),
+    ]
+    decode_cells = [
+        Cell("tvm-cascade", NA, note="not implemented"),
+        Cell("sdpa-flash", OK, ms=0.25),
+        Cell("sdpa-efficient", NA, note="needs 99 GB"),
+        Cell("flex", OK, ms=0.2),
+        Cell("tvm-stock", NA, note="int32 overflow"),
+    ]
+    bandwidth = 3000.0
+    return bandwidth, [
+        (prefill, report.records(prefill, prefill_cells, bandwidth)),
+        (decode, report.records(decode, decode_cells, bandwidth)),
+    ]
+
+
+def test_records_ratio_to_best_peer():
+    _, [(prefill, p_rows), (decode, d_rows)] = _synthetic()
+    p = {r["impl"]: r for r in p_rows}
+    assert report.best_peer(p_rows)["impl"] == "sdpa-flash"  # tvm-cascade is never the best peer
+    assert p["tvm-cascade"]["vs_best_peer"] == pytest.approx(2.0)
+    assert p["sdpa-flash"]["vs_best_peer"] == 1.0
+    assert p["sdpa-efficient"]["vs_best_peer"] == pytest.approx(0.5)
+    assert p["tvm-cascade"]["tflops"] == pytest.approx(prefill.flops() / 0.5e9)
+    assert p["tvm-cascade"]["gbps"] is None  # bandwidth only for decode
+    for impl in ("flex", "tvm-stock"):
+        assert p[impl]["ms"] is None and p[impl]["tflops"] is None and p[impl]["vs_best_peer"] is None
+    d = {r["impl"]: r for r in d_rows}
+    assert report.best_peer(d_rows)["impl"] == "flex"
+    assert d["sdpa-flash"]["vs_best_peer"] == pytest.approx(0.8)
+    assert d["flex"]["gbps"] == pytest.approx(decode.kv_bytes() / 0.2e6)
+    assert d["flex"]["roofline_pct"] == pytest.approx(100 * d["flex"]["gbps"] / 3000.0)
+    assert d["tvm-cascade"]["vs_best_peer"] is None
+
+
+def test_no_timed_peer_has_no_ratio():
+    cfg = suite("decode", quick=True)[0]
+    rows = report.records(cfg, [Cell("tvm-cascade", OK, ms=1.0), Cell("flex", NA, note="x")], None)
+    assert report.best_peer(rows) is None and rows[0]["vs_best_peer"] is None
+    assert rows[0]["roofline_pct"] is None  # no measured bandwidth
+    assert "no timed peer" in report.progress_line(1, 1, cfg, rows)
+
+
+def test_tables_markdown_and_json(tmp_path):
+    bandwidth, results = _synthetic()
+    (prefill, p_rows), (decode, d_rows) = results
+    table = report.console_table(prefill, p_rows)
+    assert prefill.name in table and "WRONG (max err 0.5)" in table and "needs 99 GB" in table
+    assert "[1/2] prefill-causal-b8-s1024: tvm-cascade 0.5000 ms best peer sdpa-flash 1.0000 ms (2.00x)" == (
+        report.progress_line(1, 2, prefill, p_rows)
+    )
+    md = report.markdown(results, bandwidth)
+    lines = md.splitlines()
+    header = "| configuration | tvm-cascade | sdpa-flash | sdpa-efficient | flex | tvm-stock | best peer | tvm-cascade vs best peer |"
+    assert lines.count(header) == 2
+    prefill_row = next(line for line in lines if line.startswith("| prefill-causal-b8-s1024 |"))
+    cells = [c.strip() for c in prefill_row.strip("|").split("|")]
+    assert cells[1] == f"0.500 ({prefill.flops() / 0.5e9:.0f})"
+    assert cells[4] == "WRONG (max err 0.5)"
+    assert cells[5] == "n/a [1]" and cells[6:] == ["sdpa-flash", "2.00x"]
+    decode_row = next(line for line in lines if line.startswith("| decode-gqa-b8-kv4096 |"))
+    cells = [c.strip() for c in decode_row.strip("|").split("|")]
+    assert cells[1] == "n/a [2]" and cells[3] == "n/a [1]" and cells[5] == "n/a [3]"
+    assert cells[4].endswith("%)") and cells[6:] == ["flex", "-"]
+    assert "1. needs 99 GB" in lines and "2. not implemented" in lines and "3. int32 overflow" in lines
+    doc = {"configs": [report.config_json(cfg, rows) for cfg, rows in results]}
+    report.write_json(tmp_path / "r.json", doc)
+    loaded = json.loads((tmp_path / "r.json").read_text())
+    assert loaded["configs"][0]["best_peer"] == "sdpa-flash" and loaded["configs"][1]["best_peer"] == "flex"
+    assert loaded["configs"][1]["heads_q"] == 64 and loaded["configs"][1]["kv_bytes"] == decode.kv_bytes()
+    assert [r["status"] for r in loaded["configs"][0]["results"]] == [OK, OK, OK, WRONG, NA]
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, results = _synthetic()
+    assert report.plot(results, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_without_gpu_skips():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA GPU is present: the harness would run")
+    except ImportError:
+        pass
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.attention", "--quick"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping" in proc.stdout
