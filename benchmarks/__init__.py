@@ -1,0 +1,1 @@
+"""Benchmarks for tvm_cascade (run ``python -m benchmarks.attention``)."""
