@@ -1,9 +1,20 @@
-"""tvm-cascade kernels as callables on PyTorch CUDA tensors, for the benchmark harness."""
+"""tvm-cascade kernels as callables on PyTorch CUDA tensors, for the benchmark harness.
+
+Decode kernels use the best record of a MetaSchedule JSON database when it has one for
+the configuration (``TVM_CASCADE_TUNED``, default ``benchmarks/tuned/decode`` of a source
+checkout, written by ``python -m benchmarks.tune_decode``), else the heuristic schedule.
+"""
+import os
+from pathlib import Path
+
 import tvm
 
 from . import ops
 from .ops.variants import AttentionVariant
 from .schedules.decode import schedule_decode
+from .trace import JSONDatabase
+
+_TUNED = Path(__file__).resolve().parents[2] / "benchmarks" / "tuned" / "decode"
 
 #: The harness's variant names, in tvm_cascade.ops terms (softcap 50, window 256 keys).
 VARIANTS = {
@@ -26,9 +37,12 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=VARIANTS[variant]
     )
-    sch = schedule_decode(func, heads_q, heads_kv, head_dim)
     dev = tvm.cuda(0)
-    lib = tvm.compile(sch.mod, target=tvm.target.Target.from_device(dev))
+    target = tvm.target.Target.from_device(dev)
+    sch = tuned_schedule(func, target)
+    if sch is None:
+        sch = schedule_decode(func, heads_q, heads_kv, head_dim, dev.multi_processor_count)
+    lib = tvm.compile(sch.mod, target=target)
     kernel = lib["main"]
 
     def run(q, k, v):
@@ -39,3 +53,12 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
         return out
 
     return run
+
+
+def tuned_schedule(func, target):
+    """The best tuned schedule of ``func`` for ``target`` in the tuning database, or None."""
+    work_dir = Path(os.environ.get("TVM_CASCADE_TUNED", _TUNED))
+    if not (work_dir / "database_tuning_record.json").exists():
+        return None
+    database = JSONDatabase(work_dir=str(work_dir), allow_missing=False)
+    return database.query_schedule(tvm.IRModule({"main": func}), target, "main")

@@ -29,7 +29,7 @@ class DecodeConfig:
 
     rows: int = 8  # threadIdx.y: thread rows per block
     keys_per_row: int = 4  # keys each thread row of kernel 1 reduces
-    blocks_per_sm: int = 4  # how many kernel-2 blocks to aim for per SM
+    blocks_per_sm: int = 8  # how many kernel-2 blocks to aim for per SM
     max_chunk: int = 1024  # keys per chunk at most (their exps live in shared memory)
 
 
@@ -53,28 +53,79 @@ def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors):
 
 
 def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, config=DecodeConfig()):
-    """Schedule ``ops.attention(..., seq_q=1..8, ...)`` for CUDA; returns the schedule."""
+    """Schedule ``ops.attention(..., seq_q=1..8, ...)`` for CUDA with the choices of
+    ``config`` (the chunk count from the shape and the SM count); returns the schedule."""
+    group = _group(heads_q, heads_kv, head_dim)
+    sch = tvm.s_tir.Schedule(func)
+    batch, _, _, seq_kv = _shape(sch)
+    chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors)
+    apply_decode_schedule(
+        sch, heads_kv, group, chunks, config.rows, config.keys_per_row, max(1, config.rows // group)
+    )
+    return sch
+
+
+def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
+    """A MetaSchedule design space (``fn(sch)``) over the decode schedule: the chunk
+    count, the chunks per thread block and kernel 1's thread rows and keys per row are
+    ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
+    group = _group(heads_q, heads_kv, head_dim)
+    chunk_rows = [r for r in (1, 2, 4, 8) if r * group <= 32]
+
+    def space(sch):
+        seq_kv = _shape(sch)[3]
+        step = max(chunk_rows)
+        counts = [
+            c
+            for c in range(step, seq_kv // LANES + 1, step)
+            if (seq_kv // LANES) % c == 0 and seq_kv // c <= config.max_chunk
+        ]
+        if not counts:
+            raise ValueError(f"no chunk count splits {seq_kv} keys for this design space")
+
+        def sample(options):
+            return sch.sample_categorical(options, [1.0 / len(options)] * len(options))
+
+        apply_decode_schedule(
+            sch,
+            heads_kv,
+            group,
+            sample(counts),
+            sample([4, 8, 16]),
+            sample([1, 2, 4, 8]),
+            sample(chunk_rows),
+        )
+
+    return space
+
+
+def _group(heads_q, heads_kv, head_dim):
     if head_dim != LANES * VECTOR:
         raise ValueError(f"the decode schedule needs head_dim {LANES * VECTOR}, got {head_dim}")
-    group = heads_q // heads_kv
-    sch = tvm.s_tir.Schedule(func)
-    batch, _, _, seq_kv = (int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max")))
-    chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors)
+    return heads_q // heads_kv
+
+
+def _shape(sch):
+    return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
+
+
+def apply_decode_schedule(sch, heads_kv, group, chunks, qk_rows, keys_per_row, chunk_rows):
+    """The decode schedule on a fresh schedule of ``ops.attention``; the last four
+    choices are ints or sampled ``ExprRV``s."""
     j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [chunks, None])
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
-    _schedule_qk(sch, heads_kv, group, config)
-    _schedule_chunks(sch, heads_kv, group, config)
+    _schedule_qk(sch, heads_kv, group, qk_rows, keys_per_row)
+    _schedule_chunks(sch, heads_kv, group, chunk_rows)
     _schedule_combines(sch)
-    return sch
 
 
-def _schedule_qk(sch, heads_kv, group, config):
+def _schedule_qk(sch, heads_kv, group, rows, keys_per_row):
     qk = sch.get_sblock("qk")
     b, h, i, j, rd = sch.get_loops(qk)
     hkv, g = sch.split(h, [heads_kv, group])
-    jo, jy, jk = sch.split(j, [None, config.rows, config.keys_per_row])
+    jo, jy, jk = sch.split(j, [None, rows, keys_per_row])
     rx, rv = sch.split(rd, [LANES, VECTOR])
     sch.reorder(b, hkv, jo, jy, jk, g, i, rx, rv)
     sch.bind(sch.fuse(b, hkv), "blockIdx.x")
@@ -85,17 +136,17 @@ def _schedule_qk(sch, heads_kv, group, config):
     # and loads the slices of its row's keys at once, each once for all query heads.
     for index in (0, 1):
         cache = sch.cache_read(qk, index, "local")
-        sch.compute_at(cache, jy)
+        sch.compute_at(cache, jy, preserve_unit_loops=True)
         lanes, vector = sch.split(sch.get_loops(cache)[-1], [LANES, VECTOR])
         sch.bind(lanes, "threadIdx.x")
         sch.vectorize(vector)
 
 
-def _schedule_chunks(sch, heads_kv, group, config):
+def _schedule_chunks(sch, heads_kv, group, chunk_rows):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
     b, h, i, c = sch.get_loops(blocks["max_partial"])[:4]
     hkv, g = sch.split(h, [heads_kv, group])
-    cb, cy = sch.split(c, [None, max(1, config.rows // group)])
+    cb, cy = sch.split(c, [None, chunk_rows])
     sch.reorder(b, hkv, cb, cy, g, i)
     sch.bind(sch.fuse(b, hkv), "blockIdx.x")
     sch.bind(cb, "blockIdx.y")
@@ -113,7 +164,7 @@ def _schedule_chunks(sch, heads_kv, group, config):
     sch.reorder(dx, ro, ri, dv)
     sch.bind(dx, "threadIdx.x")
     v_local = sch.cache_read(pv, "V", "local")
-    sch.compute_at(v_local, ro)
+    sch.compute_at(v_local, ro, preserve_unit_loops=True)
     lanes = sch.get_loops(v_local)[-1]
     sch.vectorize(sch.split(lanes, [None, VECTOR])[-1])
     sch.unroll(ri)
@@ -123,8 +174,10 @@ def _schedule_chunks(sch, heads_kv, group, config):
         ("pv_partial", [], dx),
     ):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
-        sch.reverse_compute_at(store, at)
-    sch.vectorize(sch.get_loops(sch.get_sblock("pv_partial_local"))[-1])
+        sch.reverse_compute_at(store, at, preserve_unit_loops=True)
+    # float32 partials: 128-bit stores are 4 lanes wide.
+    store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
+    sch.vectorize(sch.split(store, [None, 4])[-1])
 
 
 def _schedule_combines(sch):

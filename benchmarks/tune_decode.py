@@ -1,0 +1,73 @@
+"""Tune the decode schedule with MetaSchedule on the GPU and keep the records.
+
+    python -m benchmarks.tune_decode [--only SUBSTR ...] [--trials N] [--work-dir DIR]
+
+For each decode configuration of the suite: evolutionary search with the xgboost cost
+model over :func:`tvm_cascade.schedules.decode.decode_design_space` (its choices are
+``sample_categorical`` decisions, its fusion the traced ``split_k_update``). Records go
+to a JSON database (``database_workload.json``, ``database_tuning_record.json``) in
+``--work-dir`` (default ``benchmarks/tuned/decode``), which
+:func:`tvm_cascade.bench.build_attention` reads back.
+"""
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from .configs import suite
+
+DEFAULT_WORK_DIR = Path(__file__).resolve().parent / "tuned" / "decode"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_decode", description=__doc__)
+    parser.add_argument("--only", nargs="*", default=[], help="config name substrings")
+    parser.add_argument("--trials", type=int, default=32, help="trials per configuration")
+    parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
+    args = parser.parse_args(argv)
+
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    import tvm_cascade  # noqa: F401  (adds the primitives)
+    from tvm_cascade import ops
+    from tvm_cascade import trace as cascade_trace
+    from tvm_cascade.bench import VARIANTS
+    from tvm_cascade.schedules.decode import decode_design_space
+
+    if not tvm.cuda(0).exist:
+        print("no CUDA GPU: nothing to tune")
+        return 0
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    database = cascade_trace.JSONDatabase(work_dir=str(args.work_dir))
+    for cfg in suite("decode", only=args.only):
+        op = cfg.op
+        func = ops.attention(
+            cfg.batch, op.heads_q, op.heads_kv, cfg.seq_q, cfg.seq_kv, cfg.head_dim,
+            dtype=cfg.dtype, variant=VARIANTS[op.variant],
+        )
+        space = decode_design_space(op.heads_q, op.heads_kv, cfg.head_dim)
+        print(f"tuning {cfg.name}: {args.trials} trials", flush=True)
+        with tempfile.TemporaryDirectory() as logs:
+            ms.tune_tir(
+                func,
+                target=target,
+                work_dir=logs,
+                max_trials_global=args.trials,
+                num_trials_per_iter=min(16, args.trials),
+                space=ms.space_generator.ScheduleFn(
+                    space, sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={}
+                ),
+                strategy="evolutionary",
+                cost_model="xgb",
+                database=database,
+            )
+        best = database.query_tuning_record(tvm.IRModule({"main": func}), target, "main")
+        secs = [float(s) for s in best.run_secs] if best is not None else []
+        print(f"  best {1e3 * min(secs):.4f} ms" if secs else "  no valid record", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
