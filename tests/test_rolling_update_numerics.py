@@ -12,7 +12,6 @@ Run with ``PYTHONPATH=python python -m pytest tests/test_rolling_update_numerics
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tvm import te
 from tvm.s_tir.schedule import ScheduleError
@@ -30,41 +29,30 @@ from tvm_cascade import FusionError, ops
 from tvm_cascade.ops import reference as R
 from tvm_cascade.ops import testing as tt
 
+from numerics import (
+    DTYPES,
+    EPS32,
+    PROPERTY_SETTINGS,
+    TOL,
+    VARIANT_NAMES,
+    WIN0,
+    assert_well_formed as _assert_well_formed,
+    attention_unfused as _attention_unfused,
+    large_logit_tol as _large_logit_tol,
+    loop_names as _loop_names,
+    mean_v as _mean_v,
+    unfused as _unfused,
+    check_close as _check_close,
+)
+
 # fused / unfused kernel vs the float64 reference
-TOL = {
-    "float32": dict(rtol=1e-4, atol=1e-4),
-    "float16": dict(rtol=1e-2, atol=1e-2),
-}
 # fused vs unfused TVM kernel: same arithmetic except for the repair's rounding
 # (fp16 outputs may differ by one fp16 ulp after the final cast)
-TOL_VS_UNFUSED = {
-    "float32": dict(rtol=1e-5, atol=1e-5),
-    "float16": dict(rtol=1e-2, atol=1e-2),
-}
-EPS32 = float(np.finfo(np.float32).eps)
-
-WIN0 = ops.AttentionVariant("win0", causal=True, window=0)  # every key masked
 
 
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _unfused(builder: str, args: tuple, kwargs: tuple):
-    """(unfused PrimFunc, compiled executable) of ``ops.<builder>(*args, **kwargs)``,
-    compiled once per configuration."""
-    func = getattr(ops, builder)(*args, **dict(kwargs))
-    return func, tt.compile_prim_func(func)
-
-
-def _attention_unfused(shape, variant, dtype, nb):
-    return _unfused("attention", tuple(shape), (("variant", variant), ("dtype", dtype), ("normalize_before_pv", nb)))
-
-
-def _loop_names(sch, block):
-    return [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock(block))]
 
 
 def _assert_under(sch, block, loop_rv):
@@ -73,10 +61,6 @@ def _assert_under(sch, block, loop_rv):
     assert any(sch.get(l).same_as(target) for l in sch.get_loops(sch.get_sblock(block))), (
         f"block {block!r} is not under loop {target.loop_var.name}: {_loop_names(sch, block)}"
     )
-
-
-def _assert_well_formed(mod):
-    assert tvm.s_tir.analysis.verify_well_formed(mod["main"], False)
 
 
 def fuse_attention(func, tile, order=("sum", "pv"), compute_at=True, split=None):
@@ -96,15 +80,6 @@ def fuse_attention(func, tile, order=("sum", "pv"), compute_at=True, split=None)
         sch.compute_at(sch.get_sblock("qk"), j0)
         _assert_under(sch, "qk", j0)
     return sch, j0
-
-
-def _check_close(out, expected, unfused_out, dtype, tol=None, tol_unfused=None):
-    out64 = np.asarray(out).astype(np.float64)
-    assert np.all(np.isfinite(out64)), "fused output has NaN/inf"
-    np.testing.assert_allclose(out64, expected, **(tol or TOL[dtype]))
-    np.testing.assert_allclose(
-        out64, np.asarray(unfused_out).astype(np.float64), **(tol_unfused or TOL_VS_UNFUSED[dtype])
-    )
 
 
 def check_attention(
@@ -139,12 +114,6 @@ def check_attention(
     return sch, out, expected
 
 
-def _mean_v(v, shape):
-    group = shape[1] // shape[2]
-    mean = np.repeat(v.astype(np.float64).mean(axis=2, keepdims=True), group, axis=1)
-    return np.broadcast_to(mean, (shape[0], shape[1], shape[3], shape[5]))
-
-
 # ---------------------------------------------------------------------------
 # 1. attention: variants x prefill/decode x dtype x shapes
 # ---------------------------------------------------------------------------
@@ -164,8 +133,6 @@ DECODE = [
     ((1, 8, 1, 1, 24, 128), 5),  # D=128, MQA ratio 8; 24 % 5 != 0
     ((1, 16, 2, 1, 64, 32), 16),  # GQA ratio 8
 ]
-VARIANT_NAMES = sorted(ops.VARIANTS)
-DTYPES = ["float32", "float16"]
 
 
 def _grid():
@@ -268,13 +235,6 @@ def test_custom_mask_fully_masked_row_and_fully_masked_first_tile(dtype, tile):
 # ---------------------------------------------------------------------------
 # 3. logits around +-1e4
 # ---------------------------------------------------------------------------
-
-
-def _large_logit_tol(max_abs_score, v):
-    # fp32 scores of magnitude |s| carry an absolute rounding error ~ eps*|s|, which
-    # moves the softmax weights by that relative amount.
-    scale = 4 * EPS32 * max(max_abs_score, 1.0) * float(np.abs(v.astype(np.float64)).max())
-    return dict(rtol=1e-3, atol=max(scale, 1e-4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -551,10 +511,6 @@ def test_gemm_cascades_zero_first_tiles_and_zero_row(builder):
 # ---------------------------------------------------------------------------
 # 6. property-based tests
 # ---------------------------------------------------------------------------
-
-PROPERTY_SETTINGS = dict(
-    deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
 
 
 @st.composite

@@ -26,7 +26,6 @@ Run with ``PYTHONPATH=python python -m pytest tests/test_split_k_numerics.py -q`
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import zlib
 import numpy as np
 import pytest
 import tvm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tvm_cascade  # noqa: F401  (installs Schedule.split_k_update)
@@ -46,20 +45,26 @@ from tvm_cascade import trace as ctrace
 from tvm_cascade.ops import reference as R
 from tvm_cascade.ops import testing as tt
 
+from numerics import (
+    DTYPES,
+    EPS32,
+    PROPERTY_SETTINGS,
+    TOL,
+    VARIANT_NAMES,
+    WIN0,
+    assert_well_formed as _assert_well_formed,
+    attention_unfused as _attention_unfused,
+    large_logit_tol as _large_logit_tol,
+    loop_names as _loop_names,
+    mean_v as _mean_v,
+    unfused as _unfused,
+    check_close as _check_close,
+)
+
 # fused / unfused kernel vs the float64 reference
-TOL = {
-    "float32": dict(rtol=1e-4, atol=1e-4),
-    "float16": dict(rtol=1e-2, atol=1e-2),
-}
 # fused vs unfused TVM kernel: same fp32 accumulation, different summation order
 # (fp16 outputs may differ by one fp16 ulp after the final cast)
-TOL_VS_UNFUSED = {
-    "float32": dict(rtol=1e-5, atol=1e-5),
-    "float16": dict(rtol=1e-2, atol=1e-2),
-}
-EPS32 = float(np.finfo(np.float32).eps)
 
-WIN0 = ops.AttentionVariant("win0", causal=True, window=0)  # every key masked
 WIN4 = ops.AttentionVariant("win4", causal=True, window=4)  # only the last 4 keys (decode)
 
 ATTENTION_CHAIN = ("max", "sum", "pv")
@@ -84,29 +89,9 @@ def has_empty_chunk(n: int, chunks: int) -> bool:
     return (chunks - 1) * chunk_size(n, chunks) >= n
 
 
-@functools.lru_cache(maxsize=None)
-def _unfused(builder: str, args: tuple, kwargs: tuple):
-    """(unfused PrimFunc, compiled executable) of ``ops.<builder>(*args, **kwargs)``,
-    compiled once per configuration."""
-    func = getattr(ops, builder)(*args, **dict(kwargs))
-    return func, tt.compile_prim_func(func)
-
-
-def _attention_unfused(shape, variant, dtype, nb):
-    return _unfused("attention", tuple(shape), (("variant", variant), ("dtype", dtype), ("normalize_before_pv", nb)))
-
-
-def _loop_names(sch, block):
-    return [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock(block))]
-
-
 def _is_under(sch, block, loop_rv) -> bool:
     target = sch.get(loop_rv)
     return any(sch.get(l).same_as(target) for l in sch.get_loops(sch.get_sblock(block)))
-
-
-def _assert_well_formed(mod):
-    assert tvm.s_tir.analysis.verify_well_formed(mod["main"], False)
 
 
 def _root_allocs(func):
@@ -176,16 +161,6 @@ def _run_poisoned(func, inputs_np, fill=np.nan):
     return [o.numpy() for o in outs]
 
 
-def _check_close(out, expected, unfused_out, dtype, tol=None, tol_unfused=None, what="fused"):
-    out64 = np.asarray(out).astype(np.float64)
-    assert np.all(np.isfinite(out64)), f"{what} output has NaN/inf"
-    np.testing.assert_allclose(out64, expected, err_msg=f"{what} vs reference", **(tol or TOL[dtype]))
-    np.testing.assert_allclose(
-        out64, np.asarray(unfused_out).astype(np.float64), err_msg=f"{what} vs unfused",
-        **(tol_unfused or TOL_VS_UNFUSED[dtype]),
-    )
-
-
 def _run_both(func, inputs):
     """(poisoned outputs, plain outputs) of the fused ``func``; poisoned first so an
     uninitialised read fails deterministically."""
@@ -227,12 +202,6 @@ def check_attention(
     return sch, out, expected
 
 
-def _mean_v(v, shape):
-    group = shape[1] // shape[2]
-    mean = np.repeat(v.astype(np.float64).mean(axis=2, keepdims=True), group, axis=1)
-    return np.broadcast_to(mean, (shape[0], shape[1], shape[3], shape[5]))
-
-
 NON_DIVIDING_CHUNKS_NOT_AFFINE = pytest.mark.xfail(
     strict=True,
     reason=(
@@ -264,8 +233,6 @@ PREFILL = [
     ((1, 16, 2, 4, 64, 16), 7),  # GQA 8; chunk 10, last chunk 4
     ((1, 8, 2, 4, 48, 64), 16),  # GQA 4; chunk 3, divides
 ]
-VARIANT_NAMES = sorted(ops.VARIANTS)
-DTYPES = ["float32", "float16"]
 
 
 def _grid():
@@ -401,13 +368,6 @@ def test_all_keys_masked_gives_mean_of_v(shape, chunks, dtype, nb):
 # ---------------------------------------------------------------------------
 # 3. logits around +-1e4
 # ---------------------------------------------------------------------------
-
-
-def _large_logit_tol(max_abs_score, v):
-    # fp32 scores of magnitude |s| carry an absolute rounding error ~ eps*|s|, which
-    # moves the softmax weights by that relative amount.
-    scale = 4 * EPS32 * max(max_abs_score, 1.0) * float(np.abs(v.astype(np.float64)).max())
-    return dict(rtol=1e-3, atol=max(scale, 1e-4))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -603,10 +563,6 @@ def test_cascades_empty_trailing_chunks(builder, dims, chunks):
 # ---------------------------------------------------------------------------
 # 5. property-based tests
 # ---------------------------------------------------------------------------
-
-PROPERTY_SETTINGS = dict(
-    deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
-)
 
 
 @st.composite

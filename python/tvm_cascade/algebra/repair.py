@@ -17,7 +17,6 @@ min, that h is non-decreasing in t), and that it maps f's identity to itself.
 """
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import sympy
 

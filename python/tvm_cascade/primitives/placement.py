@@ -2,7 +2,6 @@
 import tvm
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.chain import substitute
 from ..analysis.scope import dtype_of
 from . import ir
 

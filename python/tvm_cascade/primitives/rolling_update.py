@@ -1,6 +1,5 @@
 """``Schedule.rolling_update``: fuse a cascaded reduction into its producer's loop."""
 import tvm
-from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
 from ..algebra.reducers import match_reducer

@@ -23,7 +23,6 @@ import os
 import threading
 from typing import List, Optional, Tuple
 
-import tvm
 import tvm_ffi
 from tvm.ir import IRModule
 from tvm.ir.utils import derived_object

@@ -18,7 +18,7 @@ re-implements TVM's ``Trace::ApplyJSONToSchedule`` step by step:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import tvm
 import tvm_ffi
