@@ -194,3 +194,7 @@ def test_flash_decoding_rolls_within_chunks(variant, normalize):
     (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
     ref = reference.attention_ref(q, k, v, variant=variant, normalize_before_pv=normalize)
     np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_refuses_a_block_already_split():
+    _assert_refused(softmax_pv, 4, ["max", "sum"], "sum", "already split: it combines the chunk partials of block 'sum_partial'")

@@ -26,9 +26,15 @@ class SplitKChain(Chain):
         self.partial_of = {}
         for site in self.sites:
             partial = self._partial_behind(site)
-            if partial is not None:
-                self.producers.append(site)
-                self.partial_of[site] = partial
+            if partial is None:
+                continue
+            if site is self.target:
+                self._fail(
+                    f"it is already split: it combines the chunk partials of block "
+                    f"'{partial.name}' under loop '{_name(self.loop)}'"
+                )
+            self.producers.append(site)
+            self.partial_of[site] = partial
         if self.target_is_under:
             template = self.target
             axis = self._driven_reduce_var(template)
@@ -77,7 +83,7 @@ class SplitKChain(Chain):
         A global combine reduces over its last iterator ``c`` and folds ``P[c, idx]``,
         where ``P`` is written, under the loop, by a block whose first iterator is the
         chunk (bound to the loop)."""
-        if site.under(self.loop) or not site.is_reduction or site is self.target:
+        if site.under(self.loop) or not site.is_reduction:
             return None
         chunk_iv = site.block.iter_vars[-1]
         if chunk_iv.iter_type != REDUCE:
