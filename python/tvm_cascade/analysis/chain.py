@@ -145,6 +145,7 @@ class Chain:
             tile = tile * tvm.tirx.Cast(dtype_of(axis_iv.var), inner.extent)
         self.tile = tvm.sym.Analyzer().simplify(tile)
         self.row_vars = [iv for iv in tmpl.block.iter_vars if iv.iter_type != REDUCE]
+        self.row_loops = []  # rows are bound above the loop (checked above)
 
     def axis_predicate(self, fresh):
         """The template's predicate (it keeps the reduced axis in range), with ``fresh``

@@ -61,9 +61,21 @@ class SplitKChain(Chain):
             )
         self.axis_value = axis_value
         self.chunks = self.loop.extent
-        # Loops below the chunk loop that walk other axes (e.g. the head dimension of a
-        # block already rolled there) do not make the chunk longer.
-        self.inner_loops = [l for l in self.inner_loops if uses_var(axis_value, l.loop_var)]
+        # Loops below the chunk loop that walk other axes do not make the chunk longer:
+        # row loops there (e.g. the query heads of a GQA group, so that one thread holds
+        # them all) are copied for each block placed under the chunk loop.
+        below = self.inner_loops
+        self.inner_loops = [l for l in below if uses_var(axis_value, l.loop_var)]
+        self.row_loops = [
+            l
+            for l in below
+            if not uses_var(axis_value, l.loop_var)
+            and any(
+                uses_var(self.template.binding(iv), l.loop_var)
+                for iv in self.template.block.iter_vars
+                if iv.iter_type != REDUCE
+            )
+        ]
         chunk = tvm.tirx.const(1, "int32")
         for inner in self.inner_loops:
             chunk = chunk * inner.extent

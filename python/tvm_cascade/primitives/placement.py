@@ -2,7 +2,8 @@
 import tvm
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import dtype_of
+from ..analysis.chain import substitute
+from ..analysis.scope import dtype_of, uses_var
 from . import ir
 
 
@@ -24,7 +25,10 @@ class Placement:
         chain = self.chain
         tmpl = chain.template
         bindings, free, reduced = [], [], False
-        fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in chain.inner_loops}
+        fresh = {
+            l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var))
+            for l in chain.row_loops + chain.inner_loops
+        }
         for iv in block.iter_vars:
             if chain.axes.same(iv.var, chain.target_axis.var):
                 bindings.append(chain.axis_binding(fresh))
@@ -32,15 +36,21 @@ class Placement:
                 continue
             row = [r for r in chain.row_vars if chain.axes.same(iv.var, r.var)]
             if row:
-                bindings.append(tmpl.binding(row[0]))
+                bindings.append(substitute(tmpl.binding(row[0]), fresh))
                 continue
             var = tvm.tirx.Var(f"ax{len(free)}", dtype_of(iv.var))
             free.append((var, iv.dom.extent))
             bindings.append(iv.dom.min + var if not _is_zero(iv.dom.min) else var)
+        rows = [
+            (fresh[l.loop_var], l.extent)
+            for l in chain.row_loops
+            if any(uses_var(b, fresh[l.loop_var]) for b in bindings)
+        ]
         if not reduced:
-            return bindings, tvm.tirx.const(True, "bool"), free
+            return bindings, tvm.tirx.const(True, "bool"), rows + free
         predicate = chain.axis_predicate(fresh)
-        return bindings, predicate, free + [(fresh[l.loop_var], l.extent) for l in chain.inner_loops]
+        inner = [(fresh[l.loop_var], l.extent) for l in chain.inner_loops]
+        return bindings, predicate, rows + free + inner
 
 
 def _is_zero(expr) -> bool:

@@ -6,10 +6,11 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives:
   (``threadIdx.x``) split the head dimension with 128-bit loads of K and reduce with
   shuffles; each lane keeps its slice of the GQA group's query rows in registers, so each
   K row is loaded once for all query heads of its group;
-* kernel 2, the chunks: each thread row owns one (chunk, query head of the group); its 16
-  lanes reduce the chunk's max and sum with shuffles, write its exps to shared memory, and
-  fold V rows into registers with 128-bit loads, 8 dims per lane; the rows of one GQA
-  group read the same V rows, so V comes from DRAM once;
+* kernel 2, the chunks: each thread row owns one chunk for all query heads of a GQA group
+  (the head loop is moved below the chunk loop before ``split_k_update``); its 16 lanes
+  reduce each head's max and sum with shuffles, write the exps to shared memory, and fold
+  V rows into registers with 128-bit loads, 8 dims per lane, each V row loaded once for
+  all heads of the group;
 * kernels 3-6, the combines over chunks and the epilogue.
 
 The chunk count is chosen from the shape and the number of SMs: enough thread blocks to
@@ -36,7 +37,7 @@ class DecodeConfig:
 def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors):
     """The chunk count: a divisor of ``seq_kv / LANES`` (chunks split the keys evenly,
     in whole lane groups) closest to what fills ``blocks_per_sm`` blocks per SM."""
-    per_block = max(1, config.rows // group)
+    per_block = config.rows
     wanted = config.blocks_per_sm * multiprocessors * per_block / (batch * heads_kv)
     groups = seq_kv // LANES
     fits = [
@@ -59,9 +60,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     sch = tvm.s_tir.Schedule(func)
     batch, _, _, seq_kv = _shape(sch)
     chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors)
-    apply_decode_schedule(
-        sch, heads_kv, group, chunks, config.rows, config.keys_per_row, max(1, config.rows // group)
-    )
+    apply_decode_schedule(sch, heads_kv, group, chunks, config.rows, config.keys_per_row, config.rows)
     return sch
 
 
@@ -70,7 +69,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     count, the chunks per thread block and kernel 1's thread rows and keys per row are
     ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
     group = _group(heads_q, heads_kv, head_dim)
-    chunk_rows = [r for r in (1, 2, 4, 8) if r * group <= 32]
+    chunk_rows = [1, 2, 4, 8]
 
     def space(sch):
         seq_kv = _shape(sch)[3]
@@ -112,12 +111,18 @@ def _shape(sch):
 def apply_decode_schedule(sch, heads_kv, group, chunks, qk_rows, keys_per_row, chunk_rows):
     """The decode schedule on a fresh schedule of ``ops.attention``; the last four
     choices are ints or sampled ``ExprRV``s."""
-    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [chunks, None])
+    # The query heads of a GQA group go below the chunk loop, so that every block placed
+    # under it gets its own head loop: one thread then holds all heads of its group and
+    # loads each V row once for them.
+    b, h, i, j = sch.get_loops(sch.get_sblock("max"))
+    _, g = sch.split(h, [heads_kv, group])
+    j0, _ = sch.split(j, [chunks, None])
+    sch.reorder(i, j0, g)
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
     _schedule_qk(sch, heads_kv, group, qk_rows, keys_per_row)
-    _schedule_chunks(sch, heads_kv, group, chunk_rows)
+    _schedule_chunks(sch, chunk_rows)
     _schedule_combines(sch)
 
 
@@ -142,26 +147,25 @@ def _schedule_qk(sch, heads_kv, group, rows, keys_per_row):
         sch.vectorize(vector)
 
 
-def _schedule_chunks(sch, heads_kv, group, chunk_rows):
+def _schedule_chunks(sch, chunk_rows):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
-    b, h, i, c = sch.get_loops(blocks["max_partial"])[:4]
-    hkv, g = sch.split(h, [heads_kv, group])
+    b, hkv, i, c = sch.get_loops(blocks["max_partial"])[:4]
     cb, cy = sch.split(c, [None, chunk_rows])
-    sch.reorder(b, hkv, cb, cy, g, i)
     sch.bind(sch.fuse(b, hkv), "blockIdx.x")
     sch.bind(cb, "blockIdx.y")
-    sch.bind(sch.fuse(cy, g), "threadIdx.y")
+    sch.bind(cy, "threadIdx.y")
     # The lanes of a row share the chunk's keys for max, exp and sum ...
     for name in ("max_partial", "exp", "sum_partial"):
         _, lane = sch.split(sch.get_loops(blocks[name])[-1], [None, LANES])
         sch.bind(lane, "threadIdx.x")
     sch.set_scope(blocks["exp"], 0, "shared")
-    # ... and its head dimension for pv, folding whole V rows into registers.
+    # ... and its head dimension for pv, folding whole V rows into registers, each V row
+    # once for all query heads of the group.
     pv = blocks["pv_partial"]
-    d, r = sch.get_loops(pv)[-2:]
+    g, d, r = sch.get_loops(pv)[-3:]
     dx, dv = sch.split(d, [LANES, VECTOR])
     ro, ri = sch.split(r, [None, 4])
-    sch.reorder(dx, ro, ri, dv)
+    sch.reorder(dx, ro, ri, g, dv)
     sch.bind(dx, "threadIdx.x")
     v_local = sch.cache_read(pv, "V", "local")
     sch.compute_at(v_local, ro, preserve_unit_loops=True)
@@ -169,8 +173,8 @@ def _schedule_chunks(sch, heads_kv, group, chunk_rows):
     sch.vectorize(sch.split(lanes, [None, VECTOR])[-1])
     sch.unroll(ri)
     for name, consumers, at in (
-        ("max_partial", [blocks["exp"]], i),
-        ("sum_partial", [], i),
+        ("max_partial", [blocks["exp"]], cy),
+        ("sum_partial", [], cy),
         ("pv_partial", [], dx),
     ):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
