@@ -198,3 +198,25 @@ def test_flash_decoding_rolls_within_chunks(variant, normalize):
 
 def test_refuses_a_block_already_split():
     _assert_refused(softmax_pv, 4, ["max", "sum"], "sum", "already split: it combines the chunk partials of block 'sum_partial'")
+
+
+def test_row_loops_below_the_chunk_loop_are_copied_for_each_block():
+    """GQA decode puts a group's query heads below the chunk loop: each block moved
+    there gets its own copy of the head loop, so one thread can serve the whole group."""
+    shape = (2, 8, 2, 1, 64, 16)
+    func = ops.attention(*shape, variant="alibi")
+    sch = tvm.s_tir.Schedule(func, debug_mask="all")
+    _, h, i, j = sch.get_loops(sch.get_sblock("max"))
+    _, g = sch.split(h, [2, 4])
+    j0, _ = sch.split(j, [4, None])
+    sch.reorder(i, j0, g)
+    for name in ("max", "sum", "pv"):
+        sch.split_k_update(sch.get_sblock(name), j0)
+    chunk_loop = sch.get(j0)
+    for name in ("max_partial", "exp", "sum_partial", "pv_partial"):
+        loops = [sch.get(l) for l in sch.get_loops(sch.get_sblock(name))]
+        below = loops[[k for k, l in enumerate(loops) if l.same_as(chunk_loop)][0] + 1 :]
+        assert below[0].loop_var.name.startswith("h_1") and int(below[0].extent) == 4, name
+    q, k, v = testing.random_attention_inputs(*shape, magnitude=3)
+    (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, reference.attention_ref(q, k, v, variant="alibi"), atol=1e-5)
