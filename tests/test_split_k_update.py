@@ -6,10 +6,9 @@ import tvm_cascade  # noqa: F401
 from tvm.script import tirx as T
 
 from tvm_cascade import FusionError, ops
-from tvm_cascade import trace as cascade_trace
 from tvm_cascade.ops import reference, testing
 
-from test_rolling_update import softmax_pv, two_sums, variance
+from test_rolling_update import _assert_trace_roundtrip, softmax_pv, two_sums, variance
 
 # fmt: off
 @T.prim_func(s_tir=True)
@@ -85,15 +84,6 @@ def _split_chunks(func, chunks):
     j = sch.get_loops(sch.get_sblock("max"))[-1]
     j0, _ = sch.split(j, [chunks, None])
     return sch, j0
-
-
-def _assert_trace_roundtrip(sch, func):
-    replayed = tvm.s_tir.Schedule(func, debug_mask="all")
-    sch.trace.apply_to_schedule(replayed, remove_postproc=False)
-    tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
-    from_json = tvm.s_tir.Schedule(func, debug_mask="all")
-    cascade_trace.apply_json_to_schedule(sch.trace.as_json(), from_json)
-    tvm.ir.assert_structural_equal(from_json.mod, sch.mod)
 
 
 def test_exact_ir_softmax_sum_pv():

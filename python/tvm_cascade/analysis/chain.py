@@ -6,7 +6,16 @@ from tvm.ir import expr as ir_expr
 from ..algebra.reducers import match_reducer
 from ..errors import FusionError
 from .axes import AxisClasses
-from .scope import REDUCE, accumulator_store, collect_sites, dtype_of, snapshot_buffer, uses_var, vars_in
+from .scope import (
+    REDUCE,
+    accumulator_store,
+    collect_sites,
+    dtype_of,
+    extent_product,
+    snapshot_buffer,
+    uses_var,
+    vars_in,
+)
 
 
 def _name(loop) -> str:
@@ -140,10 +149,7 @@ class Chain:
         axis_iv = self.axis_var[tmpl]
         if not (isinstance(axis_iv.dom.min, tvm.tirx.IntImm) and axis_iv.dom.min.value == 0):
             self._fail(f"the reduced axis of block '{tmpl.name}' must start at 0")
-        tile = tvm.tirx.const(1, dtype_of(axis_iv.var))
-        for inner in self.inner_loops:
-            tile = tile * tvm.tirx.Cast(dtype_of(axis_iv.var), inner.extent)
-        self.tile = tvm.sym.Analyzer().simplify(tile)
+        self.tile = extent_product(self.inner_loops, dtype_of(axis_iv.var))
         self.row_vars = [iv for iv in tmpl.block.iter_vars if iv.iter_type != REDUCE]
         self.row_loops = []  # rows are bound above the loop (checked above)
 

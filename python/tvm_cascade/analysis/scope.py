@@ -105,6 +105,14 @@ def buffer_params(func) -> list:
     return [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
 
 
+def extent_product(loops, dtype: str):
+    """The number of iterations of ``loops`` together, simplified."""
+    product = tvm.tirx.const(1, dtype)
+    for loop in loops:
+        product = product * tvm.tirx.Cast(dtype, loop.extent)
+    return tvm.sym.Analyzer().simplify(product)
+
+
 def dtype_of(expr) -> str:
     """The data type of a scalar expression or variable."""
     return str(expr.ty.dtype)

@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 
 from .chain import Chain, _name, substitute
-from .scope import REDUCE, uses_var
+from .scope import REDUCE, dtype_of, extent_product, uses_var
 
 
 class SplitKChain(Chain):
@@ -76,10 +76,7 @@ class SplitKChain(Chain):
                 if iv.iter_type != REDUCE
             )
         ]
-        chunk = tvm.tirx.const(1, "int32")
-        for inner in self.inner_loops:
-            chunk = chunk * inner.extent
-        self.chunk = tvm.sym.Analyzer().simplify(chunk)
+        self.chunk = extent_product(self.inner_loops, dtype_of(self.loop.loop_var))
         self.row_vars = [
             iv
             for iv in self.template.block.iter_vars
@@ -108,12 +105,6 @@ class SplitKChain(Chain):
             if first.iter_type != REDUCE and writer.binding(first).same_as(self.loop.loop_var):
                 return writer
         return None
-
-    def _driven_reduce_var(self, site):
-        return super()._driven_reduce_var(site) if site.is_reduction else None
-
-    def _check_template(self):
-        pass
 
     def _target_axis(self):
         reduce = [iv for iv in self.target.block.iter_vars if iv.iter_type == REDUCE]

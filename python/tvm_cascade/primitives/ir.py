@@ -132,9 +132,11 @@ def realize(bindings, predicate, block):
     return SBlockRealize(bindings, predicate, block)
 
 
-def like_buffer(buf, name: str):
-    """A new buffer with ``buf``'s shape, type, scope and layout, named ``name``."""
-    return tvm.tirx.decl_buffer(buf.shape, buf.dtype, name=name, scope=buf.scope(), layout=buf.layout)
+def like_buffer(buf, name: str, shape=None):
+    """A new buffer with ``buf``'s type, scope and layout (and shape, unless given),
+    named ``name``."""
+    shape = buf.shape if shape is None else shape
+    return tvm.tirx.decl_buffer(shape, buf.dtype, name=name, scope=buf.scope(), layout=buf.layout)
 
 
 def with_fresh_iter_vars(block: SBlock) -> SBlock:

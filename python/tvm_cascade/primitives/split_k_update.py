@@ -109,13 +109,7 @@ def _axis_var_of(chain, block):
 
 def _chunked_buffer(chain, buf):
     """A buffer like ``buf`` with a leading chunk dimension, named ``<buf>_partial``."""
-    return tvm.tirx.decl_buffer(
-        [chain.chunks] + list(buf.shape),
-        buf.dtype,
-        name=f"{buf.name}_partial",
-        scope=buf.scope(),
-        layout=buf.layout,
-    )
+    return ir.like_buffer(buf, f"{buf.name}_partial", [chain.chunks] + list(buf.shape))
 
 
 def _to_partials(node, partials: dict, chunk):
@@ -197,6 +191,7 @@ def _global_combine(chain, edit, fusion, partial):
     loops.append((chunk_loop, chain.chunks))
     bindings.append(chunk_loop)
 
+    extent = chain.target_axis.dom.extent
     idx = [substitute(i, vmap) for i in store.indices]
     running = tvm.tirx.BufferLoad(acc, idx)
     part = tvm.tirx.BufferLoad(partial, [chunk.var] + idx)
@@ -213,7 +208,6 @@ def _global_combine(chain, edit, fusion, partial):
             rows = [substitute(r, vmap) for r in rows]
             prev_loads.append(tvm.tirx.BufferLoad(partial_buf, [chunk.var] + rows))
             cur_loads.append(tvm.tirx.BufferLoad(global_buf, rows))
-        extent = chain.target_axis.dom.extent
         count = tvm.tirx.min(chain.chunk, extent - chunk.var * chain.chunk)
         term = repair_to_tir(fusion, part, prev_loads, cur_loads, count, acc.dtype)
     value = chain.reducer.tir_combine(running, term)
@@ -225,7 +219,6 @@ def _global_combine(chain, edit, fusion, partial):
     )
     block = edit.regions(block)
     # A chunk past the last key folds nothing (its init never runs): skip it.
-    extent = chain.target_axis.dom.extent
     predicate = tvm.tirx.const(True, "bool")
     if not tvm.sym.Analyzer().can_prove((chain.chunks - 1) * chain.chunk < extent):
         predicate = chunk_loop * chain.chunk < extent
