@@ -62,7 +62,20 @@ class Chain:
         self.intermediates = []
         self._walk_inputs(self.target)
         self.movers = sorted(self.intermediates, key=lambda s: s.index) + [self.target]
-        self.complete_copies = [s for s in self.intermediates if self._outside_consumers(s)]
+        self.complete_copies = self._with_inputs(
+            [s for s in self.intermediates if self._outside_consumers(s)]
+        )
+
+    def _with_inputs(self, sites):
+        """``sites`` and the intermediates they read, transitively: a complete copy must
+        read complete values, not those its inputs compute under the loop."""
+        needed = set(sites)
+        for site in sorted(self.intermediates, key=lambda s: -s.index):
+            if site in needed:
+                needed.update(
+                    w for w in map(self.writer.get, site.read_buffers()) if w in self.intermediates
+                )
+        return [s for s in sorted(self.intermediates, key=lambda s: s.index) if s in needed]
 
     # ----- failures -----------------------------------------------------------------
     def _fail(self, why: str):

@@ -15,7 +15,6 @@ Modules
 ``reference``      -- numpy float64 references (never calls TVM)
 ``testing``        -- :func:`testing.run_prim_func`, :func:`testing.random_attention_inputs`,
                       :func:`testing.block_names`, ...
-``_reorder``       -- dependency-checked reordering of root-level loop nests
 
 (The module is called ``flex_attention`` so that ``tvm_cascade.ops.attention``
 is unambiguously the builder function.)

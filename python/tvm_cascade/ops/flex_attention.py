@@ -33,7 +33,7 @@ data for it uses ``ml_dtypes.bfloat16``.
 ``te.create_prim_func`` itself would emit ``pv`` before ``sum`` (its DFS
 follows the read order of ``o / l``); the builder moves the two independent
 loop nests into the documented order (checked for dependencies, see
-:mod:`tvm_cascade.ops._reorder`).
+:mod:`tvm_cascade.root_order`).
 
 Masked scores are set to the *lowest finite* value of ``accum_dtype``
 (``tvm.tirx.min_value``), never ``-inf``.  This equals the identity of the
@@ -59,7 +59,7 @@ from typing import Callable, Optional, Tuple
 import tvm
 from tvm import te, tirx
 
-from ._reorder import reorder_root_blocks
+from ..root_order import reorder_root_blocks
 from .variants import AttentionVariant, get_variant
 
 ScoreMod = Callable[..., "tvm.tirx.PrimExpr"]

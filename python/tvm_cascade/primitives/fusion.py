@@ -5,8 +5,10 @@ import sympy
 import tvm
 import tvm_ffi
 
-from ..analysis.scope import dtype_of
+from ..analysis.scope import accumulator_store, dtype_of
 from ..algebra.convert import Symbolic, UnsupportedExpr, to_tir
+from ..algebra.masks import strip_zero_masks
+from ..algebra.reducers import SUM, match_reducer
 from ..algebra.repair import COUNT, RUNNING, NoRepair, Repair, derive_repair
 
 
@@ -18,6 +20,9 @@ class Fusion:
     producers: list
     loads: list
     target_buffer: str
+    # Indices of producers whose old value multiplies the repair: a sum that was 0 then
+    # (every term masked to 0) weights the running value by 0, and that value may be 0/0.
+    zero_weight: tuple = ()
 
     def describe(self) -> str:
         """The repair with symbols named after buffers: the running ``sum``, the producers'
@@ -49,8 +54,11 @@ def derive(chain, required: bool = True):
         return index
 
     symbolic = Symbolic(classify)
+    analysed = combiner
+    if chain.reducer is SUM:
+        analysed = strip_zero_masks(combiner, symbolic.holds_incomplete)
     try:
-        g = symbolic.convert(combiner)
+        g = symbolic.convert(analysed)
     except UnsupportedExpr as err:
         chain._fail(
             f"reducer '{chain.reducer}' has combiner '{combiner}', whose sub-expression "
@@ -74,6 +82,11 @@ def derive(chain, required: bool = True):
             f"reducer '{chain.reducer}' with combiner {pretty} has no repair: {err.reason}. "
             f"The sub-expression {blocking} blocks it"
         )
+    if COUNT in repair.h.free_symbols and not analysed.same_as(combiner):
+        chain._fail(
+            f"its combiner '{combiner}' masks terms to 0, and its repair "
+            f"{sympy.sstr(repair.h)} counts the folded elements, masked ones included"
+        )
     placeholders = {sym: tvm.tirx.Var(sym.name, "float32") for sym in repair.h.free_symbols}
     try:
         to_tir(repair.h, placeholders, "float32")
@@ -81,7 +94,24 @@ def derive(chain, required: bool = True):
         chain._fail(f"its proven repair h = {sympy.sstr(repair.h)} has no TIR form ({err})")
     producers = [chain.sites[key] for _, key, _ in symbolic.incomplete]
     loads = [load for _, _, load in symbolic.incomplete]
-    return Fusion(repair, producers, loads, chain.target.write_buffers()[0].name)
+    zero_weight = ()
+    if chain.reducer is SUM:
+        zero_weight = tuple(
+            k
+            for k, (old, producer) in enumerate(zip(repair.old, producers))
+            if _reduces_by_sum(producer) and _vanishes_with(repair.h, old)
+        )
+    return Fusion(repair, producers, loads, chain.target.write_buffers()[0].name, zero_weight)
+
+
+def _reduces_by_sum(site) -> bool:
+    matched = match_reducer(accumulator_store(site.block))
+    return matched is not None and matched[0] is SUM
+
+
+def _vanishes_with(h, old) -> bool:
+    """Whether ``h`` is 0 whenever ``old`` is, whatever the running value."""
+    return sympy.simplify(h.subs(old, 0)) == 0 and h.has(RUNNING)
 
 
 def repair_to_tir(fusion: Fusion, running, prev_loads, cur_loads, count, dtype: str):
@@ -96,4 +126,9 @@ def repair_to_tir(fusion: Fusion, running, prev_loads, cur_loads, count, dtype: 
     for old, new, prev, cur in zip(fusion.repair.old, fusion.repair.new, prev_loads, cur_loads):
         env[old] = as_dtype(prev)
         env[new] = as_dtype(cur)
-    return to_tir(fusion.repair.h, env, dtype)
+    repaired = to_tir(fusion.repair.h, env, dtype)
+    for k in fusion.zero_weight:
+        # A running value normalised by a sum of 0 is 0/0; its weight is 0, so is its share.
+        old = env[fusion.repair.old[k]]
+        repaired = tvm.tirx.Select(old == tvm.tirx.const(0, dtype), tvm.tirx.const(0, dtype), repaired)
+    return repaired

@@ -1,9 +1,10 @@
-"""Reorder the independent top-level loop nests of a ``te.create_prim_func`` result.
+"""Reorder the independent top-level loop nests of a PrimFunc.
 
 ``te.create_prim_func`` emits stages in a post-order DFS over the tensor graph,
 so two independent consumers of the same tensor (e.g. attention's ``pv`` and
 ``sum``, both reading ``exp``) come out in the order in which their results
-are *read* downstream.  :func:`reorder_root_blocks` moves the root's loop nests
+are *read* downstream; legalised Relax functions put the layout transform of V
+after the softmax. :func:`reorder_root_blocks` moves the root's loop nests
 into a requested block order, checking that no read/write dependency between
 two swapped nests is violated.
 """

@@ -1,0 +1,179 @@
+"""Fuse every cascaded reduction of a PrimFunc with the traced primitives, no schedule needed."""
+import logging
+from dataclasses import dataclass
+from typing import Tuple
+
+import tvm
+from tvm.s_tir.schedule import ScheduleError
+
+from .._core import refresh_sblock_flags
+from ..analysis.axes import AxisClasses
+from ..analysis.scope import collect_sites
+from ..root_order import reorder_root_blocks
+from .detect import Candidate, driving_loop, find_candidates, reduced_axis
+
+logger = logging.getLogger("tvm_cascade.transform")
+
+METHODS = ("auto", "rolling", "split_k")
+
+
+@dataclass(frozen=True)
+class FusedChain:
+    """One chain the pass fused: ``blocks`` now share the key loop ``loop`` of ``root``."""
+
+    root: str
+    blocks: Tuple[str, ...]
+    method: str  # "rolling" or "split_k"
+    loop: object  # LoopRV of the key loop: the tile loop (rolling) or the chunk loop (split_k)
+
+
+def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: int = 8) -> list:
+    """Fuse the cascaded reductions of the one PrimFunc in ``sch.mod``; returns the
+    :class:`FusedChain` list.
+
+    For each reduction (the root) with later reductions over the same axis that read it,
+    the blocks that do not depend on the root move before it (a legalised Relax function
+    transforms V's layout after the softmax), the root's key loop is split (``[None, tile]`` keys for ``rolling``, ``[chunks, None]``
+    for ``split_k``), each later reduction is fused with ``rolling_update`` or
+    ``split_k_update``, and the blocks that produce the root's input are computed inside
+    the key loop where ``compute_at`` allows, so the chain reads its input once. A
+    reduction whose repair does not exist is left where it is and the reason is logged at
+    DEBUG level on the ``tvm_cascade.transform`` logger; a root none of whose dependents
+    fuse leaves the schedule unchanged. ``auto`` picks ``split_k`` when the root has fewer
+    rows (spatial iterations) than keys and both are static, as decode attention does.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if tile < 1 or chunks < 1:
+        raise ValueError(f"tile and chunks must be positive, got {tile} and {chunks}")
+    fused = []
+    for candidate in find_candidates(_func(sch)):
+        how = _method(candidate, method)
+        trial = sch.copy()
+        accepted = [name for name in _apply(trial, candidate, how, tile, chunks) if name]
+        if not accepted:
+            logger.debug("'%s': no later reduction fuses into its loop; left unchanged", candidate.root)
+            continue
+        loop = _apply(sch, candidate, how, tile, chunks, only=accepted)
+        _compute_producers_at(sch, candidate.root, loop)
+        fused.append(FusedChain(candidate.root, tuple(accepted), how, loop))
+    return fused
+
+
+def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, only=None):
+    """Split the root's key loop and fuse the dependents (those in ``only`` if given).
+    Without ``only``, yields the names that fused (None for those refused); with it,
+    returns the key loop."""
+    _hoist_independent(sch, candidate.root)
+    root = sch.get_sblock(candidate.root)
+    site = _site(sch, candidate.root)
+    axis = reduced_axis(site)
+    loop_rv = _loop_rv(sch, root, driving_loop(site, axis))
+    if candidate.length is not None:
+        tile = min(tile, candidate.length)
+        chunks = min(chunks, candidate.length)
+    factors = [None, tile] if how == "rolling" else [chunks, None]
+    key_loop = sch.split(loop_rv, factors, preserve_unit_iters=True)[0]
+    if how == "split_k":
+        sch.split_k_update(root, key_loop)
+    results = []
+    for name in candidate.dependents:
+        if only is not None and name not in only:
+            continue
+        try:
+            primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
+            primitive(sch.get_sblock(name), key_loop)
+            results.append(name)
+        except ScheduleError as err:
+            logger.debug("'%s' not fused into '%s': %s", name, candidate.root, _reason(err))
+            results.append(None)
+    return key_loop if only is not None else results
+
+
+def _compute_producers_at(sch, root_name: str, loop) -> None:
+    """Compute the blocks feeding the root (score, matmul, casts) inside its key loop,
+    nearest first. Only blocks that write along the key axis go in, each computing one
+    tile of it; a row-level block (the query's layout) would be recomputed for every tile.
+    A branch stops where ``compute_at`` refuses."""
+    sites = collect_sites(_func(sch).body.block)
+    axes = AxisClasses(sites)
+    root_site = next(s for s in sites if s.name == root_name)
+    key = reduced_axis(root_site).var
+    along_keys = {s.name for s in sites if any(axes.same(iv.var, key) for iv in s.block.iter_vars)}
+    pending, seen = [root_name], {root_name}
+    while pending:
+        block = sch.get_sblock(pending.pop())
+        for producer in sch.get_producers(block):
+            name = sch.get(producer).name_hint
+            if name in seen or name not in along_keys:
+                continue
+            seen.add(name)
+            if not _site(sch, name).under(sch.get(loop)):
+                try:
+                    sch.compute_at(producer, loop, preserve_unit_loops=True)
+                except ScheduleError as err:
+                    logger.debug(
+                        "'%s' stays outside the key loop of '%s': %s", name, root_name, _reason(err)
+                    )
+                    continue
+            pending.append(name)
+
+
+def _hoist_independent(sch, root_name: str) -> None:
+    """Move the root-level loop nests that do not depend on ``root_name`` before it."""
+    func = _func(sch)
+    sites = collect_sites(func.body.block)
+    writer = {buf: site for site in sites for buf in site.write_buffers()}
+    dependent = set()
+    for site in sites:
+        if site.name == root_name or any(writer.get(b) in dependent for b in site.read_buffers()):
+            dependent.add(site)
+    order = [s.name for s in sites if s not in dependent] + [s.name for s in sites if s in dependent]
+    try:
+        reordered = reorder_root_blocks(func, order)
+    except ValueError as err:
+        logger.debug("blocks stay in place around '%s': %s", root_name, err)
+        return
+    if reordered.same_as(func):
+        return
+    old_root, new_root = func.body.block, reordered.body.block
+    sch.state.replace(sch.state.get_sref(old_root), new_root, {old_root: new_root})
+    refresh_sblock_flags(sch.state)
+
+
+def _reason(err: Exception) -> str:
+    """The last line of a schedule error: the reason without the rendered IR."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def _method(candidate: Candidate, method: str) -> str:
+    if method != "auto":
+        return method
+    few_rows = (
+        candidate.rows is not None
+        and candidate.length is not None
+        and candidate.rows < candidate.length
+    )
+    return "split_k" if few_rows else "rolling"
+
+
+def _func(sch) -> tvm.tirx.PrimFunc:
+    funcs = [f for _, f in sch.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    if len(funcs) != 1:
+        raise ValueError(f"expected a schedule of one PrimFunc, got {len(funcs)}")
+    return funcs[0]
+
+
+def _site(sch, name: str):
+    for site in collect_sites(_func(sch).body.block):
+        if site.name == name:
+            return site
+    raise KeyError(name)
+
+
+def _loop_rv(sch, block_rv, loop):
+    for loop_rv in sch.get_loops(block_rv):
+        if sch.get(loop_rv).same_as(loop):
+            return loop_rv
+    raise KeyError(loop.loop_var.name)
