@@ -49,45 +49,39 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
     fused = []
     for candidate in find_candidates(_func(sch)):
         how = _method(candidate, method)
-        trial = sch.copy()
-        accepted = [name for name in _apply(trial, candidate, how, tile, chunks) if name]
+        _, accepted = _apply(sch.copy(), candidate, how, tile, chunks, candidate.dependents)
         if not accepted:
             logger.debug("'%s': no later reduction fuses into its loop; left unchanged", candidate.root)
             continue
-        loop = _apply(sch, candidate, how, tile, chunks, only=accepted)
+        loop, _ = _apply(sch, candidate, how, tile, chunks, accepted)
         _compute_producers_at(sch, candidate.root, loop)
         fused.append(FusedChain(candidate.root, tuple(accepted), how, loop))
     return fused
 
 
-def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, only=None):
-    """Split the root's key loop and fuse the dependents (those in ``only`` if given).
-    Without ``only``, yields the names that fused (None for those refused); with it,
-    returns the key loop."""
+def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
+    """Split the root's key loop and fuse the dependents ``names`` into it; returns the
+    key loop and the names that fused (those refused are logged)."""
     _hoist_independent(sch, candidate.root)
     root = sch.get_sblock(candidate.root)
     site = _site(sch, candidate.root)
-    axis = reduced_axis(site)
-    loop_rv = _loop_rv(sch, root, driving_loop(site, axis))
+    loop_rv = _loop_rv(sch, root, driving_loop(site, reduced_axis(site)))
     if candidate.length is not None:
         tile = min(tile, candidate.length)
         chunks = min(chunks, candidate.length)
     factors = [None, tile] if how == "rolling" else [chunks, None]
     key_loop = sch.split(loop_rv, factors, preserve_unit_iters=True)[0]
+    primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
     if how == "split_k":
-        sch.split_k_update(root, key_loop)
-    results = []
-    for name in candidate.dependents:
-        if only is not None and name not in only:
-            continue
+        primitive(root, key_loop)
+    fused = []
+    for name in names:
         try:
-            primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
             primitive(sch.get_sblock(name), key_loop)
-            results.append(name)
+            fused.append(name)
         except ScheduleError as err:
             logger.debug("'%s' not fused into '%s': %s", name, candidate.root, _reason(err))
-            results.append(None)
-    return key_loop if only is not None else results
+    return key_loop, fused
 
 
 def _compute_producers_at(sch, root_name: str, loop) -> None:
