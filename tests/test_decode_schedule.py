@@ -1,71 +1,134 @@
-"""The CUDA decode schedule, its MetaSchedule design space and the tuned records.
+"""The CUDA decode schedule, its MetaSchedule design space and the tuned-record reload path.
 
-No GPU here: the kernels are compiled with nvcc and the schedules checked for what they
-must hold; the GPU numbers are in benchmarks/RESULTS.md."""
+No GPU here: the kernels are compiled with TVM's CUDA codegen and the schedules checked for
+what they must hold; the GPU numbers are in benchmarks/RESULTS.md."""
 import itertools
-from pathlib import Path
+import re
 
 import pytest
 import tvm
+import tvm_ffi
 import tvm_cascade  # noqa: F401
+from tvm.s_tir import meta_schedule as ms
 
 from tvm_cascade import ops
+from tvm_cascade import trace as cascade_trace
 from tvm_cascade.bench import VARIANTS, tuned_schedule
-from tvm_cascade.schedules.decode import DecodeConfig, choose_chunks, decode_design_space, schedule_decode
+from tvm_cascade.schedules.decode import (
+    LANES,
+    DecodeConfig,
+    choose_chunks,
+    decode_design_space,
+    longest_chunk,
+    schedule_decode,
+)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-TUNED = Path(__file__).resolve().parents[1] / "benchmarks" / "tuned" / "decode"
 
 
-def _kernels(mod):
-    source = tvm.compile(mod, target=CUDA).mod.imports[0].inspect_source()
-    return source.count("extern \"C\" __global__") // 2, source
+def _source(mod):
+    return tvm.compile(mod, target=CUDA).mod.imports[0].inspect_source()
 
 
-@pytest.mark.parametrize("heads_q, heads_kv", [(32, 32), (64, 8)])
-def test_heuristic_schedule_compiles_with_128_bit_loads(heads_q, heads_kv):
+def _kernels(source):
+    return re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*\{', source)
+
+
+def _kernel_body(source, name):
+    start = re.search(rf"void __launch_bounds__\(\d+\) {name}\(.*\{{", source).end()
+    return source[start : source.index("\n}\n", start)]
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, tiled", [(32, 32, False), (32, 16, False), (64, 8, True)])
+def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(heads_q, heads_kv, tiled):
     func = ops.attention(2, heads_q, heads_kv, 1, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
     sch = schedule_decode(func, heads_q, heads_kv, 128)
     assert str(sch.trace).count("sch.split_k_update(") == 3
-    kernels, source = _kernels(sch.mod)
-    assert kernels == 6  # qk, chunk partials, three combines, epilogue
-    assert "*(uint4*)(K_local_ptr" in source and "*(uint4*)(V_local_ptr" in source
+    source = _source(sch.mod)
+    qk, chunks, combine = _kernels(source)  # the combine is a single kernel
+    qk, chunks, combine = (_kernel_body(source, k) for k in (qk, chunks, combine))
+    if tiled:
+        # K staged in padded shared rows by coalesced 128-bit loads; no shuffles.
+        assert re.search(r"K_shared_ptr\[.*\] = \*\(uint4\*\)\(K_ptr", qk)
+        assert "__shfl" not in qk
+        assert "K_shared_local_ptr" in qk
+    else:
+        assert "*(uint4*)(K_local_ptr" in qk and "__shfl_down_sync" in qk
+    assert "*(uint4*)(V_local_ptr" in chunks and "exp_shared_ptr" in chunks
+    assert "out_ptr" in combine and "__shfl" not in combine
 
 
-def test_chunk_count_fills_the_gpu_and_divides_the_keys():
+def test_tiled_key_rows_are_padded_by_128_bits():
+    func = ops.attention(1, 8, 1, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+    config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2)
+    source = _source(schedule_decode(func, 8, 1, 128, config=config).mod)
+    # 64 threads x 2 keys, each row 64 dims + 8 halves of padding: 128 x 9 uint4.
+    assert re.search(r"__shared__ alignas\(\d+\) uint4 K_shared_ptr\[1152\]", source)
+
+
+def test_chunk_count_fills_the_gpu_divides_the_keys_and_fits_shared_memory():
     config = DecodeConfig()
-    for batch, heads_kv, group, seq in itertools.product((1, 8), (8, 32), (1, 8), (4096, 32768)):
+    for batch, heads_kv, group, seq in itertools.product((1, 8), (8, 32), (1, 2, 8), (4096, 32768)):
         chunks = choose_chunks(batch, heads_kv, group, seq, config, 132)
-        assert (seq // 16) % chunks == 0 and seq // chunks <= config.max_chunk
-        assert chunks % max(1, config.rows // group) == 0
-    # More work per (batch, kv head) row needs fewer chunks to fill the same GPU.
-    assert choose_chunks(8, 32, 1, 32768, config, 132) <= choose_chunks(1, 32, 1, 32768, config, 132)
+        keys = seq // chunks
+        assert (seq // LANES) % chunks == 0 and chunks % config.rows == 0
+        assert keys <= longest_chunk(group, config.rows, config)
+        assert 4 * keys * group * config.rows <= config.exp_bytes
+    # More work per (batch, kv head) row needs fewer chunks to fill the same GPU ...
+    assert choose_chunks(8, 32, 1, 32768, config, 132) < choose_chunks(1, 32, 1, 32768, config, 132)
+    # ... but chunks stay long enough that their partial outputs stay small.
+    assert 4096 // choose_chunks(1, 8, 8, 4096, config, 132) >= config.keys_per_head * 8
+    assert 4096 // choose_chunks(1, 8, 1, 4096, config, 132) >= config.min_chunk
 
 
-def test_design_space_replays_under_every_decision():
-    func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+def test_chunk_count_refuses_keys_that_do_not_split():
+    with pytest.raises(ValueError, match="divisible by 16"):
+        choose_chunks(8, 8, 1, 4100, DecodeConfig(), 132)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv", [(8, 2), (8, 8)])
+def test_design_space_replays_under_every_decision(heads_q, heads_kv):
+    func = ops.attention(1, heads_q, heads_kv, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)
-    decode_design_space(8, 2, 128)(sch)
+    decode_design_space(heads_q, heads_kv, 128)(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
-    assert len(samples) == 4
-    for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 7):
+    tiled = heads_q // heads_kv >= DecodeConfig().tile_from_group
+    assert len(samples) == (6 if tiled else 5)
+    for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):
             trace = trace.with_decision(inst, decision, remove_postproc=True)
         replayed = tvm.s_tir.Schedule(func)
         trace.apply_to_schedule(replayed, remove_postproc=True)
-    _kernels(replayed.mod)
+    assert len(_kernels(_source(replayed.mod))) == 3
 
 
-def test_tuned_records_reload_into_schedules():
-    """The committed MetaSchedule database (written on the GPU by
-    ``python -m benchmarks.tune_decode``) holds split_k_update traces that reload."""
-    assert (TUNED / "database_tuning_record.json").exists()
-    func = ops.attention(8, 64, 8, 1, 4096, 128, dtype="float16", variant=VARIANTS["gqa"])
+def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
+    """``tuned_schedule`` returns the best record's schedule of a JSON database in the
+    format ``python -m benchmarks.tune_decode`` writes, and None for other workloads.
+    (The run times here are test data: which record is best is what is checked.)"""
+    func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
+    workload = database.commit_workload(tvm.IRModule({"main": func}))
+    traces = []
+    for seed, secs in ((1, 2e-5), (2, 1e-5)):
+        sch = tvm.s_tir.Schedule(func, seed=seed)
+        decode_design_space(8, 2, 128)(sch)
+        traces.append(sch.trace)
+        database.commit_tuning_record(
+            ms.database.TuningRecord(
+                sch.trace, workload, run_secs=[secs], target=CUDA,
+                args_info=ms.arg_info.ArgInfo.from_prim_func(func),
+            )
+        )
+    monkeypatch.setenv("TVM_CASCADE_TUNED", str(tmp_path))
     sch = tuned_schedule(func, CUDA)
     assert sch is not None
     assert str(sch.trace).count("sch.split_k_update(") == 3
-    _kernels(sch.mod)
-    untuned = ops.attention(8, 64, 8, 1, 2048, 128, dtype="float16", variant=VARIANTS["gqa"])
-    assert tuned_schedule(untuned, CUDA) is None
+    expected = tvm.s_tir.Schedule(func)
+    traces[1].apply_to_schedule(expected, remove_postproc=True)
+    assert tvm_ffi.structural_equal(sch.mod, expected.mod)
+    assert len(_kernels(_source(sch.mod))) == 3
+    other = ops.attention(1, 8, 2, 1, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
+    assert tuned_schedule(other, CUDA) is None

@@ -1,56 +1,98 @@
 """GPU schedule for decode attention (a few query rows, many keys): split-k (FlashDecoding).
 
-Built from the traced ``split_k_update``, then ordinary TVM primitives:
+Built from the traced ``split_k_update``, then ordinary TVM primitives. Three kernels:
 
-* kernel 1, ``qk``: thread rows (``threadIdx.y``) take a few keys each, 16 lanes
-  (``threadIdx.x``) split the head dimension with 128-bit loads of K and reduce with
-  shuffles; each lane keeps its slice of the GQA group's query rows in registers, so each
-  K row is loaded once for all query heads of its group;
-* kernel 2, the chunks: each thread row owns one chunk for all query heads of a GQA group
-  (the head loop is moved below the chunk loop before ``split_k_update``); its 16 lanes
-  reduce each head's max and sum with shuffles, write the exps to shared memory, and fold
-  V rows into registers with 128-bit loads, 8 dims per lane, each V row loaded once for
-  all heads of the group;
-* kernels 3-6, the combines over chunks and the epilogue.
+* kernel 1, ``qk``, in one of two forms:
 
-The chunk count is chosen from the shape and the number of SMs: enough thread blocks to
-fill the GPU, as few chunks as that allows, since each chunk writes a partial output.
+  - lanes (small GQA groups): thread rows (``threadIdx.y``) take a few keys each, 16
+    lanes (``threadIdx.x``) split the head dimension with 128-bit loads of K and reduce
+    with shuffles; each lane keeps its slice of the group's query rows in registers;
+  - tiled (groups of ``tile_from_group`` query heads or more, where the lanes' shuffles
+    for every head would dominate): a block stages a tile of keys, a slice of the head
+    dimension at a time, and its group's query rows in shared memory with coalesced
+    128-bit loads; each thread then computes whole dot products of a few consecutive keys
+    with every query row of the group, with no reduction across threads;
+
+  either way each K row is loaded once for all query heads of its group;
+* kernel 2, the chunks: a chunk of keys belongs to a row of 16 lanes (``threadIdx.x``),
+  one row per chunk (``threadIdx.y``) and per slice of the group's query heads
+  (``threadIdx.z``; the head loop is moved below the chunk loop before ``split_k_update``
+  so that every block placed under it gets its own head loop). The lanes reduce each
+  head's max and sum with shuffles, write the exps to shared memory, and fold V rows
+  into registers with 128-bit loads, 8 dims per lane; the head slices of a chunk read the
+  same V rows, which the first of them brings into L1;
+* kernel 3, the combine: a block per query row, a thread per output dim, which combines
+  the chunks' maxima, sums and partial outputs and writes the output.
+
+The chunk count is chosen from the shape and the number of SMs: enough threads to keep
+the GPU's memory busy, chunks long enough that the partial outputs they write
+(``group x head_dim`` floats each) stay small next to the K and V rows they read, and
+short enough that a block's exps fit its share of shared memory.
 """
 from dataclasses import dataclass
 
 import tvm
 
-LANES = 16  # threadIdx.x: lanes over the head dimension, 8 fp16 (128 bits) each
+LANES = 16  # lanes over the head dimension, 8 fp16 (128 bits) each
 VECTOR = 8
+PV_KEYS = 4  # V rows each lane of kernel 2 loads before folding them in
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tunable choices of the decode schedule."""
 
-    rows: int = 8  # threadIdx.y: thread rows per block
-    keys_per_row: int = 4  # keys each thread row of kernel 1 reduces
-    blocks_per_sm: int = 8  # how many kernel-2 blocks to aim for per SM
-    max_chunk: int = 1024  # keys per chunk at most (their exps live in shared memory)
+    qk_rows: int = 8  # kernel 1 (lanes): thread rows per block
+    keys_per_row: int = 4  # kernel 1 (lanes): keys each thread row reduces
+    tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more
+    tile_threads: int = 128  # kernel 1 (tiled): threads per block
+    tile_keys: int = 2  # kernel 1 (tiled): consecutive keys per thread
+    tile_stages: int = 2  # kernel 1 (tiled): slices of the head dimension staged in turn
+    rows: int = 4  # kernel 2: chunks per block (threadIdx.y)
+    heads_per_thread: int = 2  # kernel 2: query heads of the group each thread serves
+    threads_per_sm: int = 2048  # kernel 2: threads to aim for per SM
+    min_chunk: int = 128  # kernel 2: keys per chunk at least, if the shape allows ...
+    keys_per_head: int = 16  # ... and at least this many per query head of the group
+    exp_bytes: int = 32768  # kernel 2: shared memory for a block's exps (float32) at most
+
+
+def z_threads(group, heads_per_thread):
+    """Kernel 2's threads over the query heads of a group (``threadIdx.z``)."""
+    per_thread = min(heads_per_thread, group)
+    if group % per_thread:
+        raise ValueError(f"{per_thread} heads per thread do not divide a group of {group}")
+    return group // per_thread
+
+
+def longest_chunk(group, rows, config):
+    """Keys per chunk at most: the exps of ``rows`` chunks of the whole group fit
+    ``config.exp_bytes`` of shared memory."""
+    return config.exp_bytes // (4 * rows * group)
 
 
 def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors):
-    """The chunk count: a divisor of ``seq_kv / LANES`` (chunks split the keys evenly,
-    in whole lane groups) closest to what fills ``blocks_per_sm`` blocks per SM."""
-    per_block = config.rows
-    wanted = config.blocks_per_sm * multiprocessors * per_block / (batch * heads_kv)
+    """The chunk count: a multiple of ``config.rows`` dividing ``seq_kv / LANES`` (chunks
+    split the keys evenly, in whole lane groups) with at most :func:`longest_chunk` keys;
+    among those with at least ``max(min_chunk, keys_per_head * group)`` keys (all, if
+    none has), the one closest to ``threads_per_sm`` threads per SM."""
+    threads_per_chunk = LANES * z_threads(group, config.heads_per_thread)
+    wanted = config.threads_per_sm * multiprocessors / (batch * heads_kv * threads_per_chunk)
     groups = seq_kv // LANES
+    longest = longest_chunk(group, config.rows, config)
     fits = [
         c
-        for c in range(per_block, groups + 1, per_block)
-        if groups % c == 0 and seq_kv // c <= config.max_chunk
+        for c in range(config.rows, groups + 1, config.rows)
+        if groups % c == 0 and seq_kv // c <= longest
     ]
     if seq_kv % LANES or not fits:
         raise ValueError(
             f"the decode schedule needs a key count divisible by {LANES} into chunks of at "
-            f"most {config.max_chunk} keys, got {seq_kv}"
+            f"most {longest} keys, got {seq_kv}"
         )
-    return min(fits, key=lambda c: (abs(c - wanted) / c, c))
+    # Each chunk writes group x head_dim float partials: long chunks keep them small.
+    least = max(config.min_chunk, config.keys_per_head * group)
+    long_enough = [c for c in fits if seq_kv // c >= least] or fits
+    return min(long_enough, key=lambda c: (abs(c - wanted) / c, c))
 
 
 def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, config=DecodeConfig()):
@@ -60,24 +102,48 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     sch = tvm.s_tir.Schedule(func)
     batch, _, _, seq_kv = _shape(sch)
     chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors)
-    apply_decode_schedule(sch, heads_kv, group, chunks, config.rows, config.keys_per_row, config.rows)
+    if group >= config.tile_from_group:
+        qk = (config.tile_threads, config.tile_keys, config.tile_stages)
+    else:
+        qk = (config.qk_rows, config.keys_per_row)
+    apply_decode_schedule(
+        sch,
+        heads_kv,
+        group,
+        chunks,
+        qk,
+        config.rows,
+        z_threads(group, config.heads_per_thread),
+        tiled=group >= config.tile_from_group,
+    )
     return sch
 
 
 def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     """A MetaSchedule design space (``fn(sch)``) over the decode schedule: the chunk
-    count, the chunks per thread block and kernel 1's thread rows and keys per row are
-    ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
+    count, the chunks per thread block, the threads over the group's heads and kernel 1's
+    tile (rows and keys per row, or threads, keys per thread and stages when it is tiled)
+    are ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
     group = _group(heads_q, heads_kv, head_dim)
+    tiled = group >= config.tile_from_group
     chunk_rows = [1, 2, 4, 8]
+    # The z threads of a chunk split its group evenly.
+    z_options = [z for z in (1, 2, 4, 8) if group % z == 0]
+    if tiled:
+        qk_options = ([64, 128], [2, 4], [2, 4])
+    else:
+        qk_options = ([4, 8, 16], [1, 2, 4, 8])
 
     def space(sch):
         seq_kv = _shape(sch)[3]
         step = max(chunk_rows)
+        # Bounded for the heuristic's rows: VerifyGPUCode drops samples whose exps outgrow
+        # the GPU's shared memory.
+        longest = longest_chunk(group, config.rows, config)
         counts = [
             c
             for c in range(step, seq_kv // LANES + 1, step)
-            if (seq_kv // LANES) % c == 0 and seq_kv // c <= config.max_chunk
+            if (seq_kv // LANES) % c == 0 and seq_kv // c <= longest
         ]
         if not counts:
             raise ValueError(f"no chunk count splits {seq_kv} keys for this design space")
@@ -90,9 +156,10 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             heads_kv,
             group,
             sample(counts),
-            sample([4, 8, 16]),
-            sample([1, 2, 4, 8]),
+            tuple(sample(options) for options in qk_options),
             sample(chunk_rows),
+            sample(z_options),
+            tiled=tiled,
         )
 
     return space
@@ -108,12 +175,14 @@ def _shape(sch):
     return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
 
 
-def apply_decode_schedule(sch, heads_kv, group, chunks, qk_rows, keys_per_row, chunk_rows):
-    """The decode schedule on a fresh schedule of ``ops.attention``; the last four
-    choices are ints or sampled ``ExprRV``s."""
+def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled):
+    """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
+    ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
+    ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group.
+    The choices are ints or sampled ``ExprRV``s."""
     # The query heads of a GQA group go below the chunk loop, so that every block placed
-    # under it gets its own head loop: one thread then holds all heads of its group and
-    # loads each V row once for them.
+    # under it gets its own head loop: the threads of a chunk then hold all heads of its
+    # group and load each V row for them.
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     _, g = sch.split(h, [heads_kv, group])
     j0, _ = sch.split(j, [chunks, None])
@@ -121,12 +190,12 @@ def apply_decode_schedule(sch, heads_kv, group, chunks, qk_rows, keys_per_row, c
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
-    _schedule_qk(sch, heads_kv, group, qk_rows, keys_per_row)
-    _schedule_chunks(sch, chunk_rows)
-    _schedule_combines(sch)
+    (_schedule_qk_tiled if tiled else _schedule_qk_lanes)(sch, heads_kv, group, *qk)
+    _schedule_chunks(sch, chunk_rows, z)
+    _schedule_combine(sch)
 
 
-def _schedule_qk(sch, heads_kv, group, rows, keys_per_row):
+def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row):
     qk = sch.get_sblock("qk")
     b, h, i, j, rd = sch.get_loops(qk)
     hkv, g = sch.split(h, [heads_kv, group])
@@ -147,25 +216,62 @@ def _schedule_qk(sch, heads_kv, group, rows, keys_per_row):
         sch.vectorize(vector)
 
 
-def _schedule_chunks(sch, chunk_rows):
+def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
+    qk = sch.get_sblock("qk")
+    b, h, i, j, rd = sch.get_loops(qk)
+    hkv, g = sch.split(h, [heads_kv, group])
+    jo, jt, jk = sch.split(j, [None, threads, keys])
+    rs, ro, ri = sch.split(rd, [stages, None, VECTOR])
+    sch.reorder(b, hkv, jo, jt, rs, ro, jk, g, i, ri)
+    sch.bind(sch.fuse(b, hkv), "blockIdx.x")
+    sch.bind(jo, "blockIdx.y")
+    sch.bind(jt, "threadIdx.x")
+    # The block stages its group's query rows once, and its keys one slice of the head
+    # dimension at a time, in shared memory, all threads loading 128 contiguous bits each.
+    q_shared = sch.cache_read(qk, 0, "shared")
+    sch.compute_at(q_shared, jo, preserve_unit_loops=True)
+    k_shared = sch.cache_read(qk, 1, "shared")
+    sch.compute_at(k_shared, rs, preserve_unit_loops=True)
+    for cache, loops in ((q_shared, 3), (k_shared, 2)):
+        fused = sch.fuse(*sch.get_loops(cache)[-loops:])
+        _, tx, vector = sch.split(fused, [None, threads, VECTOR])
+        sch.bind(tx, "threadIdx.x")
+        sch.vectorize(vector)
+    # Threads read consecutive key rows 128 bits at a time: rows an odd number of 128-bit
+    # words long (8 halves past a multiple of 16) put neighbouring rows on other banks.
+    sch.storage_align(k_shared, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
+    for index in (0, 1):
+        cache = sch.cache_read(qk, index, "local")
+        sch.compute_at(cache, ro, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(cache)[-1])
+    acc = sch.cache_write(qk, 0, "local")
+    sch.reverse_compute_at(acc, jt, preserve_unit_loops=True)
+    sch.decompose_reduction(qk, rs)
+
+
+def _schedule_chunks(sch, chunk_rows, z):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
     b, hkv, i, c = sch.get_loops(blocks["max_partial"])[:4]
     cb, cy = sch.split(c, [None, chunk_rows])
     sch.bind(sch.fuse(b, hkv), "blockIdx.x")
     sch.bind(cb, "blockIdx.y")
     sch.bind(cy, "threadIdx.y")
-    # The lanes of a row share the chunk's keys for max, exp and sum ...
+    # The lanes of a row share the chunk's keys for max, exp and sum of its heads ...
     for name in ("max_partial", "exp", "sum_partial"):
-        _, lane = sch.split(sch.get_loops(blocks[name])[-1], [None, LANES])
+        g, r = sch.get_loops(blocks[name])[-2:]
+        sch.bind(sch.split(g, [z, None])[0], "threadIdx.z")
+        _, lane = sch.split(r, [None, LANES])
         sch.bind(lane, "threadIdx.x")
     sch.set_scope(blocks["exp"], 0, "shared")
     # ... and its head dimension for pv, folding whole V rows into registers, each V row
-    # once for all query heads of the group.
+    # loaded once for all query heads a thread serves.
     pv = blocks["pv_partial"]
     g, d, r = sch.get_loops(pv)[-3:]
+    gz, g = sch.split(g, [z, None])
     dx, dv = sch.split(d, [LANES, VECTOR])
-    ro, ri = sch.split(r, [None, 4])
-    sch.reorder(dx, ro, ri, g, dv)
+    ro, ri = sch.split(r, [None, PV_KEYS])
+    sch.reorder(gz, dx, ro, ri, g, dv)
+    sch.bind(gz, "threadIdx.z")
     sch.bind(dx, "threadIdx.x")
     v_local = sch.cache_read(pv, "V", "local")
     sch.compute_at(v_local, ro, preserve_unit_loops=True)
@@ -179,16 +285,22 @@ def _schedule_chunks(sch, chunk_rows):
     ):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
         sch.reverse_compute_at(store, at, preserve_unit_loops=True)
+        if at is cy:  # each z thread stores the maxima and sums of its own heads
+            g = sch.get_loops(store)[-2]
+            sch.bind(sch.split(g, [z, None])[0], "threadIdx.z")
     # float32 partials: 128-bit stores are 4 lanes wide.
     store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
     sch.vectorize(sch.split(store, [None, 4])[-1])
 
 
-def _schedule_combines(sch):
-    for name in ("max", "sum", "pv", "out"):
+def _schedule_combine(sch):
+    # One kernel: a block per query row, a thread per output dim. Each thread combines
+    # the row's chunk maxima and sums itself (the same few partials across the block,
+    # read as broadcasts), then its dim of the output; only the output leaves the thread.
+    b, h, i, d = sch.get_loops(sch.get_sblock("out"))
+    sch.bind(sch.fuse(b, h, i), "blockIdx.x")
+    sch.bind(d, "threadIdx.x")
+    for name in ("pv", "sum", "max"):
         block = sch.get_sblock(name)
-        loops = sch.get_loops(block)
-        fused = sch.fuse(*(loops[:-1] if name != "out" else loops))
-        bx, tx = sch.split(fused, [None, 128])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
+        sch.compute_at(block, d)
+        sch.set_scope(block, 0, "local")
