@@ -8,6 +8,7 @@ into schedule traces) and adds the primitives to ``tvm.s_tir.Schedule``:
 from . import _core  # noqa: F401  (registers the instruction kinds)
 from . import primitives
 from .errors import FusionError
+from . import relax  # noqa: F401  (registers relax_pipeline="cascade")
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,80 @@
+"""Shared by the examples: compile a Relax module with TVM's default pipeline and with
+``relax_pipeline="cascade"``, run both, check them, time them."""
+
+import numpy as np
+import tvm
+from tvm import relax
+
+FUSED_ATTR = "tvm_cascade.fused"
+
+
+class Compiled:
+    """An executable with the module its pipeline produced (to count fused kernels)."""
+
+    def __init__(self, mod, pipeline, target):
+        with target:
+            self.mod = relax.get_pipeline(pipeline)(mod) if pipeline == "cascade" else None
+        # The cascade module is compiled from the pipeline's output (the same passes
+        # tvm.compile(..., relax_pipeline="cascade") runs); the default one by name.
+        if self.mod is not None:
+            self.exe = tvm.compile(self.mod, target, relax_pipeline=None)
+        else:
+            self.exe = tvm.compile(mod, target, relax_pipeline=pipeline)
+
+
+def compile_both(mod, target_kind):
+    """(default, cascade) compiled modules and the target."""
+    if target_kind == "cuda":
+        dev = tvm.cuda(0)
+        target = tvm.target.Target.from_device(dev)
+    else:
+        target = tvm.target.Target({"kind": "llvm"})
+    return Compiled(mod, "default", target), Compiled(mod, "cascade", target), target
+
+
+def count_fused(mod) -> int:
+    """PrimFuncs of ``mod`` that the cascade pass fused."""
+    return sum(
+        1
+        for _, f in mod.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and FUSED_ATTR in f.attrs
+    )
+
+
+def run_both(default, cascade, target, args, func="main", timed=False):
+    """Outputs of both modules on ``args`` (numpy), and their median latencies in ms
+    (None unless ``timed``)."""
+    dev = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+    tensors = [tvm.runtime.tensor(a, dev) for a in args]
+    outs, times = [], []
+    for compiled in (default, cascade):
+        vm = relax.VirtualMachine(compiled.exe, dev)
+        out = vm[func](*tensors)
+        # from_exported_program returns a tuple of outputs; the examples have one.
+        outs.append((out if hasattr(out, "numpy") else out[0]).numpy())
+        if timed:
+            timer = vm.time_evaluator(func, dev, number=20, repeat=10, min_repeat_ms=50)
+            times.append(float(np.median(timer(*tensors).results)) * 1e3)
+    return outs, (times if timed else None)
+
+
+def report(label, outs, expected, tol, times):
+    """Print the check of both outputs against ``expected`` and each other; raise on a
+    mismatch."""
+    default, cascade = (o.astype(np.float64) for o in outs)
+    err_default = float(np.max(np.abs(default - expected)))
+    err_cascade = float(np.max(np.abs(cascade - expected)))
+    between = float(np.max(np.abs(default - cascade)))
+    line = (
+        f"{label}: max |default - ref| {err_default:.2e}, |cascade - ref| {err_cascade:.2e}, "
+        f"|default - cascade| {between:.2e}"
+    )
+    if times:
+        speedup = times[0] / times[1]
+        line += f"; default {times[0]:.4f} ms, cascade {times[1]:.4f} ms, speed-up {speedup:.2f}x"
+    print(line, flush=True)
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    if max(err_default, err_cascade) > tol * scale:
+        raise SystemExit(
+            f"{label}: outputs differ from the reference by more than {tol} (relative)"
+        )

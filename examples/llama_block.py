@@ -1,0 +1,168 @@
+"""A Llama-style decoder block built with ``tvm.relax.frontend.nn``, compiled with TVM's
+default Relax pipeline and with ``relax_pipeline="cascade"``.
+
+The block: RMSNorm, grouped-query attention over a KV cache (the new token's keys and
+values are appended to ``past_k``/``past_v``, whose length is symbolic) with an additive
+causal mask, RMSNorm and a SwiGLU MLP, both with residuals. The attention is written by
+hand (``matmul -> scale -> mask -> softmax -> matmul`` with the K/V heads repeated over
+each GQA group), which the cascade pipeline fuses into one kernel.
+
+    python examples/llama_block.py                 # CPU: numerics vs numpy
+    python examples/llama_block.py --target cuda   # GPU: numerics, then both timed
+"""
+
+import argparse
+import math
+
+import numpy as np
+import tvm
+from tvm.relax.frontend import nn
+
+import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
+from compare import compile_both, count_fused, report, run_both
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads_q, heads_kv, dtype):
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, hidden // heads_q
+        self.q_proj = nn.Linear(hidden, heads_q * self.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, heads_kv * self.head_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, heads_kv * self.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(heads_q * self.head_dim, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x, past_k, past_v, mask):
+        b, s, _ = x.shape
+        d = self.head_dim
+
+        def heads(t, count):
+            return nn.op.permute_dims(nn.op.reshape(t, [b, s, count, d]), [0, 2, 1, 3])
+
+        q = heads(self.q_proj(x), self.heads_q)
+        k = nn.op.concat([past_k, heads(self.k_proj(x), self.heads_kv)], dim=2)
+        v = nn.op.concat([past_v, heads(self.v_proj(x), self.heads_kv)], dim=2)
+        group = self.heads_q // self.heads_kv
+        k = nn.op.repeat(k, group, axis=1)
+        v = nn.op.repeat(v, group, axis=1)
+        scores = nn.op.matmul(q, nn.op.permute_dims(k, [0, 1, 3, 2]))
+        # The mask comes with its own symbolic key count: name it past + s.
+        mask = nn.op.reshape(mask, [1, 1, s, k.shape[2]])
+        scores = scores * (1.0 / math.sqrt(d)) + mask
+        probs = nn.op.astype(nn.op.softmax(nn.op.astype(scores, "float32"), axis=-1), x.dtype)
+        out = nn.op.matmul(probs, v)
+        out = nn.op.reshape(nn.op.permute_dims(out, [0, 2, 1, 3]), [b, s, self.heads_q * d])
+        return self.o_proj(out)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, hidden, heads_q, heads_kv, intermediate, dtype):
+        self.input_norm = nn.RMSNorm(hidden, -1, 1e-5, bias=False, dtype=dtype)
+        self.attn = Attention(hidden, heads_q, heads_kv, dtype)
+        self.post_norm = nn.RMSNorm(hidden, -1, 1e-5, bias=False, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x, past_k, past_v, mask):
+        h = x + self.attn(self.input_norm(x), past_k, past_v, mask)
+        y = self.post_norm(h)
+        return h + self.down_proj(nn.op.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+def build(args, seq="s", past="past"):
+    """The exported Relax module and its parameters (random, seeded); ``seq`` and
+    ``past`` are ints for static shapes or names for symbolic ones."""
+    block = DecoderBlock(args.hidden, args.heads_q, args.heads_kv, args.intermediate, args.dtype)
+    d = args.hidden // args.heads_q
+    spec = {
+        "forward": {
+            "x": nn.spec.Tensor([1, seq, args.hidden], args.dtype),
+            "past_k": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
+            "past_v": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
+            "mask": nn.spec.Tensor([1, 1, seq, "kv"], args.dtype),
+        }
+    }
+    mod, named_params = block.export_tvm(spec=spec)
+    rng = np.random.default_rng(0)
+    params = {}
+    for name, param in named_params:
+        shape = [int(x) for x in param.shape]
+        scale = 1.0 if name.endswith("norm.weight") else 1.0 / math.sqrt(shape[-1])
+        params[name] = (rng.standard_normal(shape) * scale).astype(args.dtype)
+        if name.endswith("norm.weight"):
+            params[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(args.dtype)
+    return mod, params
+
+
+def inputs(args, seq, past):
+    """x, past_k, past_v and the additive causal mask for ``seq`` new tokens."""
+    rng = np.random.default_rng(1)
+    d = args.hidden // args.heads_q
+    kv = past + seq
+    x = rng.standard_normal((1, seq, args.hidden)).astype(args.dtype)
+    past_k = rng.standard_normal((1, args.heads_kv, past, d)).astype(args.dtype)
+    past_v = rng.standard_normal((1, args.heads_kv, past, d)).astype(args.dtype)
+    visible = np.arange(kv)[None, :] <= (past + np.arange(seq))[:, None]
+    mask = np.where(visible, 0.0, -1e4).astype(args.dtype)[None, None]
+    return [x, past_k, past_v, mask]
+
+
+def reference(args, params, x, past_k, past_v, mask):
+    """The block in float64 numpy."""
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    x, past_k, past_v, mask = (t.astype(np.float64) for t in (x, past_k, past_v, mask))
+    s, d, group = x.shape[1], args.hidden // args.heads_q, args.heads_q // args.heads_kv
+
+    def norm(t, w):
+        return t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True) + 1e-5) * w
+
+    def heads(t, count):
+        return t.reshape(1, s, count, d).transpose(0, 2, 1, 3)
+
+    h = norm(x, p["input_norm.weight"])
+    q = heads(h @ p["attn.q_proj.weight"].T, args.heads_q)
+    k = np.concatenate([past_k, heads(h @ p["attn.k_proj.weight"].T, args.heads_kv)], axis=2)
+    v = np.concatenate([past_v, heads(h @ p["attn.v_proj.weight"].T, args.heads_kv)], axis=2)
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + mask
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    attn = (probs @ v).transpose(0, 2, 1, 3).reshape(1, s, -1) @ p["attn.o_proj.weight"].T
+    h = x + attn
+    y = norm(h, p["post_norm.weight"])
+    gate = y @ p["gate_proj.weight"].T
+    mlp = (gate / (1 + np.exp(-gate)) * (y @ p["up_proj.weight"].T)) @ p["down_proj.weight"].T
+    return h + mlp
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads-q", type=int, default=8)
+    parser.add_argument("--heads-kv", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, float16 on CUDA")
+    parser.add_argument("--shapes", default="1x63,16x112", help="new tokens x past tokens, ...")
+    parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    # The CUDA schedule of the fused kernel needs static shapes (see
+    # tvm_cascade.relax.gpu_schedule): there, each shape is exported on its own.
+    exports = [(None, None)] if args.target == "llvm" else shapes
+    tol = 2e-2 if args.dtype == "float16" else 2e-4
+    for static in exports:
+        mod, params = build(args, *static) if static[0] is not None else build(args)
+        default, cascade, target = compile_both(mod, args.target)
+        print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
+        for seq, past in shapes if static[0] is None else [static]:
+            data = inputs(args, seq, past)
+            expected = reference(args, params, *data)
+            outs, times = run_both(
+                default, cascade, target, data + list(params.values()), "forward", args.time
+            )
+            report(f"seq {seq}, past {past}", outs, expected, tol, times)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""A PyTorch transformer block exported with ``torch.export``, imported with
+``tvm.relax.frontend.torch.from_exported_program`` and compiled with TVM's default Relax
+pipeline and with ``relax_pipeline="cascade"``; both are checked against PyTorch.
+
+Its attention is written out (``q @ k^T / sqrt(d)``, causal ``masked_fill``, ``softmax``,
+``@ v``) with K and V repeated over GQA groups (``repeat_interleave``); the cascade
+pipeline fuses it into one kernel. (``torch.export`` decomposes
+``F.scaled_dot_product_attention`` into this chain plus a guard for fully masked rows,
+which the patterns do not match yet.)
+
+    python examples/torch_export.py                 # CPU
+    python examples/torch_export.py --target cuda   # GPU: numerics, then both timed
+"""
+
+import argparse
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tvm
+from tvm.relax.frontend.torch import from_exported_program
+
+import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
+from compare import compile_both, count_fused, report, run_both
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden, heads_q, heads_kv):
+        super().__init__()
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, hidden // heads_q
+        self.norm1 = torch.nn.LayerNorm(hidden)
+        self.q = torch.nn.Linear(hidden, hidden)
+        self.kv = torch.nn.Linear(hidden, 2 * heads_kv * self.head_dim)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.norm2 = torch.nn.LayerNorm(hidden)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(hidden, 4 * hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * hidden, hidden),
+        )
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.norm1(x)
+        q = self.q(y).reshape(b, s, self.heads_q, self.head_dim).transpose(1, 2)
+        k, v = self.kv(y).reshape(b, s, 2, self.heads_kv, self.head_dim).unbind(2)
+        group = self.heads_q // self.heads_kv
+        k = k.transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        attn = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(attn)
+        return x + self.mlp(self.norm2(x))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads-q", type=int, default=8)
+    parser.add_argument("--heads-kv", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = Block(args.hidden, args.heads_q, args.heads_kv).eval()
+    x = torch.randn(1, args.seq, args.hidden)
+    with torch.no_grad():
+        expected = model(x).double().numpy()
+        program = torch.export.export(model, (x,))
+    mod = from_exported_program(program, keep_params_as_input=True)
+    mod, params = tvm.relax.frontend.detach_params(mod)
+    default, cascade, target = compile_both(mod, args.target)
+    print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
+    weights = [p.numpy() for p in params["main"]]
+    outs, times = run_both(default, cascade, target, [x.numpy()] + weights, "main", args.time)
+    report(f"seq {args.seq}", [np.asarray(o) for o in outs], expected, 1e-3, times)
+
+
+if __name__ == "__main__":
+    main()

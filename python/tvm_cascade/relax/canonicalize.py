@@ -1,0 +1,55 @@
+"""Undo the batched-matmul lowering that ``torch.export`` applies to 4-D ``torch.matmul``.
+
+PyTorch decomposes ``matmul`` of ``[B, H, M, K]`` and ``[B, H, K, N]`` into
+``broadcast_to -> reshape([B*H, M, K])`` on each side, a 3-D ``bmm`` and a reshape back
+to ``[B, H, M, N]``. The reshapes hide the key axis from the attention patterns (and
+from the axis analysis of the fused PrimFunc), so this rewrite turns the sequence back
+into one ``matmul`` of the original operands when the broadcasts change no shape.
+"""
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+
+def fold_batched_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every flattened batched matmul of same-batch operands folded back."""
+    a, b = wildcard(), wildcard()
+    flat_a = is_op("relax.reshape")(is_op("relax.broadcast_to")(a, wildcard()), wildcard())
+    flat_b = is_op("relax.reshape")(is_op("relax.broadcast_to")(b, wildcard()), wildcard())
+    flat = is_op("relax.matmul")(flat_a, flat_b)
+    pattern = is_op("relax.reshape")(flat, wildcard())
+
+    def rewrite(call, matches):
+        lhs, rhs = matches[a], matches[b]
+        if not _same_batch(lhs, rhs, call):
+            return call
+        return relax.op.matmul(lhs, rhs, out_dtype=matches[flat].attrs.out_dtype)
+
+    updates = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            rewritten = rewrite_call(pattern, rewrite, func)
+            if not rewritten.same_as(func):
+                updates[gvar] = rewritten
+    if not updates:
+        return mod
+    mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()))
+    for gvar, func in updates.items():
+        mod[gvar] = func
+    return mod
+
+
+def _same_batch(lhs, rhs, out) -> bool:
+    """Whether ``matmul(lhs, rhs)`` has ``out``'s shape with no broadcast of the batch."""
+    shapes = [getattr(x.ty, "shape", None) for x in (lhs, rhs, out)]
+    if any(s is None for s in shapes):
+        return False
+    lhs_shape, rhs_shape, out_shape = (list(s) for s in shapes)
+    if not (len(lhs_shape) == len(rhs_shape) == len(out_shape) >= 3):
+        return False
+    analyzer = tvm.sym.Analyzer()
+    expected = lhs_shape[:-1] + [rhs_shape[-1]]
+    pairs = list(zip(lhs_shape[:-2], rhs_shape[:-2])) + list(zip(expected, out_shape))
+    pairs.append((lhs_shape[-1], rhs_shape[-2]))
+    return all(analyzer.can_prove_equal(x, y) for x, y in pairs)

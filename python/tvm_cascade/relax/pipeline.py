@@ -1,0 +1,43 @@
+"""The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with
+:class:`.FuseAttention` before legalization.
+
+``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
+``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention
+goes through exactly the passes of ``relax_pipeline="default"``.
+"""
+
+from typing import Optional
+
+import tvm
+from tvm import relax
+
+from .fuse_attention import FuseAttention
+
+PIPELINE_NAME = "cascade"
+
+
+def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int] = None):
+    """TVM's default Relax pipeline for the current target with attention fused first
+    (see :class:`.FuseAttention` for ``tile``, ``method`` and ``chunks``)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="CascadePipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
+        passes = dispatch + [FuseAttention(tile, method, chunks), _default_pipeline(target)]
+        return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def _default_pipeline(target):
+    """The pipeline ``relax.build`` runs for ``relax_pipeline="default"`` on ``target``."""
+    if target is not None and "gpu" in target.keys:
+        return relax.get_default_pipeline(target)
+    return relax.get_pipeline("default")
+
+
+def register() -> None:
+    """Make ``"cascade"`` a pipeline name of ``tvm.relax.get_pipeline`` (once)."""
+    if PIPELINE_NAME not in relax.pipeline.PIPELINE_MAP:
+        relax.pipeline.register_pipeline(PIPELINE_NAME)(cascade_pipeline)
