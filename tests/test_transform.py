@@ -175,3 +175,31 @@ def test_bad_arguments():
         FuseCascadedReductions(method="fast")
     with pytest.raises(ValueError, match="positive"):
         fuse_cascaded_reductions(tvm.s_tir.Schedule(ops.logsumexp(2, 8)), tile=0)
+
+
+def test_float16_chain_with_casts():
+    # float16 in and out, the softmax in float32: the casts on either side have the same
+    # loop nest and different dtypes, and must not be taken for one another.
+    rows, keys, dim = 6, 40, 8
+    S = te.placeholder((rows, keys), "float16", name="S")
+    V = te.placeholder((keys, dim), "float16", name="V")
+    r = [te.reduce_axis((0, keys), f"r{k}") for k in range(3)]
+    s32 = te.compute((rows, keys), lambda i, j: S[i, j].astype("float32"), name="cast_in")
+    m = te.compute((rows,), lambda i: te.max(s32[i, r[0]], axis=r[0]), name="max")
+    e = te.compute((rows, keys), lambda i, j: te.exp(s32[i, j] - m[i]), name="exp")
+    l = te.compute((rows,), lambda i: te.sum(e[i, r[1]], axis=r[1]), name="sum")
+    p16 = te.compute((rows, keys), lambda i, j: (e[i, j] / l[i]).astype("float16"), name="cast_out")
+    o = te.compute(
+        (rows, dim),
+        lambda i, d: te.sum(p16[i, r[2]].astype("float32") * V[r[2], d].astype("float32"), axis=r[2]),
+        name="pv",
+    )
+    mod = _fused(_main(te.create_prim_func([S, V, o])), tile=16, method="rolling")
+    assert list(mod["main"].attrs[FUSED]) == ["sum", "pv"]
+    rng = np.random.default_rng(5)
+    s = (rng.standard_normal((rows, keys)) * 3).astype("float16")
+    v = rng.standard_normal((keys, dim)).astype("float16")
+    (out,) = tt.run_compiled(tvm.compile(mod, target="llvm"), mod["main"], [s, v])
+    p = np.exp(s - s.max(1, keepdims=True).astype(np.float64))
+    ref = (p / p.sum(1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
