@@ -116,7 +116,7 @@ def test_attention_variants_auto(variant):
     # 2 x 4 x 3 = 24 rows, 48 keys: auto picks split-k; a long query picks rolling.
     for seq_q, method in ((3, "split_k"), (64, "rolling")):
         func = ops.attention(2, 4, 2, seq_q, 48, 16, variant=variant)
-        sch = tvm.s_tir.Schedule(func)
+        sch = tvm.s_tir.Schedule(func, debug_mask="all")
         (chain,) = fuse_cascaded_reductions(sch, tile=16, chunks=4)
         assert chain.method == method and chain.blocks == ("sum", "pv")
         inputs = tt.random_attention_inputs(2, 4, 2, seq_q, 48, 16, "float32", seed=3)

@@ -35,8 +35,11 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
     the blocks that do not depend on the root move before it (a legalised Relax function
     transforms V's layout after the softmax), the root's key loop is split (``[None, tile]`` keys for ``rolling``, ``[chunks, None]``
     for ``split_k``), each later reduction is fused with ``rolling_update`` or
-    ``split_k_update``, and the blocks that produce the root's input are computed inside
-    the key loop where ``compute_at`` allows, so the chain reads its input once. A
+    ``split_k_update``. With ``rolling`` the blocks that produce the root's input along
+    the key axis (scores, Q·Kᵀ) are computed inside the key loop where ``compute_at``
+    allows, one tile at a time, so the chain reads its input once; a split-k chunk is
+    read three times (max, sum, P·V) and is too long to keep in fast memory, so its
+    scores stay a pass of their own, as FlashDecoding's are. A
     reduction whose repair does not exist is left where it is and the reason is logged at
     DEBUG level on the ``tvm_cascade.transform`` logger; a root none of whose dependents
     fuse leaves the schedule unchanged. ``auto`` picks ``split_k`` when the root has fewer
@@ -53,8 +56,10 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
         if not accepted:
             logger.debug("'%s': no later reduction fuses into its loop; left unchanged", candidate.root)
             continue
+        along_keys = _blocks_along_key_axis(sch, candidate.root)
         loop, _ = _apply(sch, candidate, how, tile, chunks, accepted)
-        _compute_producers_at(sch, candidate.root, loop)
+        if how == "rolling":
+            _compute_producers_at(sch, loop, along_keys)
         fused.append(FusedChain(candidate.root, tuple(accepted), how, loop))
     return fused
 
@@ -84,17 +89,23 @@ def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
     return key_loop, fused
 
 
-def _compute_producers_at(sch, root_name: str, loop) -> None:
-    """Compute the blocks feeding the root (score, matmul, casts) inside its key loop,
-    nearest first. Only blocks that write along the key axis go in, each computing one
-    tile of it; a row-level block (the query's layout) would be recomputed for every tile.
-    A branch stops where ``compute_at`` refuses."""
+def _blocks_along_key_axis(sch, root_name: str) -> set:
+    """Names of the blocks with an iterator on the root's reduced axis (before fusion,
+    while every index is still a plain iterator)."""
     sites = collect_sites(_func(sch).body.block)
     axes = AxisClasses(sites)
-    root_site = next(s for s in sites if s.name == root_name)
-    key = reduced_axis(root_site).var
-    along_keys = {s.name for s in sites if any(axes.same(iv.var, key) for iv in s.block.iter_vars)}
-    pending, seen = [root_name], {root_name}
+    key = reduced_axis(next(s for s in sites if s.name == root_name)).var
+    return {s.name for s in sites if any(axes.same(iv.var, key) for iv in s.block.iter_vars)}
+
+
+def _compute_producers_at(sch, loop, along_keys: set) -> None:
+    """Compute the blocks feeding the fused chain (scores, Q·Kᵀ) inside its key loop,
+    nearest first. Only blocks in ``along_keys`` go in, each computing one tile or chunk
+    of keys; a row-level block (the query's layout) would be recomputed for every tile.
+    A branch stops where ``compute_at`` refuses."""
+    loop_stmt = sch.get(loop)
+    pending = [s.name for s in collect_sites(_func(sch).body.block) if s.under(loop_stmt)]
+    seen = set(pending)
     while pending:
         block = sch.get_sblock(pending.pop())
         for producer in sch.get_producers(block):
@@ -106,9 +117,7 @@ def _compute_producers_at(sch, root_name: str, loop) -> None:
                 try:
                     sch.compute_at(producer, loop, preserve_unit_loops=True)
                 except ScheduleError as err:
-                    logger.debug(
-                        "'%s' stays outside the key loop of '%s': %s", name, root_name, _reason(err)
-                    )
+                    logger.debug("'%s' stays outside the key loop: %s", name, _reason(err))
                     continue
             pending.append(name)
 
