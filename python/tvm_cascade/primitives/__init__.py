@@ -4,6 +4,7 @@ from tvm.s_tir import Schedule
 from ..trace import append_instruction
 from . import rolling_update as _rolling
 from . import split_k_update as _split_k
+from . import tiles as _tiles
 
 
 def rolling_update(self: Schedule, block, loop) -> None:
@@ -266,3 +267,5 @@ def install() -> None:
     """Make the primitives methods of every ``tvm.s_tir.Schedule``."""
     Schedule.rolling_update = rolling_update
     Schedule.split_k_update = split_k_update
+    Schedule.distribute = _tiles.distribute
+    Schedule.split_tile_accumulation = _tiles.split_tile_accumulation

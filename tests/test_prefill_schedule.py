@@ -1,0 +1,188 @@
+"""The tensor-core prefill schedule, its design space and the tile rewrites it is built on.
+
+No GPU here: the rewrites are checked on the CPU against numpy, the schedule compiled with
+TVM's CUDA codegen and its source checked for what it must hold; the GPU numbers are in
+benchmarks/RESULTS.md."""
+import itertools
+import json
+import re
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+import tvm_cascade  # noqa: F401
+from tvm.script import tirx as T
+
+from tvm_cascade import FusionError, ops
+from tvm_cascade import trace as cascade_trace
+from tvm_cascade.bench import VARIANTS
+from tvm_cascade.ops.reference import attention_ref
+from tvm_cascade.ops.testing import run_prim_func
+from tvm_cascade.schedules import prefill
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
+def _fused_row_tiles(func, keys, rows):
+    """The prefill schedule's IR steps before any GPU mapping."""
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    b, h, i, j = sch.get_loops(sch.get_sblock("max"))
+    j0, _ = sch.split(j, [None, keys])
+    sch.rolling_update(sch.get_sblock("sum"), j0)
+    sch.rolling_update(sch.get_sblock("pv"), j0)
+    sch.compute_at(sch.get_sblock("score"), j0)
+    sch.compute_at(sch.get_sblock("qk"), j0)
+    sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
+    _, i1 = sch.split(i, [None, rows])
+    sch.reorder(j0, i1)
+    sch.distribute(i1)
+    return sch
+
+
+@pytest.mark.parametrize(
+    "variant, heads_q, heads_kv",
+    [("global", 2, 2), ("causal", 4, 2), ("alibi", 2, 2), ("softcap", 2, 1), ("window", 2, 2)],
+)
+def test_tile_rewrites_keep_attention_exact(variant, heads_q, heads_kv):
+    seq, dim = 96, 16
+    var = VARIANTS[variant]
+    if var.window is not None:
+        var = type(var)("window", causal=True, window=40)  # a few tiles inside the window
+    func = ops.attention(1, heads_q, heads_kv, seq, seq, dim, dtype="float32", variant=var)
+    sch = _fused_row_tiles(func, keys=32, rows=48)
+    names = [b.name_hint for b in _blocks(sch.mod["main"])]
+    assert names.count("pv_tile") == 1 and names.index("pv_tile") < names.index("pv")
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, heads_q, seq, dim)).astype("float32")
+    k, v = (rng.standard_normal((1, heads_kv, seq, dim)).astype("float32") for _ in range(2))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+
+
+def _blocks(func):
+    found = []
+    tvm_ffi.structural_walk(
+        func.body, lambda n: found.append(n) if isinstance(n, tvm.s_tir.stmt.SBlock) else None
+    )
+    return found
+
+
+def test_distribute_gives_each_stage_its_row_loop():
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
+    sch = _fused_row_tiles(func, keys=16, rows=32)
+    for name in ("qk", "score", "max", "exp", "sum", "pv_tile", "pv"):
+        loops = sch.get_loops(sch.get_sblock(name))
+        assert int(sch.get(loops[4]).extent) == 32, name  # b, h, i0, key tile, row
+    assert str(sch.trace).count("sch.distribute(") == 1
+
+
+@T.prim_func(s_tir=True)
+def _shared_accumulator(x: T.Buffer((8,), "float32"), y: T.Buffer((8,), "float32")):
+    acc = T.sblock_alloc_buffer((1,))
+    for i in range(8):
+        with T.sblock("fold"):
+            vi = T.axis.spatial(8, i)
+            acc[0] = acc[0] + x[vi]
+        with T.sblock("use"):
+            vi = T.axis.spatial(8, i)
+            y[vi] = acc[0]
+
+
+def test_distribute_refuses_state_shared_between_iterations():
+    sch = tvm.s_tir.Schedule(_shared_accumulator)
+    before = sch.mod
+    with pytest.raises(FusionError, match="'acc' is not indexed by the row"):
+        sch.distribute(sch.get_loops(sch.get_sblock("fold"))[0])
+    assert tvm_ffi.structural_equal(sch.mod, before)
+
+
+def test_split_tile_accumulation_needs_a_rolled_sum():
+    func = ops.attention(1, 1, 1, 32, 32, 16, dtype="float32", variant=VARIANTS["causal"])
+    sch = tvm.s_tir.Schedule(func)
+    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, 16])
+    sch.rolling_update(sch.get_sblock("sum"), j0)
+    with pytest.raises(FusionError, match="'max' is not a rolled sum"):
+        sch.split_tile_accumulation(sch.get_sblock("max"), j0)
+
+
+def _source(mod):
+    return prefill.build(mod, CUDA).mod.imports[0].inspect_source()
+
+
+def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
+    func = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
+    sch = prefill.schedule_prefill(func)
+    trace = str(sch.trace)
+    assert trace.count("sch.rolling_update(") == 2 and "sch.split_tile_accumulation(" in trace
+    source = _source(sch.mod)
+    assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
+    # Q·Kᵀ (K read as the transposed operand) and P·V, each with ldmatrix and two
+    # m16n8k16 mma.sync per 16x16 tile.
+    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4
+    # Q, K (stored as the transposed operand already) and P plain, V transposed.
+    assert source.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 3
+    assert source.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1
+    # Every fragment is lowered to per-lane registers (a whole-warp array has 256+ halves).
+    for dtype, name, size in re.findall(r"alignas\(64\) (\w+) (\w+_warp_ptr)\[(\d+)\]", source):
+        assert int(size) <= 64, (name, size)
+    assert "*(uint4*)(K_ptr" in source and "*(uint4*)(V_ptr" in source
+
+
+def test_schedule_refuses_shapes_off_the_tiles():
+    func = ops.attention(1, 1, 1, 200, 200, 128, dtype="float16", variant=VARIANTS["global"])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        prefill.schedule_prefill(func)
+
+
+def test_design_space_replays_under_every_decision_and_through_json():
+    func = ops.attention(1, 2, 2, 128, 128, 128, dtype="float16", variant=VARIANTS["alibi"])
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    prefill.prefill_design_space()(sch)
+    samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    assert [len(i.attrs[0]) for i in samples] == [len(prefill.KEY_TILES), len(prefill.PV_SPLITS)]
+    for decisions in itertools.product(range(len(prefill.KEY_TILES)), range(len(prefill.PV_SPLITS))):
+        trace = sch.trace
+        for inst, decision in zip(samples, decisions):
+            trace = trace.with_decision(inst, decision, remove_postproc=True)
+        replayed = tvm.s_tir.Schedule(func)
+        trace.apply_to_schedule(replayed, remove_postproc=True)
+        direct = tvm.s_tir.Schedule(func)
+        keys, passes = prefill.KEY_TILES[decisions[0]], prefill.PV_SPLITS[decisions[1]]
+        prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, keys, passes)
+        assert tvm_ffi.structural_equal(replayed.mod, direct.mod), decisions
+    as_json = json.loads(json.dumps(cascade_trace.trace_to_json(trace, remove_postproc=True)))
+    reloaded = tvm.s_tir.Schedule(func)
+    cascade_trace.apply_json_to_schedule(as_json, reloaded)
+    assert tvm_ffi.structural_equal(reloaded.mod, replayed.mod)
+    assert "mma.sync" in _source(reloaded.mod)
+
+
+def test_tuned_records_reload_into_prefill_schedules(tmp_path):
+    """The harness's prefill path reads a JSON database in the format
+    ``python -m benchmarks.tune_prefill`` writes: the best record's schedule comes back.
+    (The run times here are test data: which record is best is what is checked.)"""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.bench import tuned_schedule
+
+    func = ops.attention(1, 2, 1, 128, 128, 128, dtype="float16", variant=VARIANTS["causal"])
+    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
+    workload = database.commit_workload(tvm.IRModule({"main": func}))
+    traces = []
+    for seed, secs in ((1, 2e-5), (5, 1e-5)):
+        sch = tvm.s_tir.Schedule(func, seed=seed)
+        prefill.prefill_design_space()(sch)
+        traces.append(sch.trace)
+        database.commit_tuning_record(
+            ms.database.TuningRecord(
+                sch.trace, workload, run_secs=[secs], target=CUDA,
+                args_info=ms.arg_info.ArgInfo.from_prim_func(func),
+            )
+        )
+    sch = tuned_schedule(func, CUDA, tmp_path)
+    expected = tvm.s_tir.Schedule(func)
+    traces[1].apply_to_schedule(expected, remove_postproc=True)
+    assert tvm_ffi.structural_equal(sch.mod, expected.mod)
+    other = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
+    assert tuned_schedule(other, CUDA, tmp_path) is None
