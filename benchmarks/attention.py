@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from . import report
-from .configs import Config, suite
+from .configs import DTYPE, HEAD_DIM, Config, suite
 from .peers import PEERS, Unsupported, release_memory
 from .report import NA, OK, WRONG, Cell
 
@@ -53,6 +53,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=list(PEERS),
         metavar="PEER",
         help=f"subset of {', '.join(PEERS)}",
+    )
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"head dimension (default {HEAD_DIM})")
+    p.add_argument("--dtype", choices=("float16", "bfloat16"), default=DTYPE)
+    p.add_argument(
+        "--decode-queries", type=int, default=1, metavar="N", help="query length of decode (default 1)"
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return p.parse_args(argv)
@@ -125,7 +130,7 @@ def run_config(cfg: Config, peers: Dict) -> List[Cell]:
     gen = torch.Generator(device="cuda").manual_seed(SEED)
 
     def randn(*shape):
-        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16)
+        return torch.randn(shape, generator=gen, device="cuda", dtype=getattr(torch, cfg.dtype))
 
     q = randn(cfg.batch, o.heads_q, cfg.seq_q, cfg.head_dim)
     k = randn(cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)
@@ -204,7 +209,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     from .timing import copy_bandwidth_gbps
 
-    configs = suite(args.suite, quick=args.quick, only=args.only)
+    configs = suite(
+        args.suite,
+        quick=args.quick,
+        only=args.only,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        decode_queries=args.decode_queries,
+    )
     peers = {name: PEERS[name] for name in args.peers}
     env = environment(argv)
     bandwidth = copy_bandwidth_gbps()

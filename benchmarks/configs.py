@@ -85,7 +85,14 @@ class Config:
     @property
     def name(self) -> str:
         seq = f"s{self.seq_kv}" if self.op.kind == "prefill" else f"kv{self.seq_kv}"
-        return f"{self.op.kind}-{self.op.name}-b{self.batch}-{seq}"
+        name = f"{self.op.kind}-{self.op.name}-b{self.batch}-{seq}"
+        if self.op.kind == "decode" and self.seq_q > 1:
+            name += f"-q{self.seq_q}"
+        if self.head_dim != HEAD_DIM:
+            name += f"-d{self.head_dim}"
+        if self.dtype != DTYPE:
+            name += f"-{self.dtype}"
+        return name
 
     @property
     def offset(self) -> int:
@@ -119,11 +126,19 @@ class Config:
         return 2 * self.batch * self.op.heads_kv * self.seq_kv * self.head_dim * 2
 
 
-def suite(which: str = "all", quick: bool = False, only: Sequence[str] = ()) -> List[Config]:
+def suite(
+    which: str = "all",
+    quick: bool = False,
+    only: Sequence[str] = (),
+    head_dim: int = HEAD_DIM,
+    dtype: str = DTYPE,
+    decode_queries: int = 1,
+) -> List[Config]:
     """Configurations of ``which`` ("prefill" | "decode" | "all").
 
     ``quick`` keeps the first shape of each suite; ``only`` keeps the configs whose
-    name contains one of the given substrings.
+    name contains one of the given substrings; ``decode_queries`` is the query length of
+    the decode configurations (1 to 8: speculative decoding, several new tokens).
     """
     if which not in ("prefill", "decode", "all"):
         raise ValueError(f"unknown suite {which!r}")
@@ -133,8 +148,8 @@ def suite(which: str = "all", quick: bool = False, only: Sequence[str] = ()) -> 
             continue
         shapes = PREFILL_SHAPES if op.kind == "prefill" else DECODE_SHAPES
         for batch, seq in shapes[:1] if quick else shapes:
-            seq_q = seq if op.kind == "prefill" else 1
-            configs.append(Config(op, batch, seq_q, seq))
+            seq_q = seq if op.kind == "prefill" else decode_queries
+            configs.append(Config(op, batch, seq_q, seq, head_dim, dtype))
     if only:
         configs = [c for c in configs if any(s in c.name for s in only)]
     return configs

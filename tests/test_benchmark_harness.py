@@ -72,6 +72,16 @@ def test_suite_shapes_and_filters():
         suite("train")
 
 
+def test_suite_options_name_the_configurations():
+    configs = suite("all", quick=True, head_dim=64, dtype="bfloat16", decode_queries=4)
+    assert all(c.head_dim == 64 and c.dtype == "bfloat16" for c in configs)
+    names = {c.name for c in configs}
+    assert "decode-gqa-b8-kv4096-q4-d64-bfloat16" in names
+    assert "prefill-causal-b8-s1024-d64-bfloat16" in names  # prefill keeps its query length
+    decode = [c for c in configs if c.op.kind == "decode"]
+    assert all(c.seq_q == 4 and c.masked == c.op.causal for c in decode)
+
+
 def test_masked_and_scale():
     assert Config(_op("prefill", "causal"), 1, 8, 8).masked
     assert not Config(_op("prefill", "global"), 1, 8, 8).masked

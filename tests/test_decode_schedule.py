@@ -15,10 +15,10 @@ from tvm_cascade import ops
 from tvm_cascade import trace as cascade_trace
 from tvm_cascade.bench import VARIANTS, tuned_schedule
 from tvm_cascade.schedules.decode import (
-    LANES,
     DecodeConfig,
     choose_chunks,
     decode_design_space,
+    lanes_for,
     longest_chunk,
     schedule_decode,
 )
@@ -39,10 +39,24 @@ def _kernel_body(source, name):
     return source[start : source.index("\n}\n", start)]
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, tiled", [(32, 32, False), (32, 16, False), (64, 8, True)])
-def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(heads_q, heads_kv, tiled):
-    func = ops.attention(2, heads_q, heads_kv, 1, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
-    sch = schedule_decode(func, heads_q, heads_kv, 128)
+@pytest.mark.parametrize(
+    "heads_q, heads_kv, tiled, head_dim, seq_q, dtype",
+    [
+        (32, 32, False, 128, 1, "float16"),
+        (32, 16, False, 128, 1, "float16"),
+        (64, 8, True, 128, 1, "float16"),
+        (32, 32, False, 64, 1, "bfloat16"),
+        (32, 16, False, 128, 4, "bfloat16"),
+        (64, 8, True, 64, 8, "float16"),
+    ],
+)
+def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(
+    heads_q, heads_kv, tiled, head_dim, seq_q, dtype
+):
+    func = ops.attention(
+        2, heads_q, heads_kv, seq_q, 1024, head_dim, dtype=dtype, variant=VARIANTS["causal"]
+    )
+    sch = schedule_decode(func, heads_q, heads_kv, head_dim)
     assert str(sch.trace).count("sch.split_k_update(") == 3
     source = _source(sch.mod)
     qk, chunks, combine = _kernels(source)  # the combine is a single kernel
@@ -71,7 +85,7 @@ def test_chunk_count_fills_the_gpu_divides_the_keys_and_fits_shared_memory():
     for batch, heads_kv, group, seq in itertools.product((1, 8), (8, 32), (1, 2, 8), (4096, 32768)):
         chunks = choose_chunks(batch, heads_kv, group, seq, config, 132)
         keys = seq // chunks
-        assert (seq // LANES) % chunks == 0 and chunks % config.rows == 0
+        assert (seq // lanes_for(128)) % chunks == 0 and chunks % config.rows == 0
         assert keys <= longest_chunk(group, config.rows, config)
         assert 4 * keys * group * config.rows <= config.exp_bytes
     # More work per (batch, kv head) row needs fewer chunks to fill the same GPU ...
@@ -84,6 +98,15 @@ def test_chunk_count_fills_the_gpu_divides_the_keys_and_fits_shared_memory():
 def test_chunk_count_refuses_keys_that_do_not_split():
     with pytest.raises(ValueError, match="divisible by 16"):
         choose_chunks(8, 8, 1, 4100, DecodeConfig(), 132)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        choose_chunks(8, 8, 1, 4100, DecodeConfig(), 132, lanes=lanes_for(64))
+
+
+def test_lanes_follow_the_head_dimension():
+    assert (lanes_for(64), lanes_for(128)) == (8, 16)
+    for bad in (80, 96, 8):
+        with pytest.raises(ValueError, match="head_dim"):
+            lanes_for(bad)
 
 
 @pytest.mark.parametrize("heads_q, heads_kv", [(8, 2), (8, 8)])

@@ -14,7 +14,7 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
     with every query row of the group, with no reduction across threads;
 
   either way each K row is loaded once for all query heads of its group;
-* kernel 2, the chunks: a chunk of keys belongs to a row of 16 lanes (``threadIdx.x``),
+* kernel 2, the chunks: a chunk of keys belongs to a row of head_dim / 8 lanes (``threadIdx.x``),
   one row per chunk (``threadIdx.y``) and per slice of the group's query heads
   (``threadIdx.z``; the head loop is moved below the chunk loop before ``split_k_update``
   so that every block placed under it gets its own head loop). The lanes reduce each
@@ -33,8 +33,7 @@ from dataclasses import dataclass
 
 import tvm
 
-LANES = 16  # lanes over the head dimension, 8 fp16 (128 bits) each
-VECTOR = 8
+VECTOR = 8  # fp16/bf16 elements in a 128-bit load
 PV_KEYS = 4  # V rows each lane of kernel 2 loads before folding them in
 
 
@@ -70,23 +69,34 @@ def longest_chunk(group, rows, config):
     return config.exp_bytes // (4 * rows * group)
 
 
-def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors):
-    """The chunk count: a multiple of ``config.rows`` dividing ``seq_kv / LANES`` (chunks
+def lanes_for(head_dim):
+    """Lanes (``threadIdx.x``) over the head dimension: one 128-bit load each."""
+    lanes = head_dim // VECTOR
+    if head_dim % VECTOR or lanes & (lanes - 1) or not 1 < lanes <= 32:
+        raise ValueError(
+            f"the decode schedule needs head_dim {VECTOR} times a power of two between 2 "
+            f"and 32 (64 and 128 among them), got {head_dim}"
+        )
+    return lanes
+
+
+def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes=16):
+    """The chunk count: a multiple of ``config.rows`` dividing ``seq_kv / lanes`` (chunks
     split the keys evenly, in whole lane groups) with at most :func:`longest_chunk` keys;
     among those with at least ``max(min_chunk, keys_per_head * group)`` keys (all, if
     none has), the one closest to ``threads_per_sm`` threads per SM."""
-    threads_per_chunk = LANES * z_threads(group, config.heads_per_thread)
+    threads_per_chunk = lanes * z_threads(group, config.heads_per_thread)
     wanted = config.threads_per_sm * multiprocessors / (batch * heads_kv * threads_per_chunk)
-    groups = seq_kv // LANES
+    groups = seq_kv // lanes
     longest = longest_chunk(group, config.rows, config)
     fits = [
         c
         for c in range(config.rows, groups + 1, config.rows)
         if groups % c == 0 and seq_kv // c <= longest
     ]
-    if seq_kv % LANES or not fits:
+    if seq_kv % lanes or not fits:
         raise ValueError(
-            f"the decode schedule needs a key count divisible by {LANES} into chunks of at "
+            f"the decode schedule needs a key count divisible by {lanes} into chunks of at "
             f"most {longest} keys, got {seq_kv}"
         )
     # Each chunk writes group x head_dim float partials: long chunks keep them small.
@@ -98,10 +108,10 @@ def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors):
 def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, config=DecodeConfig()):
     """Schedule ``ops.attention(..., seq_q=1..8, ...)`` for CUDA with the choices of
     ``config`` (the chunk count from the shape and the SM count); returns the schedule."""
-    group = _group(heads_q, heads_kv, head_dim)
+    group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     sch = tvm.s_tir.Schedule(func)
     batch, _, _, seq_kv = _shape(sch)
-    chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors)
+    chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes)
     if group >= config.tile_from_group:
         qk = (config.tile_threads, config.tile_keys, config.tile_stages)
     else:
@@ -115,6 +125,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         config.rows,
         z_threads(group, config.heads_per_thread),
         tiled=group >= config.tile_from_group,
+        lanes=lanes,
     )
     return sch
 
@@ -124,7 +135,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     count, the chunks per thread block, the threads over the group's heads and kernel 1's
     tile (rows and keys per row, or threads, keys per thread and stages when it is tiled)
     are ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
-    group = _group(heads_q, heads_kv, head_dim)
+    group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     tiled = group >= config.tile_from_group
     chunk_rows = [1, 2, 4, 8]
     # The z threads of a chunk split its group evenly.
@@ -142,8 +153,8 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
         longest = longest_chunk(group, config.rows, config)
         counts = [
             c
-            for c in range(step, seq_kv // LANES + 1, step)
-            if (seq_kv // LANES) % c == 0 and seq_kv // c <= longest
+            for c in range(step, seq_kv // lanes + 1, step)
+            if (seq_kv // lanes) % c == 0 and seq_kv // c <= longest
         ]
         if not counts:
             raise ValueError(f"no chunk count splits {seq_kv} keys for this design space")
@@ -160,25 +171,21 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             sample(chunk_rows),
             sample(z_options),
             tiled=tiled,
+            lanes=lanes,
         )
 
     return space
-
-
-def _group(heads_q, heads_kv, head_dim):
-    if head_dim != LANES * VECTOR:
-        raise ValueError(f"the decode schedule needs head_dim {LANES * VECTOR}, got {head_dim}")
-    return heads_q // heads_kv
 
 
 def _shape(sch):
     return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
 
 
-def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled):
+def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
     ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
-    ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group.
+    ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group;
+    ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension.
     The choices are ints or sampled ``ExprRV``s."""
     # The query heads of a GQA group go below the chunk loop, so that every block placed
     # under it gets its own head loop: the threads of a chunk then hold all heads of its
@@ -190,17 +197,20 @@ def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
-    (_schedule_qk_tiled if tiled else _schedule_qk_lanes)(sch, heads_kv, group, *qk)
-    _schedule_chunks(sch, chunk_rows, z)
+    if tiled:
+        _schedule_qk_tiled(sch, heads_kv, group, *qk)
+    else:
+        _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
+    _schedule_chunks(sch, chunk_rows, z, lanes)
     _schedule_combine(sch)
 
 
-def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row):
+def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row, lanes):
     qk = sch.get_sblock("qk")
     b, h, i, j, rd = sch.get_loops(qk)
     hkv, g = sch.split(h, [heads_kv, group])
     jo, jy, jk = sch.split(j, [None, rows, keys_per_row])
-    rx, rv = sch.split(rd, [LANES, VECTOR])
+    rx, rv = sch.split(rd, [lanes, VECTOR])
     sch.reorder(b, hkv, jo, jy, jk, g, i, rx, rv)
     sch.bind(sch.fuse(b, hkv), "blockIdx.x")
     sch.bind(jo, "blockIdx.y")
@@ -211,8 +221,8 @@ def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row):
     for index in (0, 1):
         cache = sch.cache_read(qk, index, "local")
         sch.compute_at(cache, jy, preserve_unit_loops=True)
-        lanes, vector = sch.split(sch.get_loops(cache)[-1], [LANES, VECTOR])
-        sch.bind(lanes, "threadIdx.x")
+        lane, vector = sch.split(sch.get_loops(cache)[-1], [lanes, VECTOR])
+        sch.bind(lane, "threadIdx.x")
         sch.vectorize(vector)
 
 
@@ -249,7 +259,7 @@ def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
     sch.decompose_reduction(qk, rs)
 
 
-def _schedule_chunks(sch, chunk_rows, z):
+def _schedule_chunks(sch, chunk_rows, z, lanes):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
     b, hkv, i, c = sch.get_loops(blocks["max_partial"])[:4]
     cb, cy = sch.split(c, [None, chunk_rows])
@@ -260,7 +270,7 @@ def _schedule_chunks(sch, chunk_rows, z):
     for name in ("max_partial", "exp", "sum_partial"):
         g, r = sch.get_loops(blocks[name])[-2:]
         sch.bind(sch.split(g, [z, None])[0], "threadIdx.z")
-        _, lane = sch.split(r, [None, LANES])
+        _, lane = sch.split(r, [None, lanes])
         sch.bind(lane, "threadIdx.x")
     sch.set_scope(blocks["exp"], 0, "shared")
     # ... and its head dimension for pv, folding whole V rows into registers, each V row
@@ -268,15 +278,14 @@ def _schedule_chunks(sch, chunk_rows, z):
     pv = blocks["pv_partial"]
     g, d, r = sch.get_loops(pv)[-3:]
     gz, g = sch.split(g, [z, None])
-    dx, dv = sch.split(d, [LANES, VECTOR])
+    dx, dv = sch.split(d, [lanes, VECTOR])
     ro, ri = sch.split(r, [None, PV_KEYS])
     sch.reorder(gz, dx, ro, ri, g, dv)
     sch.bind(gz, "threadIdx.z")
     sch.bind(dx, "threadIdx.x")
     v_local = sch.cache_read(pv, "V", "local")
     sch.compute_at(v_local, ro, preserve_unit_loops=True)
-    lanes = sch.get_loops(v_local)[-1]
-    sch.vectorize(sch.split(lanes, [None, VECTOR])[-1])
+    sch.vectorize(sch.split(sch.get_loops(v_local)[-1], [None, VECTOR])[-1])
     sch.unroll(ri)
     for name, consumers, at in (
         ("max_partial", [blocks["exp"]], cy),
