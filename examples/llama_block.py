@@ -144,18 +144,30 @@ def main():
     parser.add_argument("--dtype", default=None, help="float32 on CPU, float16 on CUDA")
     parser.add_argument("--shapes", default="1x63,16x112", help="new tokens x past tokens, ...")
     parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
+    parser.add_argument(
+        "--static-past", action="store_true", help="CUDA: export decode shapes with a static past"
+    )
     args = parser.parse_args()
     args.dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
-    # The CUDA schedule of the fused kernel needs static shapes (see
-    # tvm_cascade.relax.gpu_schedule): there, each shape is exported on its own.
-    exports = [(None, None)] if args.target == "llvm" else shapes
+    # On CUDA, one export per shape: a decode step (1 new token) keeps the past symbolic
+    # unless --static-past (the fused kernel is then a rolling update, whose tiles have a
+    # static size, see tvm_cascade.relax.gpu_schedule; a static past gets split-k); with
+    # more new tokens TVM's default GPU pipeline fails on a symbolic past (DLight's
+    # schedule of the K/V concatenation), so those shapes are static.
+    if args.target == "llvm":
+        exports = [((), shapes)]
+    else:
+        exports = [
+            ((seq, "past" if seq == 1 and not args.static_past else past), [(seq, past)])
+            for seq, past in shapes
+        ]
     tol = 2e-2 if args.dtype == "float16" else 2e-4
-    for static in exports:
-        mod, params = build(args, *static) if static[0] is not None else build(args)
+    for export, run in exports:
+        mod, params = build(args, *export)
         default, cascade, target = compile_both(mod, args.target)
         print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
-        for seq, past in shapes if static[0] is None else [static]:
+        for seq, past in run:
             data = inputs(args, seq, past)
             expected = reference(args, params, *data)
             outs, times = run_both(

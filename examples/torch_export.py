@@ -2,11 +2,11 @@
 ``tvm.relax.frontend.torch.from_exported_program`` and compiled with TVM's default Relax
 pipeline and with ``relax_pipeline="cascade"``; both are checked against PyTorch.
 
-Its attention is written out (``q @ k^T / sqrt(d)``, causal ``masked_fill``, ``softmax``,
-``@ v``) with K and V repeated over GQA groups (``repeat_interleave``); the cascade
-pipeline fuses it into one kernel. (``torch.export`` decomposes
-``F.scaled_dot_product_attention`` into this chain plus a guard for fully masked rows,
-which the patterns do not match yet.)
+Its causal GQA attention is ``F.scaled_dot_product_attention(..., enable_gqa=True)``,
+which ``torch.export`` decomposes into matmuls, a causal mask and PyTorch's safe softmax
+(zeros for a fully masked row); ``--attention manual`` writes it out instead
+(``q @ k^T / sqrt(d)``, causal ``masked_fill``, ``softmax``, ``@ v``, K and V repeated
+with ``repeat_interleave``). Either way the cascade pipeline fuses it into one kernel.
 
     python examples/torch_export.py                 # CPU
     python examples/torch_export.py --target cuda   # GPU: numerics, then both timed
@@ -26,8 +26,9 @@ from compare import compile_both, count_fused, report, run_both
 
 
 class Block(torch.nn.Module):
-    def __init__(self, hidden, heads_q, heads_kv):
+    def __init__(self, hidden, heads_q, heads_kv, attention="sdpa"):
         super().__init__()
+        self.attention = attention
         self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, hidden // heads_q
         self.norm1 = torch.nn.LayerNorm(hidden)
         self.q = torch.nn.Linear(hidden, hidden)
@@ -45,13 +46,18 @@ class Block(torch.nn.Module):
         y = self.norm1(x)
         q = self.q(y).reshape(b, s, self.heads_q, self.head_dim).transpose(1, 2)
         k, v = self.kv(y).reshape(b, s, 2, self.heads_kv, self.head_dim).unbind(2)
-        group = self.heads_q // self.heads_kv
-        k = k.transpose(1, 2).repeat_interleave(group, dim=1)
-        v = v.transpose(1, 2).repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        attn = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            group = self.heads_q // self.heads_kv
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+            scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            out = torch.matmul(probs, v)
+        attn = out.transpose(1, 2).reshape(b, s, h)
         x = x + self.proj(attn)
         return x + self.mlp(self.norm2(x))
 
@@ -63,10 +69,11 @@ def main():
     parser.add_argument("--heads-q", type=int, default=8)
     parser.add_argument("--heads-kv", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "manual"])
     parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Block(args.hidden, args.heads_q, args.heads_kv).eval()
+    model = Block(args.hidden, args.heads_q, args.heads_kv, args.attention).eval()
     x = torch.randn(1, args.seq, args.hidden)
     with torch.no_grad():
         expected = model(x).double().numpy()
@@ -77,7 +84,8 @@ def main():
     print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
     weights = [p.numpy() for p in params["main"]]
     outs, times = run_both(default, cascade, target, [x.numpy()] + weights, "main", args.time)
-    report(f"seq {args.seq}", [np.asarray(o) for o in outs], expected, 1e-3, times)
+    label = f"seq {args.seq}, {args.attention}"
+    report(label, [np.asarray(o) for o in outs], expected, 1e-3, times)
 
 
 if __name__ == "__main__":

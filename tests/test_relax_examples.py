@@ -23,8 +23,9 @@ def test_llama_block_fuses_attention_and_matches_numpy():
     assert out.count("|default - cascade|") == 2
 
 
-def test_torch_export_fuses_attention_and_matches_pytorch():
+@pytest.mark.parametrize("attention", ["sdpa", "manual"])
+def test_torch_export_fuses_attention_and_matches_pytorch(attention):
     pytest.importorskip("torch")
-    out = _run("torch_export.py", "--seq", "32")
+    out = _run("torch_export.py", "--seq", "32", "--attention", attention)
     assert "fused attention kernels: 1" in out
     assert "|cascade - ref|" in out

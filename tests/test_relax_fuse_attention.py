@@ -35,6 +35,27 @@ def _gqa_chain():
     return tvm.IRModule({"main": main})
 
 
+def _gqa_chain_f16():
+    """:func:`_gqa_chain` in float16, the softmax in float32."""
+
+    @R.function
+    def main(
+        q: R.Tensor((1, 8, 4, 16), "float16"),
+        k: R.Tensor((1, 2, "n", 16), "float16"),
+        v: R.Tensor((1, 2, "n", 16), "float16"),
+        mask: R.Tensor((1, 1, 4, "n"), "float16"),
+    ):
+        with R.dataflow():
+            kt = R.permute_dims(R.repeat(k, 4, axis=1), [0, 1, 3, 2])
+            s = R.add(R.multiply(R.matmul(q, kt), R.const(0.25, "float16")), mask)
+            p = R.astype(R.nn.softmax(R.astype(s, "float32"), axis=-1), "float16")
+            o = R.matmul(p, R.repeat(v, 4, axis=1))
+            R.output(o)
+        return o
+
+    return main
+
+
 def _attention_op():
     @R.function
     def main(
@@ -302,10 +323,42 @@ def test_gpu_pipeline_schedules_the_fused_kernel():
     assert _blocks_outside_threads(lowered[name]) == []
 
 
-def test_gpu_target_leaves_symbolic_keys_to_the_default_schedule():
+def _allocations(func):
+    """(name, scope, shape) of every buffer ``func``'s blocks allocate."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, tvm.s_tir.stmt.SBlock):
+            for buf in node.alloc_buffers:
+                found.append((buf.name, str(buf.ty.storage_scope), list(buf.ty.shape)))
+
+    tvm_ffi.structural_walk(func.body, visit)
+    return found
+
+
+def test_gpu_target_fuses_symbolic_keys_with_static_tiles():
     with CUDA:
         lowered = relax.get_pipeline("cascade")(_gqa_chain())
-    assert _fused(lowered) == []
+    (name,) = _fused(lowered)
+    func = lowered[name]
+    assert bool(func.attrs["tir.is_scheduled"])
+    assert _blocks_outside_threads(func) == []
+    assert not any(b.endswith("_partial") for b in _block_names(func))  # rolling
+    # The scores of a tile are shared by the row's lanes: the key axis is split into
+    # (tile, key in the tile), so that one tile has a static size.
+    shared = [a for a in _allocations(func) if a[1] == "shared"]
+    assert shared and all(
+        isinstance(shape[-1], tvm.tirx.IntImm) and shape[-1].value == 64 for _, _, shape in shared
+    )
+    exe = tvm.compile(lowered, CUDA, relax_pipeline=None)  # nvcc accepts the kernel
+    source = exe.mod.imports[0].imports[0].inspect_source()
+    assert "int64_t n" in source and "__shared__" in source
+
+
+def test_gpu_split_k_over_symbolic_keys_is_left_to_the_default_schedule():
+    with CUDA:
+        grouped = FuseAttention(method="split_k")(_gqa_chain())
+    assert _fused(grouped) == []
 
 
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -327,6 +380,27 @@ def test_gpu_numerics_match_numpy(keys):
 
 
 @pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_symbolic_keys_match_numpy_at_two_lengths(dtype):
+    mod = tvm.IRModule({"main": _gqa_chain_f16()}) if dtype == "float16" else _gqa_chain()
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    exe = tvm.compile(mod, target, relax_pipeline="cascade")
+    vm = relax.VirtualMachine(exe, tvm.cuda(0))
+    tol = 2e-2 if dtype == "float16" else 1e-4
+    for keys in (100, 1000):
+        rng = np.random.default_rng(keys)
+        q = rng.standard_normal((1, 8, 4, 16)).astype(dtype)
+        k = rng.standard_normal((1, 2, keys, 16)).astype(dtype)
+        v = rng.standard_normal((1, 2, keys, 16)).astype(dtype)
+        visible = np.arange(keys)[None, :] <= (keys - 4 + np.arange(4))[:, None]
+        mask = np.where(visible, 0.0, -1e4).astype(dtype)[None, None]
+        args = [tvm.runtime.tensor(a, tvm.cuda(0)) for a in (q, k, v, mask)]
+        out = vm["main"](*args).numpy().astype(np.float64)
+        expected = _attention_ref(q, k, v, 0.25, mask.astype(np.float64))
+        np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 def test_gpu_causal_attention_op_matches_numpy():
     mod = _causal_attention_op()
     target = tvm.target.Target.from_device(tvm.cuda(0))
@@ -342,3 +416,94 @@ def test_gpu_causal_attention_op_matches_numpy():
     vm = relax.VirtualMachine(exe, tvm.cuda(0))
     out = vm["main"](*(tvm.runtime.tensor(a, tvm.cuda(0)) for a in (q, k, v))).numpy()
     np.testing.assert_allclose(out, expected.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-5)
+
+
+def _safe_softmax_chain(guarded=float("-inf")):
+    """What ``torch.export`` makes of ``F.scaled_dot_product_attention`` with a boolean
+    mask: both Q and Kᵀ scaled, the mask as ``where(mask, 0, -inf)``, and PyTorch's safe
+    softmax (rows whose scores all equal ``guarded``, -inf, give zeros)."""
+    minus_inf = R.const(float("-inf"), "float32")
+    compared = R.const(guarded, "float32")
+
+    @R.function
+    def main(
+        q: R.Tensor((1, 4, 8, 16), "float32"),
+        k: R.Tensor((1, 4, 32, 16), "float32"),
+        v: R.Tensor((1, 4, 32, 16), "float32"),
+        visible: R.Tensor((8, 32), "bool"),
+    ):
+        with R.dataflow():
+            scale = R.const(0.5, "float32")
+            bias = R.where(visible, R.const(0.0, "float32"), minus_inf)
+            kt = R.multiply(R.permute_dims(k, [0, 1, 3, 2]), scale)
+            s = R.add(R.matmul(R.multiply(q, scale), kt), bias)
+            p = R.nn.softmax(s, axis=-1)
+            alive = R.astype(R.logical_not(R.equal(s, compared)), "int8")
+            dead = R.logical_not(R.astype(R.max(alive, axis=[-1], keepdims=True), "bool"))
+            p = R.where(dead, R.full_like(p, R.const(0.0, "float32")), p)
+            o = R.matmul(p, v)
+            R.output(o)
+        return o
+
+    return tvm.IRModule({"main": main})
+
+
+def _safe_attention_ref(q, k, v, visible):
+    s = q.astype(np.float64) @ k.swapaxes(-1, -2) / 4 + np.where(visible, 0.0, -np.inf)
+    alive = visible.any(-1)[:, None]
+    p = np.exp(s - np.where(alive, s.max(-1, keepdims=True), 0.0))
+    p = np.where(alive, p / np.where(alive, p.sum(-1, keepdims=True), 1.0), 0.0)
+    return p @ v
+
+
+def test_safe_softmax_chain_fuses_and_zeroes_fully_masked_rows():
+    mod = _safe_softmax_chain()
+    assert len(_fused(_lower(mod, "cascade"))) == 1
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 4, 8, 16)).astype("float32")
+    k = rng.standard_normal((1, 4, 32, 16)).astype("float32")
+    v = rng.standard_normal((1, 4, 32, 16)).astype("float32")
+    visible = rng.random((8, 32)) > 0.4
+    visible[3] = False  # a row with no visible key: zeros, not NaN
+    expected = _safe_attention_ref(q, k, v, visible)
+    cascade = _run(mod, "cascade", [q, k, v, visible])
+    assert not np.isnan(cascade).any()
+    np.testing.assert_allclose(cascade, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cascade, _run(mod, "default", [q, k, v, visible]), atol=1e-5)
+
+
+def test_guard_other_than_minus_inf_is_left_alone():
+    mod = _safe_softmax_chain(guarded=0.0)
+    assert _fused(_lower(mod, "cascade")) == []
+    assert tvm_ffi.structural_equal(_lower(mod, "cascade"), _lower(mod, "default"))
+
+
+@pytest.mark.parametrize("form", ["causal", "mask", "gqa"])
+def test_torch_sdpa_fuses_and_matches_pytorch(form):
+    torch = pytest.importorskip("torch")
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            if form == "mask":
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=form == "gqa"
+            )
+
+    torch.manual_seed(0)
+    heads_kv = 2 if form == "gqa" else 4
+    q = torch.randn(1, 4, 16, 8)
+    k, v = torch.randn(1, heads_kv, 40, 8), torch.randn(1, heads_kv, 40, 8)
+    mask = torch.rand(16, 40) > 0.3
+    mask[5] = False  # fully masked: SDPA gives zeros
+    args = (q, k, v, mask)
+    with torch.no_grad():
+        expected = Attention()(*args).double().numpy()
+        program = torch.export.export(Attention(), args)
+    mod = from_exported_program(program)
+    assert len(_fused(_lower(mod, "cascade"))) == 1
+    exe = tvm.compile(mod, LLVM, relax_pipeline="cascade")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    out = vm["main"](*(tvm.runtime.tensor(a.numpy(), tvm.cpu()) for a in args))[0].numpy()
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)

@@ -1,15 +1,26 @@
-"""Undo the batched-matmul lowering that ``torch.export`` applies to 4-D ``torch.matmul``.
+"""Rewrites that turn ``torch.export``'s forms of attention into those :mod:`.patterns`
+matches.
 
-PyTorch decomposes ``matmul`` of ``[B, H, M, K]`` and ``[B, H, K, N]`` into
-``broadcast_to -> reshape([B*H, M, K])`` on each side, a 3-D ``bmm`` and a reshape back
-to ``[B, H, M, N]``. The reshapes hide the key axis from the attention patterns (and
-from the axis analysis of the fused PrimFunc), so this rewrite turns the sequence back
-into one ``matmul`` of the original operands when the broadcasts change no shape.
+* :func:`fold_batched_matmuls`: PyTorch decomposes ``matmul`` of ``[B, H, M, K]`` and
+  ``[B, H, K, N]`` into ``broadcast_to -> reshape([B*H, M, K])`` on each side, a 3-D
+  ``bmm`` and a reshape back to ``[B, H, M, N]``. The reshapes hide the key axis from the
+  attention patterns (and from the axis analysis of the fused PrimFunc), so this rewrite
+  turns the sequence back into one ``matmul`` of the original operands when the
+  broadcasts change no shape.
+* :func:`flip_masked_row_guards`: ``F.scaled_dot_product_attention`` decomposes into a
+  safe softmax, ``where(not(row_alive), zeros, softmax(s))`` (a row whose scores are all
+  ``-inf`` gives zeros, not NaN). The same value written ``where(row_alive, softmax(s),
+  0)`` is a mask the fusion sees through (``algebra/masks.py``): the condition is a
+  finished reduction of its own, and the masked value is 0, the identity of P·V's sum.
 """
+
+import numpy as np
 
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_op, rewrite_call, wildcard
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+
+from .patterns import is_minus_inf, row_alive
 
 
 def fold_batched_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
@@ -26,6 +37,30 @@ def fold_batched_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
             return call
         return relax.op.matmul(lhs, rhs, out_dtype=matches[flat].attrs.out_dtype)
 
+    return _rewrite_functions(mod, pattern, rewrite)
+
+
+def flip_masked_row_guards(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every ``where(logical_not(row_alive(s)), zeros, softmax(s))`` written
+    ``where(row_alive(s), softmax(s), zeros_like(...))`` (zeros of their own: a scalar
+    constant would become a parameter of the fused PrimFunc, not a literal 0)."""
+    scores = wildcard()
+    softmax = is_op("relax.nn.softmax")(scores)
+    alive, minus_inf = row_alive(scores)
+    fill = is_const()
+    zeros = is_op("relax.full_like")(softmax, fill) | fill
+    pattern = is_op("relax.where")(is_op("relax.logical_not")(alive), zeros, softmax)
+
+    def rewrite(call, matches):
+        if not is_minus_inf(matches[minus_inf]) or np.any(matches[fill].value.numpy() != 0):
+            return call
+        probs = matches[softmax]
+        return relax.op.where(matches[alive], probs, relax.op.zeros_like(probs))
+
+    return _rewrite_functions(mod, pattern, rewrite)
+
+
+def _rewrite_functions(mod, pattern, rewrite):
     updates = {}
     for gvar, func in mod.functions_items():
         if isinstance(func, relax.Function):

@@ -2,9 +2,9 @@
 cascaded reductions.
 
 The pass groups every match of :func:`.patterns.attention_patterns` with
-``FuseOpsByPattern`` (after folding ``torch.export``'s flattened batched matmuls back,
-:mod:`.canonicalize`), legalizes the module and merges each group into one PrimFunc with
-``FuseTIR``; :func:`tvm_cascade.transform.fuse_cascaded_reductions` then fuses the
+``FuseOpsByPattern`` (after rewriting ``torch.export``'s flattened batched matmuls and
+safe softmax, :mod:`.canonicalize`), legalizes the module and merges each group into one
+PrimFunc with ``FuseTIR``; :func:`tvm_cascade.transform.fuse_cascaded_reductions` then fuses the
 softmax's max and sum and the probability-times-V matmul into one key loop (rolling
 update for prefill, split-k for decode shapes). On a GPU target the fused PrimFunc is
 given thread bindings (:mod:`.gpu_schedule`) and marked ``tir.is_scheduled``, so that the
@@ -19,11 +19,13 @@ from typing import Optional
 
 import tvm
 from tvm import relax
+from tvm.s_tir.schedule import ScheduleError
 
+from ..analysis.scope import buffer_accesses, collect_sites
 from ..transform import fuse_cascaded_reductions
 from ..transform.detect import find_candidates
 from ..transform.pass_ import FUSED_ATTR
-from .canonicalize import fold_batched_matmuls
+from .canonicalize import flip_masked_row_guards, fold_batched_matmuls
 from .gpu_schedule import UnsupportedOnGpu, schedule_fused_for_gpu
 from .patterns import attention_patterns, is_attention_group
 
@@ -60,7 +62,7 @@ class FuseAttention:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         grouped = relax.transform.FuseOpsByPattern(attention_patterns(), bind_constants=False)(
-            fold_batched_matmuls(mod)
+            flip_masked_row_guards(fold_batched_matmuls(mod))
         )
         groups = [gv.name_hint for gv, f in grouped.functions_items() if is_attention_group(f)]
         if not groups:
@@ -80,6 +82,7 @@ class FuseAttention:
     def _fuse(self, name: str, func: tvm.tirx.PrimFunc, on_gpu: bool):
         """The fused (and, for a GPU, scheduled) ``func``, or None where nothing fuses."""
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        _inline_constant_blocks(sch)
         chunks = self.chunks or (_gpu_chunks(func) if on_gpu else CPU_CHUNKS)
         chains = fuse_cascaded_reductions(sch, self.tile, self.method, chunks)
         if not chains:
@@ -101,6 +104,23 @@ class FuseAttention:
         if on_gpu:
             attrs["tir.is_scheduled"] = True
         return fused.with_attrs(attrs)
+
+
+def _inline_constant_blocks(sch) -> None:
+    """Inline the blocks that fill a buffer with a constant (``zeros_like`` of the safe
+    softmax, :mod:`.canonicalize`), so that their readers see the literal value, a mask
+    the fusion can see through."""
+    for site in collect_sites(sch.mod["main"].body.block):
+        store = site.block.body
+        if (
+            not site.is_reduction
+            and isinstance(store, tvm.tirx.BufferStore)
+            and not buffer_accesses(store.value)
+        ):
+            try:
+                sch.compute_inline(sch.get_sblock(site.name))
+            except ScheduleError as err:
+                logger.debug("'%s' not inlined: %s", site.name, err)
 
 
 def _gpu_chunks(func) -> int:

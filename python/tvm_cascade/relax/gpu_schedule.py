@@ -18,9 +18,10 @@ no tensor cores.
 """
 
 import tvm
+import tvm_ffi
 from tvm.s_tir.schedule import ScheduleError
 
-from ..analysis.scope import REDUCE, buffer_params, collect_sites, vars_in
+from ..analysis.scope import REDUCE, buffer_params, collect_sites, uses_var, vars_in
 
 LANES = 64  # threads (threadIdx.x) that serve one row (and chunk) of a fused nest
 ROWS = 4  # rows (threadIdx.y) of a fused nest per CUDA block: they share K and V in L1
@@ -35,11 +36,18 @@ def schedule_fused_for_gpu(sch, chains, lanes: int = LANES) -> None:
     """Bind every block of the one PrimFunc in ``sch`` (fused by
     :func:`tvm_cascade.transform.fuse_cascaded_reductions`, which returned ``chains``)
     to GPU blocks and threads."""
+    for chain in chains:
+        if chain.method == "split_k" and not _static_key_length(sch, chain):
+            raise UnsupportedOnGpu(
+                f"'{chain.root}': split-k over a symbolic key length has chunks of "
+                "symbolic length; the rolling update's tiles have a static one"
+            )
     _drop_layout_hints(sch)
     _inline_spatial(sch)
     for chain in chains:
         _schedule_nest(sch, chain, lanes)
     _bind_remaining(sch, THREADS)
+    _check_static_allocations(_func(sch))
 
 
 def _func(sch):
@@ -88,8 +96,29 @@ def _schedule_nest(sch, chain, lanes) -> None:
     sch.bind(row, "threadIdx.y")
     # Below this loop each block's own loops start: the tile loop (rolling) or the row.
     inner = chain.loop if chain.method == "rolling" else row
-    _place_buffers(sch, row, inner)
+    tile = _tile(sch, chain) if chain.method == "rolling" else None
+    _place_buffers(sch, row, inner, tile)
     _bind_lanes(sch, row, inner, lanes)
+
+
+def _static_key_length(sch, chain) -> bool:
+    """Whether the loops below the chain's key loop (keys of a tile or of a chunk) have
+    static extents."""
+    key = sch.get(chain.loop)
+    for block in sch.get_child_blocks(chain.loop):
+        loops = [sch.get(loop) for loop in sch.get_loops(block)]
+        depth = next(k for k, loop in enumerate(loops) if loop.same_as(key))
+        if not all(isinstance(loop.extent, tvm.tirx.IntImm) for loop in loops[depth + 1 :]):
+            return False
+    return True
+
+
+def _tile(sch, chain) -> int:
+    """Keys per tile of a rolling chain: the extent of the root's loop below the tile loop."""
+    loops = sch.get_loops(sch.get_sblock(chain.root))
+    key = sch.get(chain.loop)
+    depth = next(k for k, loop in enumerate(loops) if sch.get(loop).same_as(key))
+    return int(sch.get(loops[depth + 1]).extent)
 
 
 def _lane_loop(site, row, inner):
@@ -113,10 +142,15 @@ def _lane_loop(site, row, inner):
     return None
 
 
-def _place_buffers(sch, row_rv, inner_rv) -> None:
+def _place_buffers(sch, row_rv, inner_rv, tile) -> None:
     """Scopes of what the nest writes: values one lane writes and other blocks read in
     shared memory, other intermediates in registers; accumulators read after the nest
-    (or outputs) computed in registers and stored once, after the last key."""
+    (or outputs) computed in registers and stored once, after the last key.
+
+    An intermediate with a symbolic key axis (a rolling chain over a symbolic key count;
+    ``tile`` keys per tile) has that axis split into (tile, key in the tile): a thread
+    row uses one tile of it at a time, which then has the static size that registers and
+    shared memory need."""
     done = set()
     while True:
         func = _func(sch)
@@ -145,11 +179,9 @@ def _place_buffers(sch, row_rv, inner_rv) -> None:
                 if not any(sch.get(l).same_as(sch.get(row_rv)) for l in sch.get_loops(store)):
                     sch.reverse_compute_at(store, row_rv, preserve_unit_loops=True)
             continue
-        if not all(isinstance(e, tvm.tirx.IntImm) for e in buf.ty.shape):
-            raise UnsupportedOnGpu(
-                f"'{buf.name}' has a symbolic shape: registers and shared memory need a "
-                "static size, and CUDA kernels cannot allocate global memory"
-            )
+        key_axis = None
+        if not _is_static(buf):
+            key_axis = _symbolic_key_axis(site, index, inner, tile)
         shared = _lane_loop(site, row, inner) is not None and any(
             s is not site and _reads(s, buf) for s in nest
         )
@@ -160,8 +192,93 @@ def _place_buffers(sch, row_rv, inner_rv) -> None:
             store = sch.cache_write(block, index, "local")
             sch.set_scope(store, 0, "shared")
             done.add((sch.get(store).name_hint, 0))
+            block, index = store, 0
         else:
             sch.set_scope(block, index, "shared" if shared else "local")
+        if key_axis is not None:
+            sch.transform_layout(
+                block,
+                ("write", index),
+                _split_axis(key_axis, tile, len(buf.ty.shape)),
+                # Not bijective where the key count is no multiple of the tile: the last
+                # tile's tail is never written nor read (the blocks' predicates).
+                assume_injective_transform=True,
+            )
+
+
+def _is_static(buf) -> bool:
+    return all(isinstance(e, tvm.tirx.IntImm) for e in buf.ty.shape)
+
+
+def _symbolic_key_axis(site, index, tile_loop, tile) -> int:
+    """The axis of ``site``'s ``index``-th written buffer that the tile loop (``tile``
+    keys a tile; None for split-k) indexes, where that is its only symbolic axis; raises
+    :class:`UnsupportedOnGpu` otherwise."""
+    buf = site.write_buffers()[index]
+    symbolic = [a for a, e in enumerate(buf.ty.shape) if not isinstance(e, tvm.tirx.IntImm)]
+    if tile is not None:
+        region = site.block.writes[index].region
+        along_tiles = [
+            axis
+            for axis, extent in enumerate(region)
+            if any(uses_var(_binding(site, v), tile_loop.loop_var) for v in vars_in(extent.min))
+        ]
+        if len(symbolic) == 1 and symbolic == along_tiles:
+            return symbolic[0]
+    raise UnsupportedOnGpu(
+        f"'{buf.name}' has a symbolic shape other than a rolling chain's key axis: "
+        "registers and shared memory need a static size"
+    )
+
+
+def _binding(site, var):
+    """What ``site``'s realize binds the block iterator ``var`` to (``var`` itself if it
+    is no block iterator)."""
+    for iv, value in zip(site.block.iter_vars, site.realize.iter_values):
+        if iv.var.same_as(var):
+            return value
+    return var
+
+
+def _split_axis(axis: int, tile: int, ndim: int):
+    """The index map that splits ``axis`` into (tile, offset in the tile)."""
+
+    def mapping(*indices):
+        key = indices[axis]
+        return (*indices[:axis], key // tile, key % tile, *indices[axis + 1 :])
+
+    return tvm.tirx.IndexMap.from_func(mapping, ndim=ndim)
+
+
+def _check_static_allocations(func) -> None:
+    """Raise :class:`UnsupportedOnGpu` where a register or shared-memory buffer of
+    ``func`` keeps a symbolic size once lowering has shrunk each to the region it uses
+    (the CUDA code generator would refuse it). The passes are those of TVM's default
+    TIR pipeline up to ``CompactBufferAllocation``, in its order."""
+    passes = tvm.transform.Sequential(
+        [
+            tvm.s_tir.transform.CanonicalizeLoop(),
+            tvm.s_tir.transform.LowerCrossThreadReduction(),
+            tvm.s_tir.transform.LowerInitBlock(),
+            tvm.s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+            tvm.s_tir.transform.ConvertBlocksToOpaque(),
+            tvm.s_tir.transform.LiftThreadBinding(),
+            tvm.s_tir.transform.ManifestSharedMemoryLocalStage(),
+            tvm.s_tir.transform.CompactBufferAllocation(),
+        ]
+    )
+    lowered = passes(tvm.IRModule({"main": func}))["main"]
+    dynamic = []
+
+    def visit(node):
+        if isinstance(node, tvm.s_tir.stmt.SBlock):
+            for buf in node.alloc_buffers:
+                if _scope(buf) != "global" and not _is_static(buf):
+                    dynamic.append(buf.name)
+
+    tvm_ffi.structural_walk(lowered.body, visit)
+    if dynamic:
+        raise UnsupportedOnGpu(f"{', '.join(dynamic)}: symbolic size in registers or shared memory")
 
 
 def _bind_lanes(sch, row_rv, inner_rv, lanes) -> None:

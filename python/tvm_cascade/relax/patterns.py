@@ -14,8 +14,9 @@ Each pattern is named ``cascade.attention`` or ``cascade.attention_chain_<n>`` (
 ops); longer chains come first so that a chain is grouped whole.
 """
 
+import numpy as np
 from tvm import relax
-from tvm.relax.dpl import is_op, wildcard
+from tvm.relax.dpl import is_const, is_op, wildcard
 from tvm.relax.transform import FusionPattern
 
 PREFIX = "cascade.attention"
@@ -51,13 +52,16 @@ def _attention_op_pattern():
 
 def _chain_pattern(score_ops: int):
     keys = is_op("relax.permute_dims")(_grouped(wildcard()))
-    scores = qk = is_op("relax.matmul")(wildcard(), keys)
+    scaled_keys = keys | is_op("relax.multiply")(keys, is_const())
+    scores = qk = is_op("relax.matmul")(wildcard(), scaled_keys)
     for _ in range(score_ops):
         scores = _score_op(scores)
     softmax = is_op("relax.nn.softmax")(scores)
-    probs = softmax | is_op("relax.astype")(softmax)
+    guard, minus_inf = _masked_row_guard(scores, softmax)
+    guarded = softmax | guard
+    probs = guarded | is_op("relax.astype")(guarded)
     root = is_op("relax.matmul")(probs, _grouped(wildcard()))
-    annotations = {"root": root, "qk": qk, "keys": keys, "softmax": softmax}
+    annotations = {"root": root, "qk": qk, "keys": keys, "softmax": softmax, "minus_inf": minus_inf}
     return FusionPattern(f"{PREFIX}_chain_{score_ops}", root, annotations, _check_chain)
 
 
@@ -67,6 +71,26 @@ def _grouped(tensor):
     and ``expand`` import to)."""
     broadcast = is_op("relax.broadcast_to")(is_op("relax.expand_dims")(tensor) | tensor, wildcard())
     return is_op("relax.repeat")(tensor) | is_op("relax.reshape")(broadcast, wildcard()) | tensor
+
+
+def _masked_row_guard(scores, softmax):
+    """``where(row_alive, softmax, 0)``, with ``row_alive`` whether any score of the row is
+    not ``-inf``: PyTorch's safe softmax after :func:`.canonicalize.flip_masked_row_guards`."""
+    alive, minus_inf = row_alive(scores)
+    guard = is_op("relax.where")(alive, softmax, is_op("relax.zeros_like")(softmax))
+    return guard, minus_inf
+
+
+def row_alive(scores):
+    """The pattern of ``astype(max(astype(scores != -inf, int8), axis=-1, keepdims=True),
+    bool)`` as ``torch.export`` writes it (the comparison as ``logical_not(equal(...))``),
+    and the pattern of the constant compared with (to check that it is ``-inf``)."""
+    minus_inf = is_const()
+    alive = is_op("relax.logical_not")(is_op("relax.equal")(scores, minus_inf))
+    reduced = is_op("relax.max")(is_op("relax.astype")(alive)).has_attr(
+        {"axis": [-1], "keepdims": True}
+    )
+    return is_op("relax.astype")(reduced), minus_inf
 
 
 def _score_op(scores):
@@ -95,6 +119,9 @@ def _check_chain(context) -> bool:
     expected = list(range(rank - 2)) + [rank - 1, rank - 2]
     if axes is None or [int(a) for a in axes] != expected:
         return False
+    minus_inf = ann.get("minus_inf")
+    if minus_inf is not None and not is_minus_inf(minus_inf):
+        return False
     return _check_outputs_only(context)
 
 
@@ -110,6 +137,12 @@ def _check_outputs_only(context) -> bool:
             if user not in matched:
                 return False
     return True
+
+
+def is_minus_inf(const) -> bool:
+    """Whether a Relax constant is the scalar ``-inf``."""
+    data = const.value.numpy()
+    return data.size == 1 and bool(np.isneginf(data).all())
 
 
 def is_attention_group(func) -> bool:
