@@ -110,8 +110,9 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     ``config`` (the chunk count from the shape and the SM count); returns the schedule."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     sch = tvm.s_tir.Schedule(func)
-    batch, _, _, seq_kv = _shape(sch)
-    chunks = choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes)
+    batch, _, seq_q, seq_kv = _shape(sch)
+    # Each query row is a row of thread blocks of its own (kernel 2 binds them to blocks).
+    chunks = choose_chunks(batch * seq_q, heads_kv, group, seq_kv, config, multiprocessors, lanes)
     if group >= config.tile_from_group:
         qk = (config.tile_threads, config.tile_keys, config.tile_stages)
     else:
@@ -263,7 +264,9 @@ def _schedule_chunks(sch, chunk_rows, z, lanes):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
     b, hkv, i, c = sch.get_loops(blocks["max_partial"])[:4]
     cb, cy = sch.split(c, [None, chunk_rows])
-    sch.bind(sch.fuse(b, hkv), "blockIdx.x")
+    # Query rows (several for speculative decoding) go to blocks, not a serial loop:
+    # their blocks read the same K/V chunk, mostly from L2.
+    sch.bind(sch.fuse(b, hkv, i), "blockIdx.x")
     sch.bind(cb, "blockIdx.y")
     sch.bind(cy, "threadIdx.y")
     # The lanes of a row share the chunk's keys for max, exp and sum of its heads ...
