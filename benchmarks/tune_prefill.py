@@ -4,8 +4,8 @@
 
 For each prefill configuration of the suite: evolutionary search with the xgboost cost
 model over :func:`tvm_cascade.schedules.prefill.prefill_design_space` (its choices are
-``sample_categorical`` decisions; its fusion the traced ``rolling_update``, ``distribute``
-and ``split_tile_accumulation``). Candidates are built with
+``sample_categorical`` decisions; its fusion the traced ``rolling_update``, ``distribute``,
+``split_tile_accumulation`` and, for causal and window masks, ``skip_masked_tiles``). Candidates are built with
 :func:`tvm_cascade.schedules.prefill.build` (every warp fragment lowered to registers).
 Records go to a JSON database in ``--work-dir`` (default ``benchmarks/tuned/prefill``);
 MetaSchedule's logs go to ``<work-dir>/logs/<config>`` (git-ignored).

@@ -19,13 +19,15 @@ from tvm_cascade import trace as cascade_trace
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
+from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.schedules import prefill
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
 
-def _fused_row_tiles(func, keys, rows):
-    """The prefill schedule's IR steps before any GPU mapping."""
+def _row_tiles(func, keys, rows):
+    """The prefill schedule's IR steps up to its ``distribute``; returns the schedule and
+    the row loop below the key-tile loop."""
     sch = tvm.s_tir.Schedule(func, seed=1)
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     j0, _ = sch.split(j, [None, keys])
@@ -36,7 +38,17 @@ def _fused_row_tiles(func, keys, rows):
     sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
     _, i1 = sch.split(i, [None, rows])
     sch.reorder(j0, i1)
-    sch.distribute(i1)
+    return sch, i1
+
+
+def _fused_row_tiles(func, keys, rows, sizes=None):
+    """The prefill schedule's IR steps before any GPU mapping (``sizes``: how
+    ``distribute`` groups the stages)."""
+    sch, i1 = _row_tiles(func, keys, rows)
+    if sizes is None:
+        sch.distribute(i1)
+    else:
+        sch.distribute(i1, sizes)
     return sch
 
 
@@ -106,6 +118,127 @@ def test_split_tile_accumulation_needs_a_rolled_sum():
         sch.split_tile_accumulation(sch.get_sblock("max"), j0)
 
 
+def test_distribute_groups_consecutive_statements():
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
+    sch = _fused_row_tiles(func, keys=16, rows=32, sizes=[1, 1, 3, 1, 1])
+    rows = {name: sch.get(sch.get_loops(sch.get_sblock(name))[4]) for name in ("max", "exp", "sum", "pv")}
+    assert rows["max"].same_as(rows["exp"]) and rows["exp"].same_as(rows["sum"])
+    assert not rows["sum"].same_as(rows["pv"])
+    assert "sizes=[1, 1, 3, 1, 1]" in str(sch.trace)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 1, 64, 16)).astype("float32") for _ in range(3))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=VARIANTS["causal"]), rtol=1e-5, atol=1e-5)
+
+
+def test_distribute_refuses_sizes_that_do_not_cover_the_body():
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
+    sch, i1 = _row_tiles(func, keys=16, rows=32)
+    before = sch.mod
+    with pytest.raises(FusionError, match="do not split"):
+        sch.distribute(i1, [2, 2])
+    assert tvm_ffi.structural_equal(sch.mod, before)
+
+
+def _decomposed_row_tiles(func, keys, rows):
+    """:func:`_fused_row_tiles` with the scores inlined and the rolled reductions'
+    initial values before the key loop; returns (schedule, max block, key-tile loop)."""
+    sch = _fused_row_tiles(func, keys, rows)
+    sch.compute_inline(sch.get_sblock("score"))
+    max_block = sch.get_sblock("max")
+    j0 = sch.get_loops(max_block)[3]
+    for name in ("max", "sum", "pv"):
+        sch.decompose_reduction(sch.get_sblock(name), j0)
+    return sch, max_block, j0
+
+
+@pytest.mark.parametrize(
+    "variant, seq_q, seq_kv, tiles",
+    [
+        # (first, last + 1) key tile of each 32-row block; keys in tiles of 16
+        ("causal", 96, 96, [(0, 2), (0, 4), (0, 6)]),
+        ("window", 96, 96, [(0, 2), (0, 4), (1, 6)]),  # window of 40 keys
+        ("alibi", 64, 128, [(0, 6), (0, 8)]),  # causal, bottom-right aligned
+        ("window", 64, 160, [(3, 8), (5, 10)]),
+    ],
+)
+def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq_q, seq_kv, tiles):
+    var = VARIANTS[variant]
+    if var.window is not None:
+        var = type(var)("window", causal=True, window=40)
+    func = ops.attention(1, 2, 1, seq_q, seq_kv, 16, dtype="float32", variant=var)
+    sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    sch.skip_masked_tiles(max_block, j0)
+    loop = sch.get(j0)
+    i0 = sch.get(sch.get_loops(max_block)[2]).loop_var
+    analyzer = tvm.sym.Analyzer()
+    for block_row, (first, end) in enumerate(tiles):
+        at = {i0: tvm.tirx.const(block_row, "int32")}
+        assert analyzer.simplify(substitute(loop.min, at)).value == first
+        assert analyzer.simplify(substitute(loop.min + loop.extent, at)).value == end
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
+    k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+
+
+def test_skip_masked_tiles_refuses_what_would_change_the_result():
+    causal = VARIANTS["causal"]
+    # The first tile still initialises the running max: skipping it would lose that.
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=causal)
+    sch = _fused_row_tiles(func, keys=16, rows=32)
+    sch.compute_inline(sch.get_sblock("score"))
+    before = sch.mod
+    with pytest.raises(FusionError, match="decompose the reduction"):
+        sch.skip_masked_tiles(sch.get_sblock("max"), sch.get_loops(sch.get_sblock("max"))[3])
+    assert tvm_ffi.structural_equal(sch.mod, before)
+    # More queries than keys: the first rows see no key (mean of V over all keys).
+    func = ops.attention(1, 1, 1, 96, 64, 16, dtype="float32", variant=causal)
+    sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    with pytest.raises(FusionError, match="sees no key"):
+        sch.skip_masked_tiles(max_block, j0)
+    # No mask, nothing to skip.
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["global"])
+    sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    with pytest.raises(FusionError, match="reads no masked scores"):
+        sch.skip_masked_tiles(max_block, j0)
+
+
+@T.prim_func(s_tir=True)
+def _masked_max_and_unmasked_sum(
+    x: T.Buffer((8, 8), "float32"), y: T.Buffer((8,), "float32"),
+    m: T.Buffer((8,), "float32"), c: T.Buffer((8,), "float32"),
+):
+    for i, t in T.grid(8, 2):
+        for r in range(4):
+            with T.sblock("masked_max"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.reduce(8, t * 4 + r)
+                with T.init():
+                    m[vi] = T.min_value("float32")
+                m[vi] = T.max(m[vi], T.Select(vj <= vi, x[vi, vj], T.min_value("float32")))
+        for r in range(4):
+            with T.sblock("total"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.reduce(8, t * 4 + r)
+                with T.init():
+                    c[vi] = T.float32(0)
+                c[vi] = c[vi] + y[vj]
+
+
+def test_skip_masked_tiles_refuses_a_reduction_outside_the_masked_chain():
+    sch = tvm.s_tir.Schedule(_masked_max_and_unmasked_sum)
+    masked_max = sch.get_sblock("masked_max")
+    tiles = sch.get_loops(masked_max)[1]
+    for name in ("masked_max", "total"):
+        sch.decompose_reduction(sch.get_sblock(name), tiles)
+    before = sch.mod
+    with pytest.raises(FusionError, match="'total_update' reduces over loop 't' without reading"):
+        sch.skip_masked_tiles(masked_max, tiles)
+    assert tvm_ffi.structural_equal(sch.mod, before)
+
+
 def _source(mod):
     return prefill.build(mod, CUDA).mod.imports[0].inspect_source()
 
@@ -123,10 +256,29 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     # Q, K (stored as the transposed operand already) and P plain, V transposed.
     assert source.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 3
     assert source.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1
-    # Every fragment is lowered to per-lane registers (a whole-warp array has 256+ halves).
+    # Every fragment is lowered to per-lane registers (a whole-warp array has 512+ elements).
     for dtype, name, size in re.findall(r"alignas\(64\) (\w+) (\w+_warp_ptr)\[(\d+)\]", source):
-        assert int(size) <= 64, (name, size)
+        assert int(size) <= 128, (name, size)
     assert "*(uint4*)(K_ptr" in source and "*(uint4*)(V_ptr" in source
+    # Barriers only between the stages of a key tile, none inside the per-row loops: the
+    # row statistics sit in static shared memory (the barrier planner sees all dynamic
+    # shared memory as one buffer) and the output's rows are read at one index.
+    depths = _barrier_depths(source)
+    assert max(depths) <= 2 and depths.count(2) <= 8, depths
+    # The causal mask bounds the key-tile loop by the block's last row.
+    assert re.search(r"for \(int rj_0 = 0; rj_0 < \(+\(\(int\)blockIdx.x\) & 1\) \* 2\) \+ 2\)", source)
+
+
+def _barrier_depths(source):
+    """Brace depth of every ``__syncthreads`` in the kernel (1: the kernel's body)."""
+    body = source[source.index("main_kernel(half* __restrict__ K_ptr"):]
+    body = body[body.index("{"):]
+    depth, depths = 0, []
+    for k, c in enumerate(body):
+        depth += (c == "{") - (c == "}")
+        if body.startswith("__syncthreads", k):
+            depths.append(depth)
+    return depths
 
 
 def test_schedule_refuses_shapes_off_the_tiles():

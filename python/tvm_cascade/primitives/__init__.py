@@ -269,3 +269,4 @@ def install() -> None:
     Schedule.split_k_update = split_k_update
     Schedule.distribute = _tiles.distribute
     Schedule.split_tile_accumulation = _tiles.split_tile_accumulation
+    Schedule.skip_masked_tiles = _tiles.skip_masked_tiles

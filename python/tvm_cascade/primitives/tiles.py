@@ -14,7 +14,9 @@ with a zero start) and repairs once per tile and output element.
 
 Both record themselves in the schedule trace, so traces that use them replay.
 """
+import numpy as np
 import tvm
+import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir import Schedule
 from tvm.s_tir.stmt import SBlockRealize
@@ -32,15 +34,17 @@ from .rolling_update import scope_of
 SPATIAL = 0  # IterVar.iter_type of a spatial iterator
 
 
-def distribute(self: Schedule, loop) -> None:
-    """Give every statement in the body of ``loop`` its own copy of ``loop`` (fission).
+def distribute(self: Schedule, loop, sizes=None) -> None:
+    """Give every statement in the body of ``loop`` its own copy of ``loop`` (fission),
+    or, with ``sizes``, every group of ``sizes[k]`` consecutive statements.
 
-    ``loop``'s body must be a sequence of statements. The rewrite is legal when one
-    iteration of ``loop`` only touches its own slice of every buffer written below it:
-    each block below binds exactly one iterator to ``loop`` (as ``c + loop``, the same
-    ``c`` for all), and every access to a buffer written below ``loop`` indexes one
-    common dimension with that iterator. Otherwise :class:`tvm_cascade.FusionError`
-    is raised and the schedule is left unchanged.
+    ``loop``'s body must be a sequence of statements; ``sizes`` (default: all ones)
+    must add up to its length. The rewrite is legal when one iteration of ``loop`` only
+    touches its own slice of every buffer written below it: each block below binds
+    exactly one iterator to ``loop`` (as ``c + loop``, the same ``c`` for all), and every
+    access to a buffer written below ``loop`` indexes one common dimension with that
+    iterator. Otherwise :class:`tvm_cascade.FusionError` is raised and the schedule is
+    left unchanged.
 
     Block random variables stay valid; ``loop`` and the loops around the moved
     statements keep their objects except the copies of ``loop``, which are new.
@@ -50,18 +54,26 @@ def distribute(self: Schedule, loop) -> None:
     children = list(node.body) if isinstance(node.body, tvm.tirx.SeqStmt) else None
     if children is None or len(children) < 2:
         raise FusionError(f"distribute: loop '{node.loop_var.name}' has a single statement")
+    sizes = [1] * len(children) if sizes is None else [int(n) for n in sizes]
+    if any(n < 1 for n in sizes) or sum(sizes) != len(children):
+        raise FusionError(
+            f"distribute: group sizes {sizes} do not split the {len(children)} statements of "
+            f"loop '{node.loop_var.name}'"
+        )
     _check_row_slices(node)
-    copies = []
-    for k, child in enumerate(children):
+    copies, start = [], 0
+    for k, size in enumerate(sizes):
         var = tvm.tirx.Var(f"{node.loop_var.name}_{k}", dtype_of(node.loop_var))
+        group = children[start] if size == 1 else tvm.tirx.SeqStmt(children[start:start + size])
+        start += size
         copies.append(
             tvm.tirx.For(
-                var, node.min, node.extent, node.kind, substitute(child, {node.loop_var: var}),
+                var, node.min, node.extent, node.kind, substitute(group, {node.loop_var: var}),
                 node.thread_binding, node.annotations, node.step,
             )
         )
     _replace_stmt(self, root_sref, node, tvm.tirx.SeqStmt(copies), [])
-    append_instruction(self, "Distribute", [loop])
+    append_instruction(self, "Distribute", [loop], [sizes])
 
 
 def split_tile_accumulation(self: Schedule, block, loop) -> None:
@@ -172,6 +184,200 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
     append_instruction(self, "SplitTileAccumulation", [block, loop])
 
 
+def skip_masked_tiles(self: Schedule, block, loop) -> None:
+    """Let the key-tile ``loop`` visit only the tiles where ``block``'s mask can be true.
+
+    ``block`` reads its scores as ``select(mask, score, lowest)`` (``ops.attention``'s
+    masking: ``lowest`` is the smallest finite value of the score type, the identity of
+    the running max) and sits below ``loop``. Each conjunct of ``mask`` that compares
+    expressions linear in the loops' variables bounds the tiles where it can hold, for
+    the rows below ``loop``: the smallest value of ``lhs - rhs`` over the loops below
+    ``loop`` must be at most (``<``: below) zero, a linear condition on the tile. ``loop``
+    becomes ``for t in range(lo, hi)`` with ``lo``/``hi`` in the loops above it (for
+    causal and window masks, the first and last tile a thread block's rows can see).
+
+    Skipping a fully masked tile leaves a rolled chain's state as it was (the max keeps
+    its value, every later reduction of the chain adds ``exp(lowest - m) = 0``), except
+    for a row that sees no key at all (its running max stays ``lowest`` and every masked
+    key counts with weight 1 in the reference). The rewrite raises
+    :class:`tvm_cascade.FusionError` unless every reduction over ``loop`` is ``block``
+    or reads what ``block`` or its consumers below ``loop`` write, no block below
+    ``loop`` initialises such a reduction in its first tile (``decompose_reduction`` at
+    ``loop`` first: that tile may be skipped), every row of ``block``'s domain sees a
+    key, and the mask bounds the tiles at all.
+    """
+    target = self.get(block)
+    node = self.get(loop)
+    _, root_sref = scope_of(self, block)
+    site = _site_under(root_sref.stmt, target, node, "skip_masked_tiles")
+    _check_reductions_follow(root_sref.stmt, target, node)
+    mask = mask_condition(target)
+    if mask is None:
+        raise FusionError(f"skip_masked_tiles: block '{target.name_hint}' reads no masked scores")
+    _check_every_row_sees_a_key(target, mask)
+    bindings = {iv.var: site.binding(iv) for iv in target.iter_vars}
+    below = {
+        l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(node)
+    }
+    analyzer = tvm.sym.Analyzer()
+    t = node.loop_var
+    lo, hi = node.min, node.min + node.extent
+    bounded = False
+    for difference, strict in _linear_conjuncts(mask):
+        smallest = analyzer.int_set(substitute(difference, bindings), below).min_value
+        at = [analyzer.simplify(substitute(smallest, {t: tvm.tirx.const(k, dtype_of(t))})) for k in range(2)]
+        slope = analyzer.simplify(at[1] - at[0])
+        if not (isinstance(slope, tvm.tirx.IntImm) and analyzer.can_prove_equal(smallest, slope * t + at[0])):
+            continue
+        # The conjunct can hold in tile t iff slope * t + at[0] <= -strict.
+        limit = -at[0] - int(strict)
+        if slope.value > 0:
+            hi = tvm.tirx.min(hi, tvm.tirx.floordiv(limit, slope.value) + 1)
+            bounded = True
+        elif slope.value < 0:
+            lo = tvm.tirx.max(lo, tvm.tirx.floordiv(-limit - slope.value - 1, -slope.value))
+            bounded = True
+    if not bounded:
+        raise FusionError(
+            f"skip_masked_tiles: the mask of block '{target.name_hint}' bounds no tiles of loop "
+            f"'{t.name}'"
+        )
+    lo, hi = analyzer.simplify(lo), analyzer.simplify(hi)
+    new_loop = tvm.tirx.For(
+        t, lo, analyzer.simplify(hi - lo), node.kind, node.body,
+        node.thread_binding, node.annotations, node.step,
+    )
+    _replace_stmt(self, root_sref, node, new_loop, [])
+    append_instruction(self, "SkipMaskedTiles", [block, loop])
+
+
+def _check_reductions_follow(root, block, loop):
+    """Raise unless every reduction over ``loop`` below it is ``block`` or downstream of
+    it there, with its initial value outside ``loop``."""
+    downstream = set()
+    for site in collect_sites(root):
+        if not site.under(loop):
+            continue
+        follows = site.block.same_as(block) or any(
+            any(b.same_as(d) for d in downstream) for b in site.read_buffers()
+        )
+        if follows:
+            downstream.update(site.write_buffers())
+        over_loop = any(
+            iv.iter_type == REDUCE and uses_var(site.binding(iv), loop.loop_var)
+            for iv in site.block.iter_vars
+        )
+        if not over_loop:
+            continue
+        if not follows:
+            raise FusionError(
+                f"skip_masked_tiles: block '{site.name}' reduces over loop "
+                f"'{loop.loop_var.name}' without reading the masked scores of "
+                f"'{block.name_hint}'"
+            )
+        if site.block.init is not None:
+            raise FusionError(
+                f"skip_masked_tiles: block '{site.name}' initialises its reduction in the first "
+                f"tile of loop '{loop.loop_var.name}', which may be skipped; decompose the "
+                "reduction at that loop first"
+            )
+
+
+def mask_condition(block):
+    """The condition ``mask`` of the ``select(mask, score, lowest)`` that ``block`` reads
+    (``lowest``: the smallest finite value of the score type), or None; raises
+    :class:`tvm_cascade.FusionError` when it reads several different ones."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.Select) and isinstance(node.false_value, tvm.tirx.FloatImm):
+            dtype = str(node.false_value.ty.dtype)
+            if node.false_value.value == tvm.tirx.min_value(dtype).value:
+                found.append(node.condition)
+
+    tvm_ffi.structural_walk(_statements(block), visit)
+    if not found:
+        return None
+    if any(not tvm_ffi.structural_equal(c, found[0]) for c in found[1:]):
+        raise FusionError(f"block '{block.name_hint}' reads scores under different masks")
+    return found[0]
+
+
+def _statements(block):
+    """``block``'s body and init, as one statement."""
+    return block.body if block.init is None else tvm.tirx.SeqStmt([block.init, block.body])
+
+
+_COMPARISONS = {
+    tvm.tirx.LE: (False, 1), tvm.tirx.LT: (True, 1), tvm.tirx.GE: (False, -1), tvm.tirx.GT: (True, -1),
+}
+
+
+def _linear_conjuncts(cond):
+    """``(lhs - rhs, strict)`` (or ``rhs - lhs`` for ``>=``/``>``) of each comparison
+    conjunct of ``cond``, such that it holds iff the difference is <= 0 (< 0 if strict)."""
+    if isinstance(cond, tvm.tirx.And):
+        yield from _linear_conjuncts(cond.a)
+        yield from _linear_conjuncts(cond.b)
+        return
+    for kind, (strict, sign) in _COMPARISONS.items():
+        if isinstance(cond, kind) and str(cond.a.ty.dtype).startswith("int"):
+            yield (cond.a - cond.b) if sign > 0 else (cond.b - cond.a), strict
+
+
+_NUMPY_BINARY = {
+    tvm.tirx.Add: np.add, tvm.tirx.Sub: np.subtract, tvm.tirx.Mul: np.multiply,
+    tvm.tirx.FloorDiv: np.floor_divide, tvm.tirx.FloorMod: np.mod, tvm.tirx.Min: np.minimum,
+    tvm.tirx.Max: np.maximum, tvm.tirx.LT: np.less, tvm.tirx.LE: np.less_equal,
+    tvm.tirx.GT: np.greater, tvm.tirx.GE: np.greater_equal, tvm.tirx.EQ: np.equal,
+    tvm.tirx.NE: np.not_equal, tvm.tirx.And: np.logical_and, tvm.tirx.Or: np.logical_or,
+}
+
+
+def _evaluate(expr, values):
+    """``expr`` (integer and boolean arithmetic) on numpy arrays ``values[var]``."""
+    if isinstance(expr, tvm.tirx.Var):
+        return values[expr]
+    if isinstance(expr, tvm.tirx.IntImm):
+        return np.int64(expr.value)
+    if isinstance(expr, tvm.tirx.Not):
+        return np.logical_not(_evaluate(expr.a, values))
+    if isinstance(expr, tvm.tirx.Cast) and str(expr.ty.dtype).startswith("int"):
+        return _evaluate(expr.value, values)
+    op = _NUMPY_BINARY.get(type(expr))
+    if op is None:
+        raise FusionError(f"skip_masked_tiles: cannot evaluate mask term {expr}")
+    return op(_evaluate(expr.a, values), _evaluate(expr.b, values))
+
+
+def _check_every_row_sees_a_key(block, mask):
+    """Raise unless ``mask``, evaluated on ``block``'s domain, leaves every row a key."""
+    used = [iv for iv in block.iter_vars if uses_var(mask, iv.var)]
+    keys = [iv for iv in used if iv.iter_type == REDUCE]
+    rows = [iv for iv in used if iv.iter_type != REDUCE]
+    if len(keys) != 1 or len(rows) > 1:
+        raise FusionError(
+            f"skip_masked_tiles: the mask of block '{block.name_hint}' must depend on the key "
+            "and at most one other iterator"
+        )
+    key = np.arange(int(keys[0].dom.min), int(keys[0].dom.min + keys[0].dom.extent), dtype=np.int64)
+    row_min, row_end = (int(rows[0].dom.min), int(rows[0].dom.min + rows[0].dom.extent)) if rows else (0, 1)
+    for start in range(row_min, row_end, _ROW_CHUNK):
+        stop = min(start + _ROW_CHUNK, row_end)
+        values = {keys[0].var: key[None, :]}
+        if rows:
+            values[rows[0].var] = np.arange(start, stop, dtype=np.int64)[:, None]
+        visible = np.broadcast_to(_evaluate(mask, values), (stop - start, key.size))
+        if not np.all(np.any(visible, axis=1)):
+            raise FusionError(
+                f"skip_masked_tiles: some row of block '{block.name_hint}' sees no key; its "
+                "result depends on the masked tiles"
+            )
+
+
+_ROW_CHUNK = 512
+
+
 def _entering_condition(repaired):
     """The condition of ``if_then_else(cond, h, X)``, the rolled repair's form."""
     if not (isinstance(repaired, ir_expr.Call) and repaired.op.name.endswith(".if_then_else")):
@@ -191,12 +397,12 @@ def _rebuild_nest(stmt, old_realize, new_realize):
     raise FusionError("split_tile_accumulation: the block's loops below the tile loop hold other statements")
 
 
-def _site_under(root, block, loop):
+def _site_under(root, block, loop, primitive="split_tile_accumulation"):
     for site in collect_sites(root):
         if site.block.same_as(block):
             if not site.under(loop):
                 raise FusionError(
-                    f"split_tile_accumulation: block '{block.name_hint}' is not under loop "
+                    f"{primitive}: block '{block.name_hint}' is not under loop "
                     f"'{loop.loop_var.name}'"
                 )
             return site
@@ -310,5 +516,7 @@ def _replace_stmt(sch, root_sref, old, new, new_buffers, reuse=None):
     refresh_sblock_flags(sch.state)
 
 
-register_kind("Distribute", "distribute", ("loop",))
+register_kind("Distribute", "distribute", ("loop",), ("sizes",))
 register_kind("SplitTileAccumulation", "split_tile_accumulation", ("block", "loop"))
+register_kind("SkipMaskedTiles", "skip_masked_tiles", ("block", "loop"))
+# The rewrites become Schedule methods in primitives.install.

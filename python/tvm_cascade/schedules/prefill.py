@@ -8,25 +8,34 @@ Built from the traced ``rolling_update`` and the tile rewrites of
   by all threads);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp ``rows / warps`` rows; the
-  scores go to shared memory;
+  scores go to shared memory (rows padded by one word);
 * one thread per row applies the score modification and mask (inlined ``score``),
-  keeps the running max and sum, and writes the tile's exps as fp16 for the second
-  GEMM;
+  keeps the running max and sum and writes the tile's exps as fp16 for the second GEMM,
+  all in one loop nest over static shared memory (no barrier inside it);
 * ``pv_tile`` (exps · V of the tile) runs on tensor cores like ``qk``;
-* the running output lives in shared memory: thread ``t`` repairs
-  (``O * exp(m_prev - m)``) and advances dimension ``t`` of every row once per tile,
-  and normalises it by the sum in the epilogue.
+* the running output lives in shared memory: one thread per row repairs it
+  (``O * exp(m_prev - m)``) and adds the tile's P·V once per tile; the epilogue
+  normalises it by the sum;
+* the reductions' initial values sit before the key loop, and with a causal or window
+  mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see.
 """
 from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
 
+from ..primitives.tiles import mask_condition
+
 
 WARP = 32
 MMA = 16  # the m16n16k16 tile the TVM mma intrinsics cover
 VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
+# The row statistics and the exps live in static shared memory: TVM's barrier planner
+# sees all of dynamic shared memory as one buffer, so a thread writing its own row there
+# would conflict with every other dynamic buffer read in the same loop and get a barrier
+# per iteration.
+ROW_SHARED = "shared"
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,8 @@ class PrefillConfig:
     # builds: at 64, TVM's storage planner puts an fp16 shared buffer in an fp32 one's
     # place and its ldmatrix address lowering rejects the mixed types.
     rows: int = 128
-    keys: int = 32  # keys per tile
-    pv_split: int = 2  # passes over the head dimension in the P·V GEMM (register pressure)
+    keys: int = 64  # keys per tile
+    pv_split: int = 1  # passes over the head dimension in the P·V GEMM (register pressure)
 
 
 def check_shape(seq_q, seq_kv, head_dim, config=PrefillConfig()):
@@ -102,8 +111,12 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
     i0, i1 = sch.split(i, [None, rows])
     sch.reorder(j0, i1)
-    sch.distribute(i1)
+    # Stages qk, score, then max, exp and sum in one row loop (each thread reads only the
+    # statistics it wrote: no barrier between them), then pv_tile, pv.
+    sch.distribute(i1, [1, 1, 3, 1, 1])
     sch.compute_inline(sch.get_sblock("score"))
+    max_block, exp, sum_block = (sch.get_sblock(name) for name in ("max", "exp", "sum"))
+    stats_row = sch.get_loops(max_block)[-2]
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
     out = sch.get_sblock("out")
@@ -112,32 +125,40 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, 1, transposed_b=True)
 
     # One thread per row for the row statistics and the exps.
-    for name in ("max", "exp", "sum"):
-        block = sch.get_sblock(name)
-        row, _ = sch.get_loops(block)[-2:]
-        ty, tx = sch.split(row, [warps, WARP])
-        sch.bind(ty, "threadIdx.y")
-        sch.bind(tx, "threadIdx.x")
-    max_block = sch.get_sblock("max")
-    sch.set_scope(max_block, 0, SHARED)
-    sch.set_scope(max_block, 1, SHARED)
-    sch.set_scope(sch.get_sblock("sum"), 0, SHARED)
-    exp = sch.get_sblock("exp")
-    sch.set_scope(exp, 0, SHARED)
+    ty, tx = sch.split(stats_row, [warps, WARP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(max_block, 0, ROW_SHARED)
+    sch.set_scope(max_block, 1, ROW_SHARED)
+    sch.set_scope(sum_block, 0, ROW_SHARED)
+    sch.set_scope(exp, 0, ROW_SHARED)
     # Padded rows: ldmatrix's eight row addresses hit distinct banks.
     sch.storage_align(exp, 0, axis=-2, factor=MMA, offset=VECTOR)
     sch.unsafe_set_dtype(exp, 0, "float16")
     _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, pv_split, transposed_b=False)
 
-    # The running output stays in shared memory: thread t repairs and advances dimension
-    # t of every row (registers would need one thread mapping for the tile loop's stages
-    # and the epilogue, which TVM's buffer compaction cannot see across loop nests).
-    for block in (sch.get_sblock("pv"), out):
-        loops = sch.get_loops(block)[-2:]
-        _, ty, tx = sch.split(sch.fuse(*loops), [None, warps, WARP])
-        sch.bind(ty, "threadIdx.y")
-        sch.bind(tx, "threadIdx.x")
-    sch.set_scope(sch.get_sblock("pv"), 0, SHARED)
+    # The running output stays in shared memory (registers would need one thread mapping
+    # for the tile loop's stages and the epilogue, which TVM's buffer compaction cannot
+    # see across loop nests). One thread per row repairs (O * exp(m_prev - m), one exp
+    # per row and tile) and advances its row; rows padded like the tile's P·V, so that
+    # both are read at one index (no barrier) and without bank conflicts.
+    pv = sch.get_sblock("pv")
+    row, _ = sch.get_loops(pv)[-2:]
+    ty, tx = sch.split(row, [warps, WARP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(pv, 0, SHARED)
+    sch.storage_align(pv, 0, axis=-2, factor=WARP, offset=1)
+    # The epilogue normalises with lanes along the head dimension (coalesced stores).
+    _, ty, tx = sch.split(sch.fuse(*sch.get_loops(out)[-2:]), [None, warps, WARP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    # Initial values once before the key loop, not as a branch in every tile.
+    for name in ("max", "sum", "pv"):
+        sch.decompose_reduction(sch.get_sblock(name), j0)
+    # Causal and window masks: each thread block walks only the key tiles its rows see.
+    if mask_condition(sch.get(max_block)) is not None:
+        sch.skip_masked_tiles(max_block, j0)
 
 
 def _head_dim(sch):
@@ -151,9 +172,10 @@ def _shape(sch):
 
 def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     """Tensor-core GEMM of ``block`` (loops rows x cols x depth under ``j0``): A copied
-    to shared memory at ``a_at`` (None: A already is there), B at ``j0``, both through
+    to dynamic shared memory at ``a_at`` (None: A already is in static shared memory, as
+    the exps are), B at ``j0``, both through
     ldmatrix into warp fragments, fp32 accumulators, the result stored to shared
-    memory."""
+    memory with rows padded by one word (its readers take one row per thread)."""
     # Imported here: registering TVM's CUDA tensor intrinsics takes half a minute.
     from tvm.s_tir.tensor_intrin import cuda as intrin
 
@@ -176,6 +198,7 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     c_warp = sch.cache_write(block, 0, "warp")
     sch.reverse_compute_at(c_warp, no)
     sch.set_scope(c_warp, 0, SHARED)
+    store_name = sch.get(c_warp).name_hint
     init = sch.decompose_reduction(block, ko)
 
     def layout(*index):
@@ -187,7 +210,8 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     sch.transform_layout(c_warp, ("read", 0), layout)
 
     b_load = intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed_b else intrin.LDMATRIX_f16_B_DYN_INTRIN
-    for cache, name in ((a_warp, intrin.LDMATRIX_f16_A_DYN_INTRIN), (b_warp, b_load)):
+    a_load = intrin.LDMATRIX_f16_A_DYN_INTRIN if a_at is not None else intrin.LDMATRIX_f16_A_INTRIN
+    for cache, name in ((a_warp, a_load), (b_warp, b_load)):
         r, c = sch.get_loops(cache)[-2:]
         ro, ri = sch.split(r, [None, MMA])
         co, ci = sch.split(c, [None, MMA])
@@ -202,6 +226,8 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     co, ci = sch.split(c, [None, MMA])
     sch.reorder(ro, co, ri, ci)
     sch.tensorize(ri, intrin.MMA_store_16x16_f32_shared_dyn_INTRIN)
+    # On the tensorized block: tensorize drops the annotations of the block it replaces.
+    sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
 
 
 def _operand_to_shared(sch, block, index, at, warps):
