@@ -18,9 +18,9 @@ no tensor cores.
 """
 
 import tvm
-import tvm_ffi
 from tvm.s_tir.schedule import ScheduleError
 
+from ..analysis.buffers import compacted_buffers
 from ..analysis.scope import REDUCE, buffer_params, collect_sites, uses_var, vars_in
 
 LANES = 64  # threads (threadIdx.x) that serve one row (and chunk) of a fused nest
@@ -253,30 +253,12 @@ def _split_axis(axis: int, tile: int, ndim: int):
 def _check_static_allocations(func) -> None:
     """Raise :class:`UnsupportedOnGpu` where a register or shared-memory buffer of
     ``func`` keeps a symbolic size once lowering has shrunk each to the region it uses
-    (the CUDA code generator would refuse it). The passes are those of TVM's default
-    TIR pipeline up to ``CompactBufferAllocation``, in its order."""
-    passes = tvm.transform.Sequential(
-        [
-            tvm.s_tir.transform.CanonicalizeLoop(),
-            tvm.s_tir.transform.LowerCrossThreadReduction(),
-            tvm.s_tir.transform.LowerInitBlock(),
-            tvm.s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
-            tvm.s_tir.transform.ConvertBlocksToOpaque(),
-            tvm.s_tir.transform.LiftThreadBinding(),
-            tvm.s_tir.transform.ManifestSharedMemoryLocalStage(),
-            tvm.s_tir.transform.CompactBufferAllocation(),
-        ]
-    )
-    lowered = passes(tvm.IRModule({"main": func}))["main"]
-    dynamic = []
-
-    def visit(node):
-        if isinstance(node, tvm.s_tir.stmt.SBlock):
-            for buf in node.alloc_buffers:
-                if _scope(buf) != "global" and not _is_static(buf):
-                    dynamic.append(buf.name)
-
-    tvm_ffi.structural_walk(lowered.body, visit)
+    (the CUDA code generator would refuse it)."""
+    dynamic = [
+        buf.name
+        for buf in compacted_buffers(tvm.IRModule({"main": func}), gpu=True)
+        if _scope(buf) != "global" and not _is_static(buf)
+    ]
     if dynamic:
         raise UnsupportedOnGpu(f"{', '.join(dynamic)}: symbolic size in registers or shared memory")
 
