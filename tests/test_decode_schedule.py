@@ -9,10 +9,8 @@ import pytest
 import tvm
 import tvm_ffi
 import tvm_cascade  # noqa: F401
-from tvm.s_tir import meta_schedule as ms
 
 from tvm_cascade import ops
-from tvm_cascade import trace as cascade_trace
 from tvm_cascade.bench import VARIANTS, tuned_schedule
 from tvm_cascade.schedules.decode import (
     DecodeConfig,
@@ -22,6 +20,8 @@ from tvm_cascade.schedules.decode import (
     longest_chunk,
     schedule_decode,
 )
+
+from tuning_records import write_records
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -129,22 +129,9 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv):
 
 def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
     """``tuned_schedule`` returns the best record's schedule of a JSON database in the
-    format ``python -m benchmarks.tune_decode`` writes, and None for other workloads.
-    (The run times here are test data: which record is best is what is checked.)"""
+    format ``python -m benchmarks.tune_decode`` writes, and None for other workloads."""
     func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
-    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
-    workload = database.commit_workload(tvm.IRModule({"main": func}))
-    traces = []
-    for seed, secs in ((1, 2e-5), (2, 1e-5)):
-        sch = tvm.s_tir.Schedule(func, seed=seed)
-        decode_design_space(8, 2, 128)(sch)
-        traces.append(sch.trace)
-        database.commit_tuning_record(
-            ms.database.TuningRecord(
-                sch.trace, workload, run_secs=[secs], target=CUDA,
-                args_info=ms.arg_info.ArgInfo.from_prim_func(func),
-            )
-        )
+    traces = write_records(tmp_path, func, decode_design_space(8, 2, 128), CUDA, [(1, 2e-5), (2, 1e-5)])
     monkeypatch.setenv("TVM_CASCADE_TUNED", str(tmp_path))
     sch = tuned_schedule(func, CUDA)
     assert sch is not None

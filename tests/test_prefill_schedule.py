@@ -22,6 +22,8 @@ from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.schedules import prefill
 
+from tuning_records import write_records
+
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
 
@@ -312,26 +314,11 @@ def test_design_space_replays_under_every_decision_and_through_json():
 
 def test_tuned_records_reload_into_prefill_schedules(tmp_path):
     """The harness's prefill path reads a JSON database in the format
-    ``python -m benchmarks.tune_prefill`` writes: the best record's schedule comes back.
-    (The run times here are test data: which record is best is what is checked.)"""
-    from tvm.s_tir import meta_schedule as ms
-
+    ``python -m benchmarks.tune_prefill`` writes: the best record's schedule comes back."""
     from tvm_cascade.bench import tuned_schedule
 
     func = ops.attention(1, 2, 1, 128, 128, 128, dtype="float16", variant=VARIANTS["causal"])
-    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
-    workload = database.commit_workload(tvm.IRModule({"main": func}))
-    traces = []
-    for seed, secs in ((1, 2e-5), (5, 1e-5)):
-        sch = tvm.s_tir.Schedule(func, seed=seed)
-        prefill.prefill_design_space()(sch)
-        traces.append(sch.trace)
-        database.commit_tuning_record(
-            ms.database.TuningRecord(
-                sch.trace, workload, run_secs=[secs], target=CUDA,
-                args_info=ms.arg_info.ArgInfo.from_prim_func(func),
-            )
-        )
+    traces = write_records(tmp_path, func, prefill.prefill_design_space(), CUDA, [(1, 2e-5), (5, 1e-5)])
     sch = tuned_schedule(func, CUDA, tmp_path)
     expected = tvm.s_tir.Schedule(func)
     traces[1].apply_to_schedule(expected, remove_postproc=True)
