@@ -31,16 +31,7 @@ def _row_tiles(func, keys, rows):
     """The prefill schedule's IR steps up to its ``distribute``; returns the schedule and
     the row loop below the key-tile loop."""
     sch = tvm.s_tir.Schedule(func, seed=1)
-    b, h, i, j = sch.get_loops(sch.get_sblock("max"))
-    j0, _ = sch.split(j, [None, keys])
-    sch.rolling_update(sch.get_sblock("sum"), j0)
-    sch.rolling_update(sch.get_sblock("pv"), j0)
-    sch.compute_at(sch.get_sblock("score"), j0)
-    sch.compute_at(sch.get_sblock("qk"), j0)
-    sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
-    _, i1 = sch.split(i, [None, rows])
-    sch.reorder(j0, i1)
-    return sch, i1
+    return sch, prefill.row_tiles(sch, rows, keys)[-1]
 
 
 def _fused_row_tiles(func, keys, rows, sizes=None):

@@ -96,13 +96,11 @@ def prefill_design_space(rows=PrefillConfig().rows):
     return space
 
 
-def apply_prefill_schedule(sch, rows, keys, pv_split):
-    """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys`` and
-    ``pv_split`` are ints or sampled ``ExprRV``s."""
+def row_tiles(sch, rows, keys):
+    """The FlashAttention form of ``ops.attention`` with ``keys`` keys per tile, P·V split
+    into a per-tile GEMM and its repair, and a tile of ``rows`` query rows moved below the
+    key loop; returns the loops (batch, head, row tile, key tile, row in tile)."""
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
-    warps = rows // WARP
-
-    # FlashAttention form, then a tile of rows below the key loop, one loop nest per stage.
     j0, _ = sch.split(j, [None, keys])
     sch.rolling_update(sch.get_sblock("sum"), j0)
     sch.rolling_update(sch.get_sblock("pv"), j0)
@@ -111,6 +109,15 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
     i0, i1 = sch.split(i, [None, rows])
     sch.reorder(j0, i1)
+    return b, h, i0, j0, i1
+
+
+def apply_prefill_schedule(sch, rows, keys, pv_split):
+    """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys`` and
+    ``pv_split`` are ints or sampled ``ExprRV``s."""
+    warps = rows // WARP
+    # FlashAttention form, then a tile of rows below the key loop, one loop nest per stage.
+    b, h, i0, j0, i1 = row_tiles(sch, rows, keys)
     # Stages qk, score, then max, exp and sum in one row loop (each thread reads only the
     # statistics it wrote: no barrier between them), then pv_tile, pv.
     sch.distribute(i1, [1, 1, 3, 1, 1])
