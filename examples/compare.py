@@ -1,11 +1,24 @@
 """Shared by the examples: compile a Relax module with TVM's default pipeline and with
 ``relax_pipeline="cascade"``, run both, check them, time them."""
 
+import argparse
+
 import numpy as np
 import tvm
 from tvm import relax
 
-FUSED_ATTR = "tvm_cascade.fused"
+from tvm_cascade.transform.pass_ import FUSED_ATTR
+
+
+def block_arguments(doc: str) -> argparse.ArgumentParser:
+    """The command line both examples take: target, block size, heads, timing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads-q", type=int, default=8)
+    parser.add_argument("--heads-kv", type=int, default=2)
+    parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
+    return parser
 
 
 class Compiled:

@@ -11,7 +11,6 @@ each GQA group), which the cascade pipeline fuses into one kernel.
     python examples/llama_block.py --target cuda   # GPU: numerics, then both timed
 """
 
-import argparse
 import math
 
 import numpy as np
@@ -19,7 +18,7 @@ import tvm
 from tvm.relax.frontend import nn
 
 import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
-from compare import compile_both, count_fused, report, run_both
+from compare import block_arguments, compile_both, count_fused, report, run_both
 
 
 class Attention(nn.Module):
@@ -135,15 +134,10 @@ def reference(args, params, x, past_k, past_v, mask):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads-q", type=int, default=8)
-    parser.add_argument("--heads-kv", type=int, default=2)
+    parser = block_arguments(__doc__)
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--dtype", default=None, help="float32 on CPU, float16 on CUDA")
     parser.add_argument("--shapes", default="1x63,16x112", help="new tokens x past tokens, ...")
-    parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
     parser.add_argument(
         "--static-past", action="store_true", help="CUDA: export decode shapes with a static past"
     )

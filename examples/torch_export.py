@@ -12,7 +12,6 @@ with ``repeat_interleave``). Either way the cascade pipeline fuses it into one k
     python examples/torch_export.py --target cuda   # GPU: numerics, then both timed
 """
 
-import argparse
 import math
 
 import numpy as np
@@ -22,7 +21,7 @@ import tvm
 from tvm.relax.frontend.torch import from_exported_program
 
 import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
-from compare import compile_both, count_fused, report, run_both
+from compare import block_arguments, compile_both, count_fused, report, run_both
 
 
 class Block(torch.nn.Module):
@@ -63,14 +62,9 @@ class Block(torch.nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="llvm", choices=["llvm", "cuda"])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads-q", type=int, default=8)
-    parser.add_argument("--heads-kv", type=int, default=2)
+    parser = block_arguments(__doc__)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "manual"])
-    parser.add_argument("--time", action="store_true", help="time both modules (GPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Block(args.hidden, args.heads_q, args.heads_kv, args.attention).eval()
