@@ -31,19 +31,20 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
     """Fuse the cascaded reductions of the one PrimFunc in ``sch.mod``; returns the
     :class:`FusedChain` list.
 
-    For each reduction (the root) with later reductions over the same axis that read it,
+    For each reduction (the root) with later reductions over the same axis that read it:
     the blocks that do not depend on the root move before it (a legalised Relax function
-    transforms V's layout after the softmax), the root's key loop is split (``[None, tile]`` keys for ``rolling``, ``[chunks, None]``
-    for ``split_k``), each later reduction is fused with ``rolling_update`` or
-    ``split_k_update``. With ``rolling`` the blocks that produce the root's input along
-    the key axis (scores, Q·Kᵀ) are computed inside the key loop where ``compute_at``
-    allows, one tile at a time, so the chain reads its input once; a split-k chunk is
-    read three times (max, sum, P·V) and is too long to keep in fast memory, so its
-    scores stay a pass of their own, as FlashDecoding's are. A
-    reduction whose repair does not exist is left where it is and the reason is logged at
-    DEBUG level on the ``tvm_cascade.transform`` logger; a root none of whose dependents
-    fuse leaves the schedule unchanged. ``auto`` picks ``split_k`` when the root has fewer
-    rows (spatial iterations) than keys and both are static, as decode attention does.
+    transforms V's layout after the softmax); the root's key loop is split (``[None,
+    tile]`` keys for ``rolling``, ``[chunks, None]`` for ``split_k``); each later
+    reduction is fused with ``rolling_update`` or ``split_k_update``. With ``rolling`` the
+    blocks that produce the root's input along the key axis (scores, Q·Kᵀ) are computed
+    inside the key loop where ``compute_at`` allows, one tile at a time, so the chain
+    reads its input once; a split-k chunk is read three times (max, sum, P·V) and is too
+    long to keep in fast memory, so its scores stay a pass of their own, as
+    FlashDecoding's are. A reduction whose repair does not exist is left where it is and
+    the reason is logged at DEBUG level on the ``tvm_cascade.transform`` logger; a root
+    none of whose dependents fuse leaves the schedule unchanged. ``auto`` picks
+    ``split_k`` when the root has fewer rows (spatial iterations) than keys and both are
+    static, as decode attention does.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -56,9 +57,10 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
         if not accepted:
             logger.debug("'%s': no later reduction fuses into its loop; left unchanged", candidate.root)
             continue
-        along_keys = _blocks_along_key_axis(sch, candidate.root)
+        # Read before fusion rewrites the root's indices.
+        along_keys = _blocks_along_key_axis(sch, candidate.root) if how == "rolling" else None
         loop, _ = _apply(sch, candidate, how, tile, chunks, accepted)
-        if how == "rolling":
+        if along_keys is not None:
             _compute_producers_at(sch, loop, along_keys)
         fused.append(FusedChain(candidate.root, tuple(accepted), how, loop))
     return fused
