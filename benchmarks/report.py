@@ -134,6 +134,20 @@ def progress_line(index: int, total: int, cfg: Config, rows: List[Dict]) -> str:
     return " ".join(parts)
 
 
+#: Peers whose speed relative to tvm-cascade gets a column of its own in the markdown
+#: tables (the targets are stated against them), besides the best peer's.
+NAMED_PEERS = ("sdpa-flash", "sdpa-cudnn", "flex")
+
+
+def speed_vs(rows: Sequence[Dict], impl: str) -> Optional[float]:
+    """``impl``'s time over tvm-cascade's (above 1: tvm-cascade is faster), or None unless
+    both were timed."""
+    times = {r["impl"]: r["ms"] for r in rows if r["status"] == OK}
+    if TVM_CASCADE not in times or impl not in times:
+        return None
+    return times[impl] / times[TVM_CASCADE]
+
+
 def markdown(results: Sequence[Tuple[Config, List[Dict]]], bandwidth_gbps: Optional[float]) -> str:
     """Tables (one per suite) with a row per configuration and a column per implementation.
 
@@ -164,15 +178,20 @@ def markdown(results: Sequence[Tuple[Config, List[Dict]]], bandwidth_gbps: Optio
             continue
         impls = [r["impl"] for r in rows[0][1]]
         out += [f"**{caption}**", ""]
-        out.append("| configuration | " + " | ".join(impls) + " | best peer | tvm-cascade vs best peer |")
-        out.append("|---" * (len(impls) + 3) + "|")
+        named = [p for p in NAMED_PEERS if p in impls]
+        out.append(
+            "| configuration | " + " | ".join(impls) + " | best peer | tvm-cascade vs best peer |"
+            + "".join(f" vs {p} |" for p in named)
+        )
+        out.append("|---" * (len(impls) + 3 + len(named)) + "|")
         for cfg, rs in rows:
             best = best_peer(rs)
             mine = next((r for r in rs if r["impl"] == TVM_CASCADE), None)
-            ratio = _num(mine["vs_best_peer"] if mine else None, ".2f")
-            ratio = ratio if ratio == "-" else ratio + "x"
+            ratios = [mine["vs_best_peer"] if mine else None]
+            ratios += [speed_vs(rs, p) for p in named]
+            ratios = " | ".join(r if r == "-" else r + "x" for r in (_num(x, ".2f") for x in ratios))
             cells = " | ".join(cell(r, kind) for r in rs)
-            out.append(f"| {cfg.name} | {cells} | {best['impl'] if best else '-'} | {ratio} |")
+            out.append(f"| {cfg.name} | {cells} | {best['impl'] if best else '-'} | {ratios} |")
         out.append("")
     if notes:
         out += ["Notes:", ""] + [f"{i}. {n}" for i, n in enumerate(notes, 1)] + [""]

@@ -19,8 +19,11 @@ DEFAULT_WORK_DIR = Path(__file__).resolve().parent / "tuned" / "prefill"
 
 
 def register_build() -> None:
-    """Builder-process initializer: registers the prefill build function there."""
-    import tvm_cascade.schedules.prefill  # noqa: F401
+    """Builder-process initializer: registers the prefill build function there, and TVM's
+    CUDA tensor intrinsics (half a minute, once per process, not per build)."""
+    from tvm_cascade.schedules.prefill import cuda_intrinsics
+
+    cuda_intrinsics()
 
 
 def main(argv=None) -> int:
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
             prefill_design_space(), sch_rules=[], postprocs=[], mutator_probs={}
         )
 
-    builder = ms.builder.LocalBuilder(f_build=BUILD_FUNC, initializer=register_build)
+    builder = ms.builder.LocalBuilder(f_build=BUILD_FUNC, initializer=register_build, timeout_sec=120)
     return tune_suite("prefill", args, space, trials_per_iter=8, builder=builder)
 
 

@@ -257,17 +257,21 @@ def test_tables_markdown_and_json(tmp_path):
     )
     md = report.markdown(results, bandwidth)
     lines = md.splitlines()
-    header = "| configuration | tvm-cascade | sdpa-flash | sdpa-efficient | flex | tvm-stock | best peer | tvm-cascade vs best peer |"
+    header = (
+        "| configuration | tvm-cascade | sdpa-flash | sdpa-efficient | flex | tvm-stock | best peer "
+        "| tvm-cascade vs best peer | vs sdpa-flash | vs flex |"
+    )
     assert lines.count(header) == 2
     prefill_row = next(line for line in lines if line.startswith("| prefill-causal-b8-s1024 |"))
     cells = [c.strip() for c in prefill_row.strip("|").split("|")]
     assert cells[1] == f"0.500 ({prefill.flops() / 0.5e9:.0f})"
     assert cells[4] == "WRONG (max err 0.5)"
-    assert cells[5] == "n/a [1]" and cells[6:] == ["sdpa-flash", "2.00x"]
+    assert cells[5] == "n/a [1]" and cells[6:8] == ["sdpa-flash", "2.00x"]
+    assert cells[8:] == ["2.00x", "-"]  # flex is wrong here: not timed
     decode_row = next(line for line in lines if line.startswith("| decode-gqa-b8-kv4096 |"))
     cells = [c.strip() for c in decode_row.strip("|").split("|")]
     assert cells[1] == "n/a [2]" and cells[3] == "n/a [1]" and cells[5] == "n/a [3]"
-    assert cells[4].endswith("%)") and cells[6:] == ["flex", "-"]
+    assert cells[4].endswith("%)") and cells[6:] == ["flex", "-", "-", "-"]
     assert "1. needs 99 GB" in lines and "2. not implemented" in lines and "3. int32 overflow" in lines
     doc = {"configs": [report.config_json(cfg, rows) for cfg, rows in results]}
     report.write_json(tmp_path / "r.json", doc)
@@ -287,7 +291,11 @@ def test_plot(tmp_path):
 # --------------------------------------------------------------------------- CLI
 
 
-def test_cli_without_gpu_skips():
+@pytest.mark.parametrize(
+    "command",
+    [["benchmarks.attention", "--quick"], ["benchmarks.profile", "decode-gqa-b8-kv4096"]],
+)
+def test_cli_without_gpu_skips(command):
     try:
         import torch
 
@@ -299,7 +307,7 @@ def test_cli_without_gpu_skips():
         os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.attention", "--quick"],
+        [sys.executable, "-m", *command],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -308,3 +316,26 @@ def test_cli_without_gpu_skips():
     )
     assert proc.returncode == 0, proc.stderr
     assert "skipping" in proc.stdout
+
+
+def test_profile_cli_rejects_unknown_configurations():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile", "decode-gqa-b8-kv1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "unknown configurations ['decode-gqa-b8-kv1']" in proc.stderr
+
+
+def test_speed_against_a_named_peer():
+    rows = [
+        {"impl": "tvm-cascade", "status": OK, "ms": 0.5},
+        {"impl": "flex", "status": OK, "ms": 0.2},
+        {"impl": "sdpa-cudnn", "status": NA, "ms": None},
+    ]
+    assert report.speed_vs(rows, "flex") == pytest.approx(0.4)
+    assert report.speed_vs(rows, "sdpa-cudnn") is None
+    assert report.speed_vs(rows[1:], "flex") is None

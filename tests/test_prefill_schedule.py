@@ -6,6 +6,8 @@ benchmarks/RESULTS.md."""
 import itertools
 import json
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,14 +163,27 @@ def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq
         var = type(var)("window", causal=True, window=40)
     func = ops.attention(1, 2, 1, seq_q, seq_kv, 16, dtype="float32", variant=var)
     sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
-    sch.skip_masked_tiles(max_block, j0)
-    loop = sch.get(j0)
+    tile = sch.get(j0).loop_var
     i0 = sch.get(sch.get_loops(max_block)[2]).loop_var
+    sch.skip_masked_tiles(max_block, j0)
+    # The tile loop, and the variable holding its first tile if that one moves.
+    found = {}
+    tvm_ffi.structural_walk(
+        sch.mod["main"].body,
+        lambda n: found.update(
+            {"loop": n} if isinstance(n, tvm.tirx.For) and n.loop_var.same_as(tile) else
+            {"first": n} if isinstance(n, tvm.tirx.Bind) else {}
+        ),
+    )
+    loop, bind = found["loop"], found.get("first")
     analyzer = tvm.sym.Analyzer()
     for block_row, (first, end) in enumerate(tiles):
         at = {i0: tvm.tirx.const(block_row, "int32")}
-        assert analyzer.simplify(substitute(loop.min, at)).value == first
-        assert analyzer.simplify(substitute(loop.min + loop.extent, at)).value == end
+        start = analyzer.simplify(substitute(bind.value if bind else loop.min, at)).value
+        if bind:
+            at[bind.var] = tvm.tirx.const(start, "int32")
+        assert start == first
+        assert start + analyzer.simplify(substitute(loop.extent, at)).value == end
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
     k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
@@ -316,3 +331,24 @@ def test_tuned_records_reload_into_prefill_schedules(tmp_path):
     assert tvm_ffi.structural_equal(sch.mod, expected.mod)
     other = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
     assert tuned_schedule(other, CUDA, tmp_path) is None
+
+
+def test_tuning_builder_processes_build_design_space_samples():
+    """MetaSchedule's builder processes, as ``python -m benchmarks.tune_prefill`` starts
+    them (fresh interpreters), build a sample of the design space: their initializer
+    registers the build function and TVM's CUDA tensor intrinsics, whose index maps the
+    CUDA codegen reads."""
+    from tvm.s_tir import meta_schedule as ms
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not installed
+    from benchmarks.tune_prefill import register_build
+
+    func = ops.attention(1, 2, 2, 128, 128, 128, dtype="float16", variant=VARIANTS["global"])
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    prefill.prefill_design_space()(sch)
+    builder = ms.builder.LocalBuilder(
+        f_build=prefill.BUILD_FUNC, initializer=register_build, timeout_sec=120, max_workers=1
+    )
+    result, = builder.build([ms.builder.BuilderInput(sch.mod, CUDA)])
+    assert result.error_msg is None, result.error_msg
+    assert Path(result.artifact_path).stat().st_size > 0

@@ -43,6 +43,7 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
     dev = tvm.cuda(0)
     target = tvm.target.Target.from_device(dev)
     if kind == "prefill":
+        prefill.cuda_intrinsics()  # the tuned records name them
         sch = tuned_schedule(func, target, os.environ.get("TVM_CASCADE_TUNED_PREFILL", _TUNED_PREFILL))
         if sch is None:
             sch = prefill.schedule_prefill(func)

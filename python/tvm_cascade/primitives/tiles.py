@@ -193,8 +193,11 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
     expressions linear in the loops' variables bounds the tiles where it can hold, for
     the rows below ``loop``: the smallest value of ``lhs - rhs`` over the loops below
     ``loop`` must be at most (``<``: below) zero, a linear condition on the tile. ``loop``
-    becomes ``for t in range(lo, hi)`` with ``lo``/``hi`` in the loops above it (for
-    causal and window masks, the first and last tile a thread block's rows can see).
+    visits the tiles ``lo`` to ``hi - 1``, with ``lo``/``hi`` in the loops above it (for
+    causal and window masks, the first and last tile a thread block's rows can see): it
+    becomes ``for t in range(lo, hi)``, or, where ``lo`` can be above the loop's start,
+    ``t_first = lo`` followed by ``for t in range(hi - t_first)`` over tiles
+    ``t_first + t``.
 
     Skipping a fully masked tile leaves a rolled chain's state as it was (the max keeps
     its value, every later reduction of the chain adds ``exp(lowest - m) = 0``), except
@@ -243,10 +246,22 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
             f"'{t.name}'"
         )
     lo, hi = analyzer.simplify(lo), analyzer.simplify(hi)
-    new_loop = tvm.tirx.For(
-        t, lo, analyzer.simplify(hi - lo), node.kind, node.body,
-        node.thread_binding, node.annotations, node.step,
-    )
+    def tile_loop(start, first, body):
+        return tvm.tirx.For(
+            t, start, analyzer.simplify(hi - first), node.kind, body,
+            node.thread_binding, node.annotations, node.step,
+        )
+
+    if analyzer.can_prove(lo <= node.min):
+        new_loop = tile_loop(node.min, node.min, node.body)
+    else:
+        # The first tile goes to a variable of its own, outside the loop's bounds and the
+        # blocks' bindings: where a reduction's binding depends on ``blockIdx`` (also
+        # through its loop's start), TVM allocates the reduction's state above the kernel
+        # launch, in global memory.
+        first = tvm.tirx.Var(f"{t.name}_first", dtype_of(t))
+        shifted = tile_loop(tvm.tirx.const(0, dtype_of(t)), first, substitute(node.body, {t: t + first}))
+        new_loop = tvm.tirx.SeqStmt([tvm.tirx.Bind(first, lo), shifted])
     _replace_stmt(self, root_sref, node, new_loop, [])
     append_instruction(self, "SkipMaskedTiles", [block, loop])
 

@@ -183,9 +183,7 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     the exps are), B at ``j0``, both through
     ldmatrix into warp fragments, fp32 accumulators, the result stored to shared
     memory with rows padded by one word (its readers take one row per thread)."""
-    # Imported here: registering TVM's CUDA tensor intrinsics takes half a minute.
-    from tvm.s_tir.tensor_intrin import cuda as intrin
-
+    intrin = cuda_intrinsics()
     i, n, k = sch.get_loops(block)[-3:]
     ty, mi, i16 = sch.split(i, [warps, None, MMA])
     no, nj, n16 = sch.split(n, [col_passes, None, MMA])
@@ -237,6 +235,15 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
 
 
+def cuda_intrinsics():
+    """TVM's CUDA tensor intrinsics module, registered on first use (it takes half a
+    minute): the schedule tensorizes with them, the CUDA codegen reads their index maps,
+    and tuning records name them."""
+    from tvm.s_tir.tensor_intrin import cuda
+
+    return cuda
+
+
 def _operand_to_shared(sch, block, index, at, warps):
     """Copy operand ``index`` of ``block`` to shared memory at loop ``at`` with 128-bit
     copies by all threads."""
@@ -266,12 +273,14 @@ def build(mod, target):
     subexpression elimination stays off, since it hides the lane term of the fragment
     offsets (``threadIdx.x * 8``) from that pass.
     """
+    cuda_intrinsics()
     with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
         return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
 
 
 _PIPELINE = "tvm_cascade_warp_lowered"
-#: :func:`build` as a global function, for MetaSchedule's builder processes.
+#: :func:`build` as a global function returning the runtime module, for MetaSchedule's builder
+#: processes.
 BUILD_FUNC = "tvm_cascade.prefill.build"
 
 
@@ -309,4 +318,4 @@ def _pipeline_factory():
 
 
 tvm.tirx.compilation_pipeline.register_tir_pipeline(_PIPELINE, _pipeline_factory)
-tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target), override=True)
+tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)
