@@ -7,8 +7,8 @@ model over :func:`tvm_cascade.schedules.decode.decode_design_space` (its choices
 ``sample_categorical`` decisions, its fusion the traced ``split_k_update``). Records go
 to a JSON database (``database_workload.json``, ``database_tuning_record.json``) in
 ``--work-dir`` (default ``benchmarks/tuned/decode``), which
-:func:`tvm_cascade.bench.build_attention` reads back; MetaSchedule's logs (build and run
-errors included) go to ``<work-dir>/logs/<config>`` (git-ignored).
+:func:`tvm_cascade.kernels.compile_attention` reads back; MetaSchedule's logs (build and
+run errors included) go to ``<work-dir>/logs/<workload>`` (git-ignored).
 """
 import sys
 from pathlib import Path
@@ -20,18 +20,7 @@ DEFAULT_WORK_DIR = Path(__file__).resolve().parent / "tuned" / "decode"
 
 def main(argv=None) -> int:
     args = parse_args("python -m benchmarks.tune_decode", __doc__, 32, DEFAULT_WORK_DIR, argv)
-    from tvm.s_tir import meta_schedule as ms
-
-    from tvm_cascade.schedules.decode import decode_design_space
-
-    def space(cfg):
-        op = cfg.op
-        return ms.space_generator.ScheduleFn(
-            decode_design_space(op.heads_q, op.heads_kv, cfg.head_dim),
-            sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
-        )
-
-    return tune_suite("decode", args, space, trials_per_iter=16)
+    return tune_suite("decode", args)
 
 
 if __name__ == "__main__":

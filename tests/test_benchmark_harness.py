@@ -293,7 +293,12 @@ def test_plot(tmp_path):
 
 @pytest.mark.parametrize(
     "command",
-    [["benchmarks.attention", "--quick"], ["benchmarks.profile", "decode-gqa-b8-kv4096"]],
+    [
+        ["benchmarks.attention", "--quick"],
+        ["benchmarks.profile", "decode-gqa-b8-kv4096"],
+        ["benchmarks.tune_decode", "--trials", "1"],
+        ["benchmarks.tune_prefill", "--trials", "1"],
+    ],
 )
 def test_cli_without_gpu_skips(command):
     try:

@@ -10,8 +10,8 @@ import tvm
 import tvm_ffi
 import tvm_cascade  # noqa: F401
 
-from tvm_cascade import ops
-from tvm_cascade.bench import VARIANTS, tuned_schedule
+from tvm_cascade import kernels, ops
+from tvm_cascade.bench import VARIANTS
 from tvm_cascade.schedules.decode import (
     DecodeConfig,
     choose_chunks,
@@ -128,17 +128,30 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv):
 
 
 def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
-    """``tuned_schedule`` returns the best record's schedule of a JSON database in the
-    format ``python -m benchmarks.tune_decode`` writes, and None for other workloads."""
+    """``kernels.schedule`` returns the best record's schedule of the JSON database in the
+    format ``python -m benchmarks.tune_decode`` writes (``TVM_CASCADE_TUNED`` names it),
+    and the heuristic schedule for other workloads; ``compile_attention`` compiles it."""
     func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     traces = write_records(tmp_path, func, decode_design_space(8, 2, 128), CUDA, [(1, 2e-5), (2, 1e-5)])
     monkeypatch.setenv("TVM_CASCADE_TUNED", str(tmp_path))
-    sch = tuned_schedule(func, CUDA)
-    assert sch is not None
+    records = kernels.default_records("decode")
+    assert records == tmp_path
+    sch = kernels.schedule(func, CUDA, records)
     assert str(sch.trace).count("sch.split_k_update(") == 3
     expected = tvm.s_tir.Schedule(func)
     traces[1].apply_to_schedule(expected, remove_postproc=True)
     assert tvm_ffi.structural_equal(sch.mod, expected.mod)
-    assert len(_kernels(_source(sch.mod))) == 3
+    compiled = kernels.compile_attention(1, 8, 2, 1, 512, 128, variant=VARIANTS["gqa"], target=CUDA)
+    assert compiled.mod.imports[0].inspect_source() == _source(expected.mod)
     other = ops.attention(1, 8, 2, 1, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
-    assert tuned_schedule(other, CUDA) is None
+    assert kernels.tuned_schedule(other, CUDA, records) is None
+    heuristic = schedule_decode(other, 8, 2, 128, kernels._multiprocessors())
+    assert tvm_ffi.structural_equal(kernels.schedule(other, CUDA, records).mod, heuristic.mod)
+
+
+def test_tuning_needs_a_gpu():
+    if tvm.cuda(0).exist:
+        pytest.skip("a CUDA GPU is present")
+    func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        kernels.tune(func, CUDA, "unused", 8)

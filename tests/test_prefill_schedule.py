@@ -6,7 +6,6 @@ benchmarks/RESULTS.md."""
 import itertools
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import tvm_ffi
 import tvm_cascade  # noqa: F401
 from tvm.script import tirx as T
 
-from tvm_cascade import FusionError, ops
+from tvm_cascade import FusionError, kernels, ops
 from tvm_cascade import trace as cascade_trace
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
@@ -319,35 +318,33 @@ def test_design_space_replays_under_every_decision_and_through_json():
 
 
 def test_tuned_records_reload_into_prefill_schedules(tmp_path):
-    """The harness's prefill path reads a JSON database in the format
+    """Prefill configurations read a JSON database in the format
     ``python -m benchmarks.tune_prefill`` writes: the best record's schedule comes back."""
-    from tvm_cascade.bench import tuned_schedule
-
     func = ops.attention(1, 2, 1, 128, 128, 128, dtype="float16", variant=VARIANTS["causal"])
     traces = write_records(tmp_path, func, prefill.prefill_design_space(), CUDA, [(1, 2e-5), (5, 1e-5)])
-    sch = tuned_schedule(func, CUDA, tmp_path)
+    sch = kernels.schedule(func, CUDA, tmp_path)
     expected = tvm.s_tir.Schedule(func)
     traces[1].apply_to_schedule(expected, remove_postproc=True)
     assert tvm_ffi.structural_equal(sch.mod, expected.mod)
     other = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
-    assert tuned_schedule(other, CUDA, tmp_path) is None
+    assert kernels.tuned_schedule(other, CUDA, tmp_path) is None
+    assert tvm_ffi.structural_equal(
+        kernels.schedule(other, CUDA, tmp_path).mod, prefill.schedule_prefill(other).mod
+    )
 
 
 def test_tuning_builder_processes_build_design_space_samples():
-    """MetaSchedule's builder processes, as ``python -m benchmarks.tune_prefill`` starts
-    them (fresh interpreters), build a sample of the design space: their initializer
-    registers the build function and TVM's CUDA tensor intrinsics, whose index maps the
-    CUDA codegen reads."""
+    """MetaSchedule's builder processes, as ``kernels.tune`` starts them (fresh
+    interpreters), build a sample of the design space: their initializer registers the
+    build function and TVM's CUDA tensor intrinsics, whose index maps the CUDA codegen
+    reads."""
     from tvm.s_tir import meta_schedule as ms
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not installed
-    from benchmarks.tune_prefill import register_build
 
     func = ops.attention(1, 2, 2, 128, 128, 128, dtype="float16", variant=VARIANTS["global"])
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     builder = ms.builder.LocalBuilder(
-        f_build=prefill.BUILD_FUNC, initializer=register_build, timeout_sec=120, max_workers=1
+        f_build=prefill.BUILD_FUNC, initializer=kernels.prefill_builder_init, timeout_sec=120, max_workers=1
     )
     result, = builder.build([ms.builder.BuilderInput(sch.mod, CUDA)])
     assert result.error_msg is None, result.error_msg

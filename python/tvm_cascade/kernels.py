@@ -1,0 +1,183 @@
+"""Attention kernels for CUDA: one configuration compiled with the best known tuning record,
+tuned first only when asked.
+
+.. code-block:: python
+
+    from tvm_cascade.kernels import compile_attention
+    from tvm_cascade.ops.variants import AttentionVariant
+
+    exe = compile_attention(8, 64, 8, 1, 4096, 128, variant=AttentionVariant("gqa", causal=True))
+    exe["main"](q, k, v, out)  # q[b, hq, sq, d], k/v[b, hkv, skv, d], out like q
+
+Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
+(:mod:`tvm_cascade.schedules.decode`) is used, beyond it the tensor-core prefill schedule
+(:mod:`tvm_cascade.schedules.prefill`). Records are MetaSchedule JSON databases
+(:class:`tvm_cascade.trace.JSONDatabase`); by default those of a source checkout,
+``benchmarks/tuned/decode`` and ``benchmarks/tuned/prefill`` (``TVM_CASCADE_TUNED`` and
+``TVM_CASCADE_TUNED_PREFILL`` name others). A configuration without a record gets the
+schedule's heuristic choices; ``tune_trials`` runs MetaSchedule's evolutionary search with
+the xgboost cost model over the schedule's design space on the GPU first and adds its
+records to the database.
+"""
+import os
+from pathlib import Path
+
+import tvm
+import tvm_ffi
+
+from . import ops
+from .analysis.scope import buffer_params
+from .ops.variants import AttentionVariant
+from .schedules import prefill
+from .schedules.decode import decode_design_space, schedule_decode
+from .trace import JSONDatabase
+
+#: Query rows up to which a configuration is decode (split-k), beyond which prefill.
+DECODE_QUERIES = 8
+_CHECKOUT_RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "tuned"
+_RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
+#: Candidates MetaSchedule measures per search round.
+_TRIALS_PER_ROUND = {"decode": 16, "prefill": 8}
+
+
+def kind_of(seq_q):
+    """``"decode"`` or ``"prefill"``: which schedule serves ``seq_q`` query rows."""
+    return "decode" if seq_q <= DECODE_QUERIES else "prefill"
+
+
+def default_records(kind):
+    """The tuning database of ``kind`` kernels used when none is named."""
+    return Path(os.environ.get(_RECORDS_ENV[kind], _CHECKOUT_RECORDS / kind))
+
+
+def compile_attention(
+    batch,
+    heads_q,
+    heads_kv,
+    seq_q,
+    seq_kv,
+    head_dim,
+    variant=AttentionVariant("global"),
+    dtype="float16",
+    target=None,
+    records=None,
+    tune_trials=0,
+):
+    """Compile ``ops.attention`` of this configuration for a CUDA ``target`` (default: the
+    GPU of this machine) with the best record of the database at ``records`` (default
+    :func:`default_records`), else the heuristic schedule. With ``tune_trials`` > 0 the
+    configuration is tuned first (on this machine's GPU), its records written to
+    ``records``. Returns the compiled module; its ``"main"`` takes ``q, k, v, out``."""
+    func = ops.attention(
+        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant
+    )
+    if target is None:
+        target = tvm.target.Target.from_device(tvm.cuda(0))
+    kind = kind_of(seq_q)
+    records = Path(records) if records is not None else default_records(kind)
+    if tune_trials:
+        tune(func, target, records, tune_trials)
+    sch = schedule(func, target, records)
+    if kind == "prefill":
+        return prefill.build(sch.mod, target)
+    return tvm.compile(sch.mod, target=target)
+
+
+def schedule(func, target, records):
+    """The schedule of ``ops.attention`` function ``func``: the best record of the
+    database at ``records`` for ``target``, else the heuristic one."""
+    tuned = tuned_schedule(func, target, records)
+    if tuned is not None:
+        return tuned
+    heads_q, heads_kv, seq_q, head_dim = _dims(func)
+    if kind_of(seq_q) == "prefill":
+        return prefill.schedule_prefill(func)
+    return schedule_decode(func, heads_q, heads_kv, head_dim, _multiprocessors())
+
+
+def tuned_schedule(func, target, records):
+    """The best tuned schedule of ``func`` for ``target`` in the database at ``records``,
+    or None (no database, or no valid record of this workload)."""
+    records = Path(records)
+    if not (records / "database_tuning_record.json").exists():
+        return None
+    if kind_of(_dims(func)[2]) == "prefill":
+        prefill.cuda_intrinsics()  # the records' tensorize instructions name them
+    database = JSONDatabase(work_dir=str(records), allow_missing=False)
+    return database.query_schedule(tvm.IRModule({"main": func}), target, "main")
+
+
+def tune(func, target, records, trials):
+    """MetaSchedule's evolutionary search with the xgboost cost model over the design
+    space of ``func``'s schedule, ``trials`` candidates measured on this machine's GPU;
+    the records go to the JSON database at ``records``, MetaSchedule's logs below its
+    ``logs`` folder. Returns the best valid run time in seconds, or None."""
+    from tvm.s_tir import meta_schedule as ms
+
+    if not tvm.cuda(0).exist:
+        raise RuntimeError("tuning measures candidates on a CUDA GPU; this machine has none")
+    heads_q, heads_kv, seq_q, head_dim = _dims(func)
+    kind = kind_of(seq_q)
+    if kind == "prefill":
+        # No VerifyGPUCode: it holds shared memory to the static 48 KB, and the kernel's
+        # dynamic shared memory is larger by design.
+        space = ms.space_generator.ScheduleFn(
+            prefill.prefill_design_space(), sch_rules=[], postprocs=[], mutator_probs={}
+        )
+        builder = ms.builder.LocalBuilder(
+            f_build=prefill.BUILD_FUNC, initializer=prefill_builder_init, timeout_sec=120
+        )
+    else:
+        space = ms.space_generator.ScheduleFn(
+            decode_design_space(heads_q, heads_kv, head_dim),
+            sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
+        )
+        builder = "local"
+    records = Path(records)
+    records.mkdir(parents=True, exist_ok=True)
+    database = JSONDatabase(work_dir=str(records))
+    ms.tune_tir(
+        func,
+        target=target,
+        work_dir=str(records / "logs" / _workload_name(func)),
+        max_trials_global=trials,
+        num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
+        space=space,
+        builder=builder,
+        strategy="evolutionary",
+        cost_model="xgb",
+        database=database,
+    )
+    best = database.query_tuning_record(tvm.IRModule({"main": func}), target, "main")
+    secs = [float(s) for s in best.run_secs] if best is not None else []
+    return min(secs) if secs and min(secs) < 1e9 else None
+
+
+def prefill_builder_init():
+    """MetaSchedule builder-process initializer for prefill candidates: registers the
+    prefill build function and TVM's CUDA tensor intrinsics (half a minute, once per
+    process rather than per build)."""
+    prefill.cuda_intrinsics()
+
+
+def _dims(func):
+    """(query heads, kv heads, query rows, head dim) of an ``ops.attention`` function."""
+    q, k = (_shape(p) for p in buffer_params(func)[:2])
+    return q[1], k[1], q[2], q[3]
+
+
+def _workload_name(func):
+    q, k = (_shape(p) for p in buffer_params(func)[:2])
+    shape = f"b{q[0]}-h{q[1]}x{k[1]}-q{q[2]}-kv{k[2]}-d{q[3]}"
+    return f"{shape}-{tvm_ffi.structural_hash(func) & 0xFFFFFFFF:08x}"  # variants differ here
+
+
+def _shape(buffer):
+    return [int(x) for x in buffer.shape]
+
+
+def _multiprocessors():
+    """SMs of this machine's GPU, for the decode schedule's chunk count; H100/H200's 132
+    when compiling without one."""
+    dev = tvm.cuda(0)
+    return dev.multi_processor_count if dev.exist else 132
