@@ -59,6 +59,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--decode-queries", type=int, default=1, metavar="N", help="query length of decode (default 1)"
     )
+    p.add_argument(
+        "--trim",
+        type=int,
+        default=0,
+        metavar="N",
+        help="shorten every sequence by N tokens (lengths that are not multiples of the tiles)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return p.parse_args(argv)
 
@@ -216,6 +223,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         head_dim=args.head_dim,
         dtype=args.dtype,
         decode_queries=args.decode_queries,
+        trim=args.trim,
     )
     peers = {name: PEERS[name] for name in args.peers}
     env = environment(argv)

@@ -133,12 +133,15 @@ def suite(
     head_dim: int = HEAD_DIM,
     dtype: str = DTYPE,
     decode_queries: int = 1,
+    trim: int = 0,
 ) -> List[Config]:
     """Configurations of ``which`` ("prefill" | "decode" | "all").
 
     ``quick`` keeps the first shape of each suite; ``only`` keeps the configs whose
     name contains one of the given substrings; ``decode_queries`` is the query length of
-    the decode configurations (1 to 8: speculative decoding, several new tokens).
+    the decode configurations (1 to 8: speculative decoding, several new tokens);
+    ``trim`` shortens every sequence of the shapes by that many tokens (lengths that
+    are not multiples of the kernels' tiles).
     """
     if which not in ("prefill", "decode", "all"):
         raise ValueError(f"unknown suite {which!r}")
@@ -148,6 +151,7 @@ def suite(
             continue
         shapes = PREFILL_SHAPES if op.kind == "prefill" else DECODE_SHAPES
         for batch, seq in shapes[:1] if quick else shapes:
+            seq -= trim
             seq_q = seq if op.kind == "prefill" else decode_queries
             configs.append(Config(op, batch, seq_q, seq, head_dim, dtype))
     if only:

@@ -82,6 +82,14 @@ def test_suite_options_name_the_configurations():
     assert all(c.seq_q == 4 and c.masked == c.op.causal for c in decode)
 
 
+def test_suite_trims_every_sequence():
+    configs = suite("all", quick=True, trim=1)
+    names = {c.name for c in configs}
+    assert "prefill-window-b8-s1023" in names and "decode-gqa-b8-kv4095" in names
+    assert all(c.seq_kv % 2 == 1 for c in configs)
+    assert all(c.seq_q == (1023 if c.op.kind == "prefill" else 1) for c in configs)
+
+
 def test_masked_and_scale():
     assert Config(_op("prefill", "causal"), 1, 8, 8).masked
     assert not Config(_op("prefill", "global"), 1, 8, 8).masked

@@ -72,6 +72,21 @@ def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(
     assert "out_ptr" in combine and "__shfl" not in combine
 
 
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q, seq_kv", [(32, 32, 1, 4100), (64, 8, 1, 1000), (32, 16, 3, 37)])
+def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q, seq_kv):
+    """``compile_attention`` pads keys to a multiple of ``PAD_KEYS`` (masked); the loads
+    of K and V read zeros past the keys' end."""
+    compiled = kernels.compile_attention(
+        2, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS["causal"], target=CUDA, records="/none"
+    )
+    source = compiled.mod.imports[0].inspect_source()
+    assert len(_kernels(source)) == 3
+    for operand in ("K", "V"):
+        assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source), operand
+    with pytest.raises(ValueError, match="divisible by 16"):
+        choose_chunks(2, heads_kv, heads_q // heads_kv, 4100, DecodeConfig(), 132)
+
+
 def test_tiled_key_rows_are_padded_by_128_bits():
     func = ops.attention(1, 8, 1, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2)

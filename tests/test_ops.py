@@ -6,6 +6,7 @@ Run with ``PYTHONPATH=python python -m pytest tests/test_ops.py -q`` (CPU, LLVM)
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import te
 
 from tvm_cascade import ops
@@ -88,6 +89,32 @@ def test_attention_normalize_before_pv(variant, phase, dtype):
     _check_attention_blocks(func, normalize_before_pv=True)
     expected = ref.attention_ref(q, k, v, variant=variant, normalize_before_pv=True)
     np.testing.assert_allclose(out.astype(np.float64), expected, **FP_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("phase", ["prefill", "decode", "decode1"])
+@pytest.mark.parametrize("variant", sorted(ops.VARIANTS))
+def test_attention_padded_to_whole_tiles(variant, phase, dtype):
+    """``pad_to`` computes over lengths rounded up to whole tiles (here 16 rows, 32 keys:
+    24 -> 32 rows, 24/40/33 -> 32/64/64 keys) and gives the unpadded result."""
+    shape = SHAPES[phase]
+    func, (q, k, v), out = _run_attention(shape, dtype, seed=5, variant=variant, pad_to=(16, 32))
+    names = tt.block_names(func)
+    assert names[: names.index("qk")] == [
+        name for name, length, tile in (("Q_pad", shape[3], 16), ("K_pad", shape[4], 32), ("V_pad", shape[4], 32))
+        if length % tile
+    ]
+    assert names[names.index("qk") :] == list(ops.ATTENTION_BLOCKS)
+    assert [p.name for p in func.params] == ["Q", "K", "V", "out"]
+    np.testing.assert_allclose(
+        out.astype(np.float64), ref.attention_ref(q, k, v, variant=variant), **FP_TOL[dtype]
+    )
+
+
+def test_attention_padding_whole_tiles_is_the_identity():
+    plain = ops.attention(1, 4, 2, 32, 64, 16, variant="causal")
+    padded = ops.attention(1, 4, 2, 32, 64, 16, variant="causal", pad_to=(16, 32))
+    assert tvm_ffi.structural_equal(plain, padded)
 
 
 def test_attention_explicit_scale_matches_reference():

@@ -22,6 +22,7 @@ from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.schedules import prefill
+from tvm_cascade.schedules.padding import padded_inputs
 
 from tuning_records import write_records
 
@@ -274,6 +275,26 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert max(depths) <= 2 and depths.count(2) <= 8, depths
     # The causal mask bounds the key-tile loop by the block's last row.
     assert re.search(r"for \(int rj_0 = 0; rj_0 < \(+\(\(int\)blockIdx.x\) & 1\) \* 2\) \+ 2\)", source)
+
+
+@pytest.mark.parametrize("variant, seq_q, seq_kv", [("causal", 200, 300), ("global", 130, 65)])
+def test_lengths_that_are_not_whole_tiles_are_padded(variant, seq_q, seq_kv):
+    """``ops.attention(pad_to=...)`` pads to whole tiles; the schedule inlines the pad
+    blocks into the shared-memory copies, which load zeros past the inputs' ends, and the
+    output rows past the query length are not stored."""
+    func = ops.attention(
+        1, 2, 1, seq_q, seq_kv, 128, dtype="float16", variant=VARIANTS[variant], pad_to=(128, 64)
+    )
+    sch = prefill.schedule_prefill(func)
+    assert padded_inputs(tvm.s_tir.Schedule(func)) == ["Q_pad", "K_pad", "V_pad"]
+    assert padded_inputs(sch) == []
+    source = _source(sch.mod)
+    assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
+    for operand in ("Q", "K", "V"):
+        # One guarded 128-bit load per copy, zeros otherwise.
+        assert len(re.findall(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)) == 1
+    assert re.search(r"if \(.*\) \{\n\s*out_ptr\[", source)
+    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4
 
 
 def _barrier_depths(source):

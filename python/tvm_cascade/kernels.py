@@ -28,7 +28,7 @@ import tvm_ffi
 from . import ops
 from .analysis.scope import buffer_params
 from .ops.variants import AttentionVariant
-from .schedules import prefill
+from .schedules import decode, prefill
 from .schedules.decode import decode_design_space, schedule_decode
 from .trace import JSONDatabase
 
@@ -36,6 +36,12 @@ from .trace import JSONDatabase
 DECODE_QUERIES = 8
 _CHECKOUT_RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "tuned"
 _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
+#: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
+#: schedules and of every choice of their design spaces; padded keys are masked.
+PAD_TO = {
+    "decode": (1, decode.PAD_KEYS),
+    "prefill": (prefill.PrefillConfig().rows, max(prefill.KEY_TILES)),
+}
 #: Candidates MetaSchedule measures per search round.
 _TRIALS_PER_ROUND = {"decode": 16, "prefill": 8}
 
@@ -65,15 +71,18 @@ def compile_attention(
 ):
     """Compile ``ops.attention`` of this configuration for a CUDA ``target`` (default: the
     GPU of this machine) with the best record of the database at ``records`` (default
-    :func:`default_records`), else the heuristic schedule. With ``tune_trials`` > 0 the
-    configuration is tuned first (on this machine's GPU), its records written to
-    ``records``. Returns the compiled module; its ``"main"`` takes ``q, k, v, out``."""
+    :func:`default_records`), else the heuristic schedule. Lengths need not be multiples
+    of the schedules' tiles: the function computes over lengths padded to
+    :data:`PAD_TO`. With ``tune_trials`` > 0 the configuration is tuned first (on this
+    machine's GPU), its records written to ``records``. Returns the compiled module; its
+    ``"main"`` takes ``q, k, v, out``."""
+    kind = kind_of(seq_q)
     func = ops.attention(
-        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant
+        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
+        pad_to=PAD_TO[kind],
     )
     if target is None:
         target = tvm.target.Target.from_device(tvm.cuda(0))
-    kind = kind_of(seq_q)
     records = Path(records) if records is not None else default_records(kind)
     if tune_trials:
         tune(func, target, records, tune_trials)

@@ -150,6 +150,7 @@ def attention(
     normalize_before_pv: bool = False,
     accum_dtype: str = "float32",
     variant=None,
+    pad_to: Optional[Tuple[int, int]] = None,
 ) -> tvm.tirx.PrimFunc:
     """Build the unfused attention PrimFunc ``main(Q, K, V, out)``.
 
@@ -160,6 +161,12 @@ def attention(
     ``variant`` (a name from :data:`VARIANTS` or an :class:`AttentionVariant`)
     supplies ``score_mod`` / ``mask_mod``; it cannot be combined with explicit
     ``score_mod`` / ``mask_mod`` arguments.
+
+    ``pad_to=(rows, keys)`` computes over query and key lengths rounded up to multiples
+    of ``rows`` and ``keys`` (for schedules with whole tiles only): blocks ``Q_pad``,
+    ``K_pad`` and ``V_pad`` read the inputs with zeros past their ends, keys past
+    ``seq_kv`` are masked, and ``out`` keeps the unpadded rows. Lengths that are
+    multiples already give the function without padding.
     """
     if heads_kv <= 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a positive multiple of heads_kv={heads_kv}")
@@ -174,13 +181,23 @@ def attention(
     scale_c = tirx.const(scale, acc)
     lowest = tirx.min_value(acc)
 
-    Q = te.placeholder((batch, heads_q, seq_q, head_dim), dtype, name="Q")
-    K = te.placeholder((batch, heads_kv, seq_kv, head_dim), dtype, name="K")
-    V = te.placeholder((batch, heads_kv, seq_kv, head_dim), dtype, name="V")
+    Q_in = te.placeholder((batch, heads_q, seq_q, head_dim), dtype, name="Q")
+    K_in = te.placeholder((batch, heads_kv, seq_kv, head_dim), dtype, name="K")
+    V_in = te.placeholder((batch, heads_kv, seq_kv, head_dim), dtype, name="V")
+    rows, keys = pad_to or (1, 1)
+    rows_p, keys_p = -(-seq_q // rows) * rows, -(-seq_kv // keys) * keys
+    Q = _padded(Q_in, 2, rows_p)
+    K, V = (_padded(x, 2, keys_p) for x in (K_in, V_in))
+    if keys_p != seq_kv:
+        inner_mask = mask_mod
+
+        def mask_mod(b, h, i, j):
+            valid = j < seq_kv
+            return valid if inner_mask is None else te.all(_as_bool_expr(inner_mask(b, h, i, j)), valid)
 
     rd = te.reduce_axis((0, head_dim), name="rd")
     qk = te.compute(
-        (batch, heads_q, seq_q, seq_kv),
+        (batch, heads_q, rows_p, keys_p),
         lambda b, h, i, j: te.sum(
             Q[b, h, i, rd].astype(acc) * K[b, h // group, j, rd].astype(acc), axis=rd
         ),
@@ -197,34 +214,34 @@ def attention(
             s = tirx.Select(_as_bool_expr(mask_mod(b, h, i, j)), s, lowest)
         return s
 
-    score = te.compute((batch, heads_q, seq_q, seq_kv), _score, name="score")
+    score = te.compute((batch, heads_q, rows_p, keys_p), _score, name="score")
 
-    rj_max = te.reduce_axis((0, seq_kv), name="rj")
+    rj_max = te.reduce_axis((0, keys_p), name="rj")
     m = te.compute(
-        (batch, heads_q, seq_q),
+        (batch, heads_q, rows_p),
         lambda b, h, i: te.max(score[b, h, i, rj_max], axis=rj_max),
         name="max",
     )
     e = te.compute(
-        (batch, heads_q, seq_q, seq_kv),
+        (batch, heads_q, rows_p, keys_p),
         lambda b, h, i, j: te.exp(score[b, h, i, j] - m[b, h, i]),
         name="exp",
     )
-    rj_sum = te.reduce_axis((0, seq_kv), name="rj")
+    rj_sum = te.reduce_axis((0, keys_p), name="rj")
     l = te.compute(
-        (batch, heads_q, seq_q),
+        (batch, heads_q, rows_p),
         lambda b, h, i: te.sum(e[b, h, i, rj_sum], axis=rj_sum),
         name="sum",
     )
-    rj_pv = te.reduce_axis((0, seq_kv), name="rj")
+    rj_pv = te.reduce_axis((0, keys_p), name="rj")
     if normalize_before_pv:
         p = te.compute(
-            (batch, heads_q, seq_q, seq_kv),
+            (batch, heads_q, rows_p, keys_p),
             lambda b, h, i, j: e[b, h, i, j] / l[b, h, i],
             name="p",
         )
         o = te.compute(
-            (batch, heads_q, seq_q, head_dim),
+            (batch, heads_q, rows_p, head_dim),
             lambda b, h, i, d: te.sum(
                 p[b, h, i, rj_pv] * V[b, h // group, rj_pv, d].astype(acc), axis=rj_pv
             ),
@@ -237,7 +254,7 @@ def attention(
         )
     else:
         o = te.compute(
-            (batch, heads_q, seq_q, head_dim),
+            (batch, heads_q, rows_p, head_dim),
             lambda b, h, i, d: te.sum(
                 e[b, h, i, rj_pv] * V[b, h // group, rj_pv, d].astype(acc), axis=rj_pv
             ),
@@ -248,8 +265,27 @@ def attention(
             lambda b, h, i, d: (o[b, h, i, d] / l[b, h, i]).astype(dtype),
             name="out",
         )
-    func = te.create_prim_func([Q, K, V, out])
+    func = te.create_prim_func([Q_in, K_in, V_in, out])
     # create_prim_func emits `pv` before `sum` (DFS order of `out`'s reads);
     # put the blocks in the documented order (they are independent).
     order = ATTENTION_BLOCKS_NORMALIZE_FIRST if normalize_before_pv else ATTENTION_BLOCKS
-    return reorder_root_blocks(func, order)
+    pads = tuple(x.op.name for x in (Q, K, V) if x.op.name.endswith("_pad"))
+    return reorder_root_blocks(func, pads + order)
+
+
+def _padded(tensor, axis, length):
+    """``tensor`` extended along ``axis`` to ``length`` with zeros (``tensor`` itself if it
+    is that long)."""
+    if int(tensor.shape[axis]) == length:
+        return tensor
+    end = tensor.shape[axis]
+
+    def read(*index):
+        inside = index[axis] < end
+        clamped = list(index)
+        clamped[axis] = tirx.min(index[axis], end - 1)
+        return tirx.if_then_else(inside, tensor[tuple(clamped)], tirx.const(0, tensor.dtype))
+
+    shape = list(tensor.shape)
+    shape[axis] = length
+    return te.compute(shape, read, name=f"{tensor.op.name}_pad")

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 
 import tvm
 
+from .padding import inline_padding, padded_inputs
+
 VECTOR = 8  # fp16/bf16 elements in a 128-bit load
+#: Key lengths the schedule takes: multiples of this (``ops.attention(pad_to=(1, PAD_KEYS))``
+#: pads others, its blocks ``K_pad`` and ``V_pad`` are inlined into the loads).
+PAD_KEYS = 128
 PV_KEYS = 4  # V rows each lane of kernel 2 loads before folding them in
 
 
@@ -97,7 +102,8 @@ def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes
     if seq_kv % lanes or not fits:
         raise ValueError(
             f"the decode schedule needs a key count divisible by {lanes} into chunks of at "
-            f"most {longest} keys, got {seq_kv}"
+            f"most {longest} keys, got {seq_kv} (ops.attention(pad_to=(1, {PAD_KEYS})) pads "
+            "other counts)"
         )
     # Each chunk writes group x head_dim float partials: long chunks keep them small.
     least = max(config.min_chunk, config.keys_per_head * group)
@@ -204,6 +210,7 @@ def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled
         _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
     _schedule_chunks(sch, chunk_rows, z, lanes)
     _schedule_combine(sch)
+    inline_padding(sch)
 
 
 def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row, lanes):
@@ -286,7 +293,7 @@ def _schedule_chunks(sch, chunk_rows, z, lanes):
     sch.reorder(gz, dx, ro, ri, g, dv)
     sch.bind(gz, "threadIdx.z")
     sch.bind(dx, "threadIdx.x")
-    v_local = sch.cache_read(pv, "V", "local")
+    v_local = sch.cache_read(pv, "V_pad" if "V_pad" in padded_inputs(sch) else "V", "local")
     sch.compute_at(v_local, ro, preserve_unit_loops=True)
     sch.vectorize(sch.split(sch.get_loops(v_local)[-1], [None, VECTOR])[-1])
     sch.unroll(ri)

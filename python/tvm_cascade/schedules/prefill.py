@@ -25,6 +25,7 @@ import tvm
 import tvm_ffi
 
 from ..primitives.tiles import mask_condition
+from .padding import inline_padding
 
 
 WARP = 32
@@ -56,7 +57,8 @@ def check_shape(seq_q, seq_kv, head_dim, config=PrefillConfig()):
         raise ValueError(
             f"the prefill schedule needs head_dim a multiple of {MMA}, query length a multiple "
             f"of {config.rows} and key length a multiple of {config.keys}; got head_dim "
-            f"{head_dim}, {seq_q} queries, {seq_kv} keys"
+            f"{head_dim}, {seq_q} queries, {seq_kv} keys (ops.attention(pad_to=...) pads "
+            "other lengths)"
         )
 
 
@@ -143,6 +145,9 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.storage_align(exp, 0, axis=-2, factor=MMA, offset=VECTOR)
     sch.unsafe_set_dtype(exp, 0, "float16")
     _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, pv_split, transposed_b=False)
+    # Lengths padded to whole tiles (``ops.attention(pad_to=...)``): the shared-memory
+    # copies read the inputs, with zeros past their ends.
+    inline_padding(sch)
 
     # The running output stays in shared memory (registers would need one thread mapping
     # for the tile loop's stages and the epilogue, which TVM's buffer compaction cannot
