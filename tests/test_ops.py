@@ -117,6 +117,16 @@ def test_attention_padding_whole_tiles_is_the_identity():
     assert tvm_ffi.structural_equal(plain, padded)
 
 
+def test_attention_padding_a_row_that_sees_no_key_averages_the_padded_keys():
+    """The documented exception: with every key masked, the row's weights are all equal,
+    padded keys (zero V rows) included."""
+    func = ops.attention(1, 1, 1, 2, 3, 4, mask_mod=lambda b, h, i, j: i > 0, pad_to=(1, 4))
+    q, k, v = tt.random_attention_inputs(1, 1, 1, 2, 3, 4, dtype="float32", seed=1)
+    (out,) = tt.run_prim_func(func, [q, k, v])
+    np.testing.assert_allclose(out[0, 0, 0], v[0, 0].sum(axis=0) / 4, rtol=1e-6)
+    np.testing.assert_allclose(out[0, 0, 1], ref.attention_ref(q, k, v)[0, 0, 1], rtol=1e-5)
+
+
 def test_attention_explicit_scale_matches_reference():
     shape = SHAPES["prefill"]
     func, (q, k, v), out = _run_attention(shape, "float32", seed=11, scale=0.7, variant="causal")

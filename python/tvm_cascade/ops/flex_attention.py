@@ -166,7 +166,9 @@ def attention(
     of ``rows`` and ``keys`` (for schedules with whole tiles only): blocks ``Q_pad``,
     ``K_pad`` and ``V_pad`` read the inputs with zeros past their ends, keys past
     ``seq_kv`` are masked, and ``out`` keeps the unpadded rows. Lengths that are
-    multiples already give the function without padding.
+    multiples already give the function without padding. The result equals the unpadded
+    one except for a row that sees no key at all: it averages ``V`` over the padded keys
+    (zeros included), not over ``seq_kv`` keys.
     """
     if heads_kv <= 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads_q={heads_q} must be a positive multiple of heads_kv={heads_kv}")
