@@ -1,0 +1,56 @@
+"""``tvm_cascade.kernels``: which schedule serves a configuration, padding to whole tiles,
+and (on a machine with a CUDA GPU) the compiled kernels against the numpy reference."""
+import numpy as np
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+
+from tvm_cascade import kernels
+from tvm_cascade.bench import VARIANTS
+from tvm_cascade.ops.reference import attention_ref
+from tvm_cascade.ops.testing import random_attention_inputs
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+GPU = tvm.cuda(0).exist
+
+# (variant, batch, heads_q, heads_kv, seq_q, seq_kv): decode and prefill, lengths that are
+# whole tiles and lengths that are not.
+CONFIGS = [
+    ("causal", 2, 4, 4, 1, 4096),
+    ("gqa", 2, 16, 2, 1, 1000),
+    ("softcap", 1, 4, 2, 3, 37),
+    ("alibi", 1, 4, 4, 8, 300),
+    ("causal", 1, 4, 4, 256, 256),
+    ("window", 1, 4, 4, 200, 300),
+    ("gqa", 1, 8, 2, 130, 65),
+    ("softcap", 1, 2, 2, 129, 1000),
+]
+
+
+def test_kind_follows_the_query_length():
+    assert [kernels.kind_of(n) for n in (1, kernels.DECODE_QUERIES, kernels.DECODE_QUERIES + 1)] == [
+        "decode",
+        "decode",
+        "prefill",
+    ]
+
+
+def test_records_default_to_the_checkout_and_follow_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
+    assert kernels.default_records("prefill").parts[-3:] == ("benchmarks", "tuned", "prefill")
+    monkeypatch.setenv("TVM_CASCADE_TUNED_PREFILL", str(tmp_path))
+    assert kernels.default_records("prefill") == tmp_path
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant, batch, heads_q, heads_kv, seq_q, seq_kv", CONFIGS)
+def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv):
+    dev = tvm.cuda(0)
+    q, k, v = random_attention_inputs(batch, heads_q, heads_kv, seq_q, seq_kv, 128, dtype="float16", seed=3)
+    exe = kernels.compile_attention(
+        batch, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant], records="/none"
+    )
+    args = [tvm.runtime.tensor(a, dev) for a in (q, k, v, np.zeros_like(q))]
+    exe["main"](*args)
+    expected = attention_ref(q.astype("float32"), k.astype("float32"), v.astype("float32"), variant=VARIANTS[variant])
+    np.testing.assert_allclose(args[3].numpy().astype("float32"), expected, rtol=2e-2, atol=5e-3)
