@@ -27,7 +27,9 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
 The chunk count is chosen from the shape and the number of SMs: enough threads to keep
 the GPU's memory busy, chunks long enough that the partial outputs they write
 (``group x head_dim`` floats each) stay small next to the K and V rows they read, and
-short enough that a block's exps fit its share of shared memory.
+short enough that a block's exps fit its share of shared memory. Key counts the chunks
+do not split are padded by ``ops.attention(pad_to=(1, PAD_KEYS))``; the schedule inlines
+the pad blocks into its K and V loads.
 """
 from dataclasses import dataclass
 

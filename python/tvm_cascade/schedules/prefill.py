@@ -18,6 +18,9 @@ Built from the traced ``rolling_update`` and the tile rewrites of
   normalises it by the sum;
 * the reductions' initial values sit before the key loop, and with a causal or window
   mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see.
+
+Query and key lengths must be whole tiles; ``ops.attention(pad_to=(rows, keys))`` pads
+others, and the schedule inlines its pad blocks into the copies to shared memory.
 """
 from dataclasses import dataclass
 
