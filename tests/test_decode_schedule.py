@@ -87,6 +87,21 @@ def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q
         choose_chunks(2, heads_kv, heads_q // heads_kv, 4100, DecodeConfig(), 132)
 
 
+def test_tiled_scores_give_each_query_row_blocks_of_its_own():
+    """With several query rows, a thread of the tiled scores kernel holds what it holds
+    for one row (its keys x the group's heads), not that times the rows: 512 halves of Q
+    and 128 accumulators per thread went to local memory."""
+
+    def registers(seq_q):
+        func = ops.attention(2, 64, 8, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
+        source = _source(schedule_decode(func, 64, 8, 128).mod)
+        qk = _kernel_body(source, _kernels(source)[0])
+        return sorted(re.findall(r"alignas\(64\) (?:float|half) (\w+_local_ptr)\[(\d+)\]", qk))
+
+    assert registers(8) == registers(1)
+    assert ("qk_local_ptr", "16") in registers(8)
+
+
 def test_tiled_key_rows_are_padded_by_128_bits():
     func = ops.attention(1, 8, 1, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2)

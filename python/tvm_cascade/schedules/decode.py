@@ -242,8 +242,11 @@ def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
     hkv, g = sch.split(h, [heads_kv, group])
     jo, jt, jk = sch.split(j, [None, threads, keys])
     rs, ro, ri = sch.split(rd, [stages, None, VECTOR])
-    sch.reorder(b, hkv, jo, jt, rs, ro, jk, g, i, ri)
-    sch.bind(sch.fuse(b, hkv), "blockIdx.x")
+    # Query rows (several for speculative decoding) go to blocks: a thread keeps the
+    # dot products of its keys with one query row of each head of the group, not of
+    # every row (which outgrows its registers); the rows' blocks read K mostly from L2.
+    sch.reorder(b, hkv, i, jo, jt, rs, ro, jk, g, ri)
+    sch.bind(sch.fuse(b, hkv, i), "blockIdx.x")
     sch.bind(jo, "blockIdx.y")
     sch.bind(jt, "threadIdx.x")
     # The block stages its group's query rows once, and its keys one slice of the head
