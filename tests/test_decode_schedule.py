@@ -18,6 +18,7 @@ from tvm_cascade.schedules.decode import (
     decode_design_space,
     lanes_for,
     longest_chunk,
+    packs_queries,
     schedule_decode,
 )
 
@@ -89,8 +90,8 @@ def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q
 
 def test_tiled_scores_give_each_query_row_blocks_of_its_own():
     """With several query rows, a thread of the tiled scores kernel holds what it holds
-    for one row (its keys x the group's heads), not that times the rows: 512 halves of Q
-    and 128 accumulators per thread went to local memory."""
+    for one row (its keys x the group's heads), not that times the rows, which went to
+    local memory."""
 
     def registers(seq_q):
         func = ops.attention(2, 64, 8, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
@@ -99,7 +100,25 @@ def test_tiled_scores_give_each_query_row_blocks_of_its_own():
         return sorted(re.findall(r"alignas\(64\) (?:float|half) (\w+_local_ptr)\[(\d+)\]", qk))
 
     assert registers(8) == registers(1)
-    assert ("qk_local_ptr", "16") in registers(8)
+    assert ("qk_local_ptr", "32") in registers(8)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, packed", [(4, 4, True), (8, 4, False)])
+def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed):
+    """Several query rows of one head per K/V head: each thread of kernel 2 accumulates
+    all four (its V loads serve them all) instead of each row having blocks of its own;
+    with GQA groups the query rows keep blocks of their own."""
+
+    def chunk_kernel(seq_q):
+        func = ops.attention(2, heads_q, heads_kv, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
+        source = _source(schedule_decode(func, heads_q, heads_kv, 128).mod)
+        kernel = _kernel_body(source, _kernels(source)[1])
+        return re.findall(r"float pv_partial_local_ptr\[(\d+)\]", kernel)
+
+    one, several = chunk_kernel(1), chunk_kernel(4)
+    assert packs_queries(heads_q // heads_kv, 4, DecodeConfig()) == packed
+    assert one == ["8" if heads_q == heads_kv else "16"]
+    assert several == (["32"] if packed else one)
 
 
 def test_tiled_key_rows_are_padded_by_128_bits():
@@ -139,15 +158,15 @@ def test_lanes_follow_the_head_dimension():
             lanes_for(bad)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv", [(8, 2), (8, 8)])
-def test_design_space_replays_under_every_decision(heads_q, heads_kv):
-    func = ops.attention(1, heads_q, heads_kv, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (4, 4, 4)])
+def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
+    func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)
     decode_design_space(heads_q, heads_kv, 128)(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
     tiled = heads_q // heads_kv >= DecodeConfig().tile_from_group
-    assert len(samples) == (6 if tiled else 5)
+    assert len(samples) == (7 if tiled else 6)
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):

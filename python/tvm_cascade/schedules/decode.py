@@ -20,7 +20,9 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
   so that every block placed under it gets its own head loop). The lanes reduce each
   head's max and sum with shuffles, write the exps to shared memory, and fold V rows
   into registers with 128-bit loads, 8 dims per lane; the head slices of a chunk read the
-  same V rows, which the first of them brings into L1;
+  same V rows, which the first of them brings into L1. Several query rows of one head
+  per K/V head are served like the heads of a group (:func:`packs_queries`); otherwise
+  each query row has blocks of its own;
 * kernel 3, the combine: a block per query row, a thread per output dim, which combines
   the chunks' maxima, sums and partial outputs and writes the output.
 
@@ -41,7 +43,6 @@ VECTOR = 8  # fp16/bf16 elements in a 128-bit load
 #: Key lengths the schedule takes: multiples of this (``ops.attention(pad_to=(1, PAD_KEYS))``
 #: pads others, its blocks ``K_pad`` and ``V_pad`` are inlined into the loads).
 PAD_KEYS = 128
-PV_KEYS = 4  # V rows each lane of kernel 2 loads before folding them in
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,13 @@ class DecodeConfig:
     qk_rows: int = 8  # kernel 1 (lanes): thread rows per block
     keys_per_row: int = 4  # kernel 1 (lanes): keys each thread row reduces
     tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more
-    tile_threads: int = 128  # kernel 1 (tiled): threads per block
-    tile_keys: int = 2  # kernel 1 (tiled): consecutive keys per thread
+    tile_threads: int = 64  # kernel 1 (tiled): threads per block
+    tile_keys: int = 4  # kernel 1 (tiled): consecutive keys per thread
     tile_stages: int = 2  # kernel 1 (tiled): slices of the head dimension staged in turn
     rows: int = 4  # kernel 2: chunks per block (threadIdx.y)
-    heads_per_thread: int = 2  # kernel 2: query heads of the group each thread serves
+    heads_per_thread: int = 4  # kernel 2: query heads of the group each thread serves
+    pv_keys: int = 8  # kernel 2: V rows each lane loads before folding them in
+    packed_rows: int = 8  # kernel 2: query rows a chunk serves at most (one head per K/V head)
     threads_per_sm: int = 2048  # kernel 2: threads to aim for per SM
     min_chunk: int = 128  # kernel 2: keys per chunk at least, if the shape allows ...
     keys_per_head: int = 16  # ... and at least this many per query head of the group
@@ -119,8 +122,10 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     sch = tvm.s_tir.Schedule(func)
     batch, _, seq_q, seq_kv = _shape(sch)
-    # Each query row is a row of thread blocks of its own (kernel 2 binds them to blocks).
-    chunks = choose_chunks(batch * seq_q, heads_kv, group, seq_kv, config, multiprocessors, lanes)
+    packed = packs_queries(group, seq_q, config)
+    rows = rows_per_chunk(group, seq_q, config)
+    # Query rows that are not packed are rows of thread blocks of their own.
+    chunks = choose_chunks(batch * (1 if packed else seq_q), heads_kv, rows, seq_kv, config, multiprocessors, lanes)
     if group >= config.tile_from_group:
         qk = (config.tile_threads, config.tile_keys, config.tile_stages)
     else:
@@ -132,34 +137,50 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         chunks,
         qk,
         config.rows,
-        z_threads(group, config.heads_per_thread),
+        z_threads(rows, config.heads_per_thread),
         tiled=group >= config.tile_from_group,
         lanes=lanes,
+        pv_keys=config.pv_keys,
+        packed=packed,
     )
     return sch
 
 
+def packs_queries(group, seq_q, config):
+    """Whether kernel 2 serves a chunk's query rows (speculative decoding) in the threads
+    that serve its heads, which then load each V row once for all of them, rather than in
+    blocks of their own, which read the chunk again from L2. Only for one query head per
+    K/V head: with a GQA group, region analysis does not see that a thread's fused
+    (head, query) rows read one V head, and gives every thread a copy of many V rows."""
+    return group == 1 and 1 < seq_q <= config.packed_rows
+
+
+def rows_per_chunk(group, seq_q, config):
+    """The query rows (heads x queries) a chunk of kernel 2 serves."""
+    return group * seq_q if packs_queries(group, seq_q, config) else group
+
+
 def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     """A MetaSchedule design space (``fn(sch)``) over the decode schedule: the chunk
-    count, the chunks per thread block, the threads over the group's heads and kernel 1's
-    tile (rows and keys per row, or threads, keys per thread and stages when it is tiled)
-    are ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
+    count, the chunks per thread block, the threads over the chunk's rows, the V rows
+    loaded at once and kernel 1's tile (rows and keys per row, or threads, keys per
+    thread and stages when it is tiled) are ``sample_categorical`` decisions, applied
+    through the traced ``split_k_update``."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     tiled = group >= config.tile_from_group
-    chunk_rows = [1, 2, 4, 8]
-    # The z threads of a chunk split its group evenly.
-    z_options = [z for z in (1, 2, 4, 8) if group % z == 0]
+    block_chunks = [1, 2, 4, 8]
     if tiled:
         qk_options = ([64, 128], [2, 4], [2, 4])
     else:
         qk_options = ([4, 8, 16], [1, 2, 4, 8])
 
     def space(sch):
-        seq_kv = _shape(sch)[3]
-        step = max(chunk_rows)
-        # Bounded for the heuristic's rows: VerifyGPUCode drops samples whose exps outgrow
-        # the GPU's shared memory.
-        longest = longest_chunk(group, config.rows, config)
+        _, _, seq_q, seq_kv = _shape(sch)
+        rows = rows_per_chunk(group, seq_q, config)
+        step = max(block_chunks)
+        # Bounded for the heuristic's chunks per block: VerifyGPUCode drops samples whose
+        # exps outgrow the GPU's shared memory.
+        longest = longest_chunk(rows, config.rows, config)
         counts = [
             c
             for c in range(step, seq_kv // lanes + 1, step)
@@ -177,10 +198,13 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             group,
             sample(counts),
             tuple(sample(options) for options in qk_options),
-            sample(chunk_rows),
-            sample(z_options),
+            sample(block_chunks),
+            # The z threads of a chunk split its rows evenly.
+            sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
             tiled=tiled,
             lanes=lanes,
+            pv_keys=sample([4, 8, 16]),
+            packed=packs_queries(group, seq_q, config),
         )
 
     return space
@@ -190,19 +214,26 @@ def _shape(sch):
     return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
 
 
-def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16):
+def apply_decode_schedule(
+    sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16, pv_keys=4, packed=False
+):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
     ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
     ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group;
-    ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension.
+    ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension;
+    ``pv_keys`` V rows are loaded at once; ``packed``: :func:`packs_queries`.
     The choices are ints or sampled ``ExprRV``s."""
-    # The query heads of a GQA group go below the chunk loop, so that every block placed
-    # under it gets its own head loop: the threads of a chunk then hold all heads of its
-    # group and load each V row for them.
+    # The query heads of a GQA group (and, packed, the query rows) go below the chunk
+    # loop, so that every block placed under it gets its own row loop: the threads of a
+    # chunk then hold all its rows and load each V row for them.
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     _, g = sch.split(h, [heads_kv, group])
     j0, _ = sch.split(j, [chunks, None])
-    sch.reorder(i, j0, g)
+    if packed:
+        sch.reorder(j0, g, i)
+        sch.fuse(g, i)
+    else:
+        sch.reorder(i, j0, g)
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
@@ -210,7 +241,7 @@ def apply_decode_schedule(sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled
         _schedule_qk_tiled(sch, heads_kv, group, *qk)
     else:
         _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
-    _schedule_chunks(sch, chunk_rows, z, lanes)
+    _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
     _schedule_combine(sch)
     inline_padding(sch)
 
@@ -272,13 +303,13 @@ def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
     sch.decompose_reduction(qk, rs)
 
 
-def _schedule_chunks(sch, chunk_rows, z, lanes):
+def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
-    b, hkv, i, c = sch.get_loops(blocks["max_partial"])[:4]
+    # Query rows that are not packed go to blocks, not a serial loop: their blocks read
+    # the same K/V chunk, mostly from L2.
+    *outer, c = sch.get_loops(blocks["max_partial"])[: 3 if packed else 4]
     cb, cy = sch.split(c, [None, chunk_rows])
-    # Query rows (several for speculative decoding) go to blocks, not a serial loop:
-    # their blocks read the same K/V chunk, mostly from L2.
-    sch.bind(sch.fuse(b, hkv, i), "blockIdx.x")
+    sch.bind(sch.fuse(*outer), "blockIdx.x")
     sch.bind(cb, "blockIdx.y")
     sch.bind(cy, "threadIdx.y")
     # The lanes of a row share the chunk's keys for max, exp and sum of its heads ...
@@ -294,7 +325,7 @@ def _schedule_chunks(sch, chunk_rows, z, lanes):
     g, d, r = sch.get_loops(pv)[-3:]
     gz, g = sch.split(g, [z, None])
     dx, dv = sch.split(d, [lanes, VECTOR])
-    ro, ri = sch.split(r, [None, PV_KEYS])
+    ro, ri = sch.split(r, [None, pv_keys])
     sch.reorder(gz, dx, ro, ri, g, dv)
     sch.bind(gz, "threadIdx.z")
     sch.bind(dx, "threadIdx.x")
@@ -309,9 +340,10 @@ def _schedule_chunks(sch, chunk_rows, z, lanes):
     ):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
         sch.reverse_compute_at(store, at, preserve_unit_loops=True)
-        if at is cy:  # each z thread stores the maxima and sums of its own heads
-            g = sch.get_loops(store)[-2]
-            sch.bind(sch.split(g, [z, None])[0], "threadIdx.z")
+        if at is cy:  # each z thread stores the maxima and sums of its own rows
+            head, query = sch.get_loops(store)[-2:]
+            rows = sch.fuse(head, query) if packed else head
+            sch.bind(sch.split(rows, [z, None])[0], "threadIdx.z")
     # float32 partials: 128-bit stores are 4 lanes wide.
     store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
     sch.vectorize(sch.split(store, [None, 4])[-1])
