@@ -21,6 +21,7 @@ from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
+from tvm_cascade.primitives.tiles import _is_masked_read
 from tvm_cascade.schedules import prefill
 from tvm_cascade.schedules.padding import padded_inputs
 
@@ -247,6 +248,125 @@ def test_skip_masked_tiles_refuses_a_reduction_outside_the_masked_chain():
     assert tvm_ffi.structural_equal(sch.mod, before)
 
 
+@T.prim_func(s_tir=True)
+def _causal_max(x: T.Buffer((8, 8), "float32"), m: T.Buffer((8,), "float32")):
+    for i in range(8):
+        with T.sblock("init"):
+            vi = T.axis.spatial(8, i)
+            m[vi] = T.min_value("float32")
+        for t, r in T.grid(2, 4):
+            with T.sblock("masked_max"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.reduce(8, t * 4 + r)
+                m[vi] = T.max(m[vi], T.Select(vj <= vi, x[vi, vj], T.min_value("float32")))
+
+
+@T.prim_func(s_tir=True)
+def _causal_max_unmasked(x: T.Buffer((8, 8), "float32"), m: T.Buffer((8,), "float32")):
+    for i in range(8):
+        with T.sblock("init"):
+            vi = T.axis.spatial(8, i)
+            m[vi] = T.min_value("float32")
+        t_outer: T.let[T.int32] = T.max(T.min(2, (i - 3) // 4 + 1), 0)
+        for t, r in T.grid(t_outer, 4):
+            with T.sblock("masked_max_inner"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.reduce(8, t * 4 + r)
+                m[vi] = T.max(m[vi], x[vi, vj])
+        for t, r in T.grid(2 - t_outer, 4):
+            with T.sblock("masked_max"):
+                vi = T.axis.spatial(8, i)
+                vj = T.axis.reduce(8, (t + t_outer) * 4 + r)
+                m[vi] = T.max(m[vi], T.Select(vj <= vi, x[vi, vj], T.min_value("float32")))
+
+
+def test_unmask_inner_tiles_gives_the_expected_ir_and_replays():
+    sch = tvm.s_tir.Schedule(_causal_max)
+    sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("masked_max"))[1])
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"), _causal_max_unmasked.without_attr("global_symbol")
+    )
+    replayed = tvm.s_tir.Schedule(_causal_max)
+    sch.trace.apply_to_schedule(replayed, remove_postproc=True)
+    assert tvm_ffi.structural_equal(replayed.mod, sch.mod)
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype("float32")
+    (m,) = run_prim_func(sch.mod["main"], [x])
+    np.testing.assert_array_equal(m, np.where(np.tril(np.ones((8, 8), bool)), x, -np.inf).max(axis=1))
+
+
+def _tile_pieces(func, block_row, i0):
+    """Per piece of the key-tile loop after ``unmask_inner_tiles``, in order: whether its
+    blocks read masked scores, and its tile count for thread block row ``block_row``."""
+    values = {i0: tvm.tirx.const(block_row, "int32")}
+    analyzer = tvm.sym.Analyzer()
+    pieces = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.Bind):
+            values[node.var] = analyzer.simplify(substitute(node.value, values))
+        elif isinstance(node, tvm.tirx.For) and node.loop_var.name == "rj_0":
+            masked = []
+            tvm_ffi.structural_walk(node, lambda n: masked.append(1) if _is_masked_read(n) else None)
+            pieces.append((bool(masked), analyzer.simplify(substitute(node.extent, values)).value))
+            return
+        for child in (node if isinstance(node, tvm.tirx.SeqStmt) else [getattr(node, "body", None)]):
+            if child is not None:
+                visit(child)
+
+    root = func.body.block
+    for node in root.body:
+        visit(node)
+    return pieces
+
+
+@pytest.mark.parametrize(
+    "variant, window, seq_q, seq_kv, pad",
+    [("causal", None, 96, 96, False), ("window", 80, 96, 96, False), ("alibi", None, 64, 128, False),
+     ("global", None, 64, 100, True), ("window", 40, 64, 160, False)],
+)
+def test_unmask_inner_tiles_computes_whole_tiles_without_the_mask(variant, window, seq_q, seq_kv, pad):
+    """Tiles every row of a 32-row block sees in full run without the mask; the boundary
+    tiles before and after keep it (numpy decides which tile is which); the result is
+    unchanged."""
+    var = VARIANTS[variant]
+    if window is not None:
+        var = type(var)("window", causal=True, window=window)
+    func = ops.attention(1, 2, 1, seq_q, seq_kv, 16, dtype="float32", variant=var, pad_to=(32, 16) if pad else None)
+    sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    i0 = sch.get(sch.get_loops(max_block)[2]).loop_var
+    sch.skip_masked_tiles(max_block, j0)
+    sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[3])
+    keys = -(-seq_kv // 16) * 16
+    rows, cols = np.arange(seq_q)[:, None] + (seq_kv - seq_q), np.arange(keys)[None, :]
+    visible = (cols <= rows if var.causal else rows >= 0) & (cols < seq_kv)
+    if var.window is not None:
+        visible &= rows - cols < var.window
+    for r in range(seq_q // 32):
+        tiles = visible[r * 32:(r + 1) * 32].reshape(32, -1, 16)
+        seen, full = tiles.any(axis=(0, 2)), tiles.all(axis=(0, 2))
+        kinds = [not f for s, f in zip(seen, full) if s]  # masked?, over the visited tiles
+        expected = [(k, len(list(g))) for k, g in itertools.groupby(kinds)]
+        # Consecutive pieces of one kind (a head and a tail around an empty inner piece)
+        # are one run of masked tiles.
+        pieces = [(k, n) for k, n in _tile_pieces(sch.mod["main"], r, i0) if n]
+        runs = [(k, sum(n for _, n in g)) for k, g in itertools.groupby(pieces, key=lambda p: p[0])]
+        assert runs == expected, (r, pieces, expected)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
+    k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+
+
+def test_unmask_inner_tiles_refuses_a_loop_without_masked_scores():
+    func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["global"])
+    sch, _, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    before = sch.mod
+    with pytest.raises(FusionError, match="no block below loop 'rj_0' reads masked scores"):
+        sch.unmask_inner_tiles(j0)
+    assert tvm_ffi.structural_equal(sch.mod, before)
+
+
 def _source(mod):
     return prefill.build(mod, CUDA).mod.imports[0].inspect_source()
 
@@ -258,12 +378,13 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert trace.count("sch.rolling_update(") == 2 and "sch.split_tile_accumulation(" in trace
     source = _source(sch.mod)
     assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
-    # Q·Kᵀ (K read as the transposed operand) and P·V, each with ldmatrix and two
-    # m16n8k16 mma.sync per 16x16 tile.
-    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4
+    # Two key-tile loops (unmask_inner_tiles): the tiles below the diagonal, without the
+    # mask, and the two diagonal tiles. In each, Q·Kᵀ (K read as the transposed operand)
+    # and P·V, each with ldmatrix and two m16n8k16 mma.sync per 16x16 tile.
+    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2 * 4
     # Q, K (stored as the transposed operand already) and P plain, V transposed.
-    assert source.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 3
-    assert source.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 1
+    assert source.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 3
+    assert source.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * 1
     # Every fragment is lowered to per-lane registers (a whole-warp array has 512+ elements).
     for dtype, name, size in re.findall(r"alignas\(64\) (\w+) (\w+_warp_ptr)\[(\d+)\]", source):
         assert int(size) <= 128, (name, size)
@@ -272,9 +393,11 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     # row statistics sit in static shared memory (the barrier planner sees all dynamic
     # shared memory as one buffer) and the output's rows are read at one index.
     depths = _barrier_depths(source)
-    assert max(depths) <= 2 and depths.count(2) <= 8, depths
-    # The causal mask bounds the key-tile loop by the block's last row.
-    assert re.search(r"for \(int rj_0 = 0; rj_0 < \(+\(\(int\)blockIdx.x\) & 1\) \* 2\) \+ 2\)", source)
+    assert max(depths) <= 2 and depths.count(2) <= 2 * 8, depths
+    # The causal mask bounds the key tiles by the block's last row: its first row sees
+    # the tiles before the block's two diagonal tiles in full.
+    assert re.search(r"for \(int rj_0 = 0; rj_0 < \(\(\(\(int\)blockIdx.x\) & 1\) \* 2\);", source)
+    assert re.search(r"for \(int rj_0_1 = 0; rj_0_1 < 2;", source)
 
 
 @pytest.mark.parametrize("variant, seq_q, seq_kv", [("causal", 200, 300), ("global", 130, 65)])
@@ -294,7 +417,8 @@ def test_lengths_that_are_not_whole_tiles_are_padded(variant, seq_q, seq_kv):
         # One guarded 128-bit load per copy, zeros otherwise.
         assert len(re.findall(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)) == 1
     assert re.search(r"if \(.*\) \{\n\s*out_ptr\[", source)
-    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 4
+    # The padded keys are masked: the tiles before the last are computed without it.
+    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2 * 4
 
 
 def _barrier_depths(source):

@@ -270,3 +270,4 @@ def install() -> None:
     Schedule.distribute = _tiles.distribute
     Schedule.split_tile_accumulation = _tiles.split_tile_accumulation
     Schedule.skip_masked_tiles = _tiles.skip_masked_tiles
+    Schedule.unmask_inner_tiles = _tiles.unmask_inner_tiles

@@ -19,7 +19,7 @@ import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir import Schedule
-from tvm.s_tir.stmt import SBlockRealize
+from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from .._core import refresh_sblock_flags
 from ..algebra.reducers import SUM, match_reducer
@@ -228,17 +228,16 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
     bounded = False
     for difference, strict in _linear_conjuncts(mask):
         smallest = analyzer.int_set(substitute(difference, bindings), below).min_value
-        at = [analyzer.simplify(substitute(smallest, {t: tvm.tirx.const(k, dtype_of(t))})) for k in range(2)]
-        slope = analyzer.simplify(at[1] - at[0])
-        if not (isinstance(slope, tvm.tirx.IntImm) and analyzer.can_prove_equal(smallest, slope * t + at[0])):
+        slope, at_zero = _slope(analyzer, smallest, t)
+        if slope is None:
             continue
-        # The conjunct can hold in tile t iff slope * t + at[0] <= -strict.
-        limit = -at[0] - int(strict)
-        if slope.value > 0:
-            hi = tvm.tirx.min(hi, tvm.tirx.floordiv(limit, slope.value) + 1)
+        # The conjunct can hold in tile t iff slope * t + at_zero <= -strict.
+        limit = -at_zero - int(strict)
+        if slope > 0:
+            hi = tvm.tirx.min(hi, tvm.tirx.floordiv(limit, slope) + 1)
             bounded = True
-        elif slope.value < 0:
-            lo = tvm.tirx.max(lo, tvm.tirx.floordiv(-limit - slope.value - 1, -slope.value))
+        elif slope < 0:
+            lo = tvm.tirx.max(lo, tvm.tirx.floordiv(-limit - slope - 1, -slope))
             bounded = True
     if not bounded:
         raise FusionError(
@@ -264,6 +263,216 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
         new_loop = tvm.tirx.SeqStmt([tvm.tirx.Bind(first, lo), shifted])
     _replace_stmt(self, root_sref, node, new_loop, [])
     append_instruction(self, "SkipMaskedTiles", [block, loop])
+
+
+def unmask_inner_tiles(self: Schedule, loop) -> None:
+    """Compute the key tiles of ``loop`` where every mask below it holds for every row
+    without the mask: ``loop`` is split into its inner tiles, whose blocks read their
+    scores unmasked, and the boundary tiles before and after them, which keep the masks.
+
+    Every block below ``loop`` that reads masked scores (``select(mask, score, lowest)``,
+    ``ops.attention``'s masking) bounds the tiles where its mask holds for all the rows
+    and keys of a tile, as :meth:`skip_masked_tiles` bounds the tiles where it can hold:
+    each conjunct of ``mask`` compares expressions linear in the loops' variables, so it
+    holds on a whole tile when the *largest* value of ``lhs - rhs`` over the loops below
+    ``loop`` is at most (``<``: below) zero. The inner tiles are those where all conjuncts
+    of all masks hold. With a causal mask, one row per iteration of ``i`` and key tiles
+    of 4:
+
+    .. code-block:: python
+
+        for i in range(8):
+            with T.sblock("init"):
+                ...
+            for t, r in T.grid(2, 4):
+                with T.sblock("masked_max"):
+                    vi = T.axis.spatial(8, i)
+                    vj = T.axis.reduce(8, t * 4 + r)
+                    m[vi] = T.max(m[vi], T.Select(vj <= vi, x[vi, vj], T.min_value("float32")))
+
+    ``sch.unmask_inner_tiles(t)`` gives
+
+    .. code-block:: python
+
+        for i in range(8):
+            with T.sblock("init"):
+                ...
+            t_outer: T.let[T.int32] = T.max(T.min(2, (i - 3) // 4 + 1), 0)
+            for t, r in T.grid(t_outer, 4):
+                with T.sblock("masked_max_inner"):
+                    vi = T.axis.spatial(8, i)
+                    vj = T.axis.reduce(8, t * 4 + r)
+                    m[vi] = T.max(m[vi], x[vi, vj])
+            for t, r in T.grid(2 - t_outer, 4):
+                with T.sblock("masked_max"):
+                    vi = T.axis.spatial(8, i)
+                    vj = T.axis.reduce(8, (t + t_outer) * 4 + r)
+                    m[vi] = T.max(m[vi], T.Select(vj <= vi, x[vi, vj], T.min_value("float32")))
+
+    (``T.reads``/``T.writes`` omitted.) Every block below ``loop`` is copied for the inner
+    tiles (``<name>_inner``), with a copy of each buffer only a tile uses (a tile's scores,
+    its K and V in shared memory), so that each loop's buffers stay one tile large; the
+    original blocks compute the boundary tiles after them.
+    (A mask that also bounds keys from below, a window, adds a loop over the boundary
+    tiles before the inner ones, with blocks ``<name>_head``; a mask that bounds them
+    only from below leaves the original blocks there.) The tiles are visited in
+    their order, so every reduction over ``loop`` sees the same values in the same order
+    and the result is unchanged. The loops start at zero, with their first tiles in
+    variables of their own (see :meth:`skip_masked_tiles`). Raises
+    :class:`tvm_cascade.FusionError` when no block below ``loop`` reads masked scores or
+    a mask has a conjunct that is not linear in the tile, or that fails on whole tiles
+    regardless of the tile. Pieces that have no tile for any thread block, as far as the
+    arithmetic analyzer can tell, are left out; without an inner piece ``loop`` stays as
+    it is.
+    """
+    node = self.get(loop)
+    func, root_sref = scope_of(self, _any_block_under(self, node.body))
+    # The copies share the buffers that live across tiles; those a tile writes and reads
+    # itself get a copy each, or the buffer would span every tile of both loops.
+    across = _buffers_used_outside(root_sref.stmt, node)
+    crosses = [any(b.same_as(u) for u in across) for b in root_sref.stmt.alloc_buffers]
+    shared = buffer_params(func) + [b for b, c in zip(root_sref.stmt.alloc_buffers, crosses) if c]
+    per_tile = [b for b, c in zip(root_sref.stmt.alloc_buffers, crosses) if not c]
+    copies = []
+    analyzer = tvm.sym.Analyzer()
+    t = node.loop_var
+    start, end = node.min, node.min + node.extent
+    inner_first, inner_end = start, end
+    head = tail = False
+    masked = False
+    for site in collect_sites(root_sref.stmt):
+        mask = mask_condition(site.block) if site.under(node) else None
+        if mask is None:
+            continue
+        masked = True
+        bindings = {iv.var: site.binding(iv) for iv in site.block.iter_vars}
+        below = {
+            l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(node)
+        }
+        for difference, strict in _linear_conjuncts(mask):
+            largest = analyzer.int_set(substitute(difference, bindings), below).max_value
+            slope, at_zero = _slope(analyzer, largest, t)
+            if slope is None:
+                raise FusionError(
+                    f"unmask_inner_tiles: a mask conjunct of block '{site.name}' is not linear "
+                    f"in loop '{t.name}'"
+                )
+            # The conjunct holds on all of tile t iff slope * t + at_zero <= -strict.
+            limit = analyzer.simplify(-at_zero - int(strict))
+            if slope > 0:
+                inner_end = tvm.tirx.min(inner_end, tvm.tirx.floordiv(limit, slope) + 1)
+                tail = True
+            elif slope < 0:
+                inner_first = tvm.tirx.max(inner_first, tvm.tirx.floordiv(-limit - slope - 1, -slope))
+                head = True
+            elif not analyzer.can_prove(limit >= 0):
+                raise FusionError(
+                    f"unmask_inner_tiles: a mask conjunct of block '{site.name}' does not hold "
+                    f"on whole tiles of loop '{t.name}'"
+                )
+    if not masked:
+        raise FusionError(f"unmask_inner_tiles: no block below loop '{t.name}' reads masked scores")
+    if not (head or tail):
+        raise FusionError(f"unmask_inner_tiles: the masks below loop '{t.name}' do not depend on it")
+    zero = tvm.tirx.const(0, dtype_of(t))
+    pieces = []
+
+    def tile_loop(first, last, body):
+        # Tiles first .. last - 1 as t = first + t' for t' from zero.
+        var = tvm.tirx.Var(t.name, dtype_of(t))
+        return tvm.tirx.For(
+            var, zero, analyzer.simplify(last - first), node.kind, substitute(body, {t: var + first}),
+            node.thread_binding, node.annotations, node.step,
+        )
+
+    def bound(name, value):
+        var = tvm.tirx.Var(f"{t.name}_{name}", dtype_of(t))
+        pieces.append(tvm.tirx.Bind(var, analyzer.simplify(value)))
+        return var
+
+    first_value = tvm.tirx.min(tvm.tirx.max(inner_first, start), end)
+    last_value = tvm.tirx.min(tvm.tirx.max(inner_end, first_value), end)
+    # Pieces that are empty for every thread block are left out (a loop with no tile
+    # would still get its tile's buffers), and with no inner tile the loop stays as it is.
+    head = head and not analyzer.can_prove(first_value <= start)
+    tail = tail and not analyzer.can_prove(last_value >= end)
+    if analyzer.can_prove(last_value <= first_value):
+        append_instruction(self, "UnmaskInnerTiles", [loop])
+        return
+    first = bound("inner", first_value) if head else start
+    last = bound("outer", last_value) if tail else end
+
+    def copy(suffix, unmask):
+        fresh = [ir.like_buffer(b, f"{b.name}_{suffix}") for b in per_tile]
+        copies.extend(fresh)
+        return _copy_tile_body(node.body, shared + per_tile, shared + fresh, suffix, unmask)
+
+    # The original blocks compute the last boundary tiles.
+    if head:
+        pieces.append(tile_loop(start, first, copy("head", unmask=False) if tail else node.body))
+    pieces.append(tile_loop(first, last, copy("inner", unmask=True)))
+    if tail:
+        pieces.append(tile_loop(last, end, node.body))
+    _replace_stmt(self, root_sref, node, ir.seq(pieces), copies)
+    append_instruction(self, "UnmaskInnerTiles", [loop])
+
+
+def _buffers_used_outside(root, loop):
+    """The buffers that statements of ``root`` outside ``loop`` read or write."""
+    used = []
+
+    def visit(stmt):
+        if stmt.same_as(loop):
+            return
+        if isinstance(stmt, SBlockRealize):
+            for region in list(stmt.block.reads) + list(stmt.block.writes):
+                used.append(region.source)
+            visit(stmt.block.body)
+        elif isinstance(stmt, tvm.tirx.For):
+            visit(stmt.body)
+        elif isinstance(stmt, tvm.tirx.SeqStmt):
+            for item in stmt:
+                visit(item)
+
+    visit(root.body)
+    return used
+
+
+def _slope(analyzer, expr, var):
+    """``(slope, value at var = 0)`` of ``expr`` if it is ``slope * var + c`` with a
+    constant integer slope, else ``(None, None)``."""
+    at = [analyzer.simplify(substitute(expr, {var: tvm.tirx.const(k, dtype_of(var))})) for k in range(2)]
+    slope = analyzer.simplify(at[1] - at[0])
+    if isinstance(slope, tvm.tirx.IntImm) and analyzer.can_prove_equal(expr, slope * var + at[0]):
+        return slope.value, at[0]
+    return None, None
+
+
+def _copy_tile_body(body, buffers, replacements, suffix, unmask):
+    """A copy of a tile loop's ``body`` with fresh definitions of what it defines, each of
+    ``buffers`` (defined outside it) replaced by the one at its place in ``replacements``,
+    its blocks named ``<name>_<suffix>``, and, if ``unmask``, every masked score read
+    plain."""
+    renewed = tvm_ffi.get_global_func("s_tir.RenewDefs")(tvm.tirx.PrimFunc(list(buffers), body))
+    fresh = substitute(renewed.body, dict(zip(renewed.params, replacements)))
+
+    def rename(block):
+        return ir.copy_block(block, name_hint=f"{block.name_hint}_{suffix}")
+
+    def plain(select):
+        if _is_masked_read(select):
+            return select.true_value
+        return select
+
+    callbacks = [(SBlock, rename)] + ([(tvm.tirx.Select, plain)] if unmask else [])
+    return tvm_ffi.structural_map(fresh, callbacks)
+
+
+def _is_masked_read(node):
+    """Whether ``node`` is ``select(mask, score, lowest)``, ``ops.attention``'s masking."""
+    if not (isinstance(node, tvm.tirx.Select) and isinstance(node.false_value, tvm.tirx.FloatImm)):
+        return False
+    return node.false_value.value == tvm.tirx.min_value(str(node.false_value.ty.dtype)).value
 
 
 def _check_reductions_follow(root, block, loop):
@@ -305,10 +514,8 @@ def mask_condition(block):
     found = []
 
     def visit(node):
-        if isinstance(node, tvm.tirx.Select) and isinstance(node.false_value, tvm.tirx.FloatImm):
-            dtype = str(node.false_value.ty.dtype)
-            if node.false_value.value == tvm.tirx.min_value(dtype).value:
-                found.append(node.condition)
+        if _is_masked_read(node):
+            found.append(node.condition)
 
     tvm_ffi.structural_walk(_statements(block), visit)
     if not found:
@@ -534,4 +741,5 @@ def _replace_stmt(sch, root_sref, old, new, new_buffers, reuse=None):
 register_kind("Distribute", "distribute", ("loop",), ("sizes",))
 register_kind("SplitTileAccumulation", "split_tile_accumulation", ("block", "loop"))
 register_kind("SkipMaskedTiles", "skip_masked_tiles", ("block", "loop"))
+register_kind("UnmaskInnerTiles", "unmask_inner_tiles", ("loop",))
 # The rewrites become Schedule methods in primitives.install.

@@ -17,7 +17,9 @@ Built from the traced ``rolling_update`` and the tile rewrites of
   (``O * exp(m_prev - m)``) and adds the tile's P·V once per tile; the epilogue
   normalises it by the sum;
 * the reductions' initial values sit before the key loop, and with a causal or window
-  mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see.
+  mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see and
+  ``unmask_inner_tiles`` splits it into the tiles every row sees in full, computed
+  without the mask, and the boundary tiles, computed with it.
 
 Query and key lengths must be whole tiles; ``ops.attention(pad_to=(rows, keys))`` pads
 others, and the schedule inlines its pad blocks into the copies to shared memory.
@@ -40,6 +42,8 @@ SHARED = "shared.dyn"
 # would conflict with every other dynamic buffer read in the same loop and get a barrier
 # per iteration.
 ROW_SHARED = "shared"
+#: An annotation TVM does not know: it keeps a loop of one iteration a loop.
+KEEP_LOOP = "tvm_cascade.keep_loop"
 
 
 @dataclass(frozen=True)
@@ -168,12 +172,18 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     _, ty, tx = sch.split(sch.fuse(*sch.get_loops(out)[-2:]), [None, warps, WARP])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
+    # The key loops stay loops even over one tile (the last tile of padded keys, split off
+    # by unmask_inner_tiles): without its loop, TVM's storage planner puts that tile's
+    # fp16 buffers in the place of fp32 ones, which the ldmatrix address lowering rejects.
+    sch.annotate(j0, KEEP_LOOP, 1)
     # Initial values once before the key loop, not as a branch in every tile.
     for name in ("max", "sum", "pv"):
         sch.decompose_reduction(sch.get_sblock(name), j0)
-    # Causal and window masks: each thread block walks only the key tiles its rows see.
+    # Causal and window masks: each thread block walks only the key tiles its rows see,
+    # and only the tiles its rows see in part compute the mask.
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
+        sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[1])
 
 
 def _head_dim(sch):
