@@ -400,6 +400,18 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert re.search(r"for \(int rj_0_1 = 0; rj_0_1 < 2;", source)
 
 
+@pytest.mark.parametrize("variant, seq_q, seq_kv", [("global", 128, 64), ("causal", 64, 64), ("global", 20, 30)])
+def test_a_key_loop_of_one_tile_builds(variant, seq_q, seq_kv):
+    """64 keys or fewer: one key tile. Its loop stays a loop (an annotation), else TVM's
+    storage planner gives an fp16 operand an fp32 buffer's place and lowering fails."""
+    func = ops.attention(
+        1, 2, 2, seq_q, seq_kv, 128, dtype="float16", variant=VARIANTS[variant], pad_to=(128, 64)
+    )
+    sch = prefill.schedule_prefill(func)
+    assert "tvm_cascade.keep_loop" in sch.mod.script()
+    assert "mma.sync" in _source(sch.mod)
+
+
 @pytest.mark.parametrize("variant, seq_q, seq_kv", [("causal", 200, 300), ("global", 130, 65)])
 def test_lengths_that_are_not_whole_tiles_are_padded(variant, seq_q, seq_kv):
     """``ops.attention(pad_to=...)`` pads to whole tiles; the schedule inlines the pad

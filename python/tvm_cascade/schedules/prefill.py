@@ -172,9 +172,10 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     _, ty, tx = sch.split(sch.fuse(*sch.get_loops(out)[-2:]), [None, warps, WARP])
     sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
-    # The key loops stay loops even over one tile (the last tile of padded keys, split off
-    # by unmask_inner_tiles): without its loop, TVM's storage planner puts that tile's
-    # fp16 buffers in the place of fp32 ones, which the ldmatrix address lowering rejects.
+    # The key loops stay loops even over one tile (64 keys or fewer, or the last tile of
+    # padded keys that unmask_inner_tiles splits off): without its loop, TVM's storage
+    # planner puts that tile's fp16 buffers in the place of fp32 ones, which the ldmatrix
+    # address lowering rejects.
     sch.annotate(j0, KEEP_LOOP, 1)
     # Initial values once before the key loop, not as a branch in every tile.
     for name in ("max", "sum", "pv"):
