@@ -29,7 +29,9 @@ class Unsupported(Exception):
 Built = Tuple[Callable, str]
 
 
-def tvm_cascade(cfg: Config, q, k, v) -> Built:
+def tvm_cascade(cfg: Config, q, k, v, config=None) -> Built:
+    """tvm-cascade's kernel (``config``: its heuristic schedule's choices instead of the
+    best known schedule)."""
     try:
         from tvm_cascade.bench import build_attention
     except ImportError as err:
@@ -46,6 +48,7 @@ def tvm_cascade(cfg: Config, q, k, v) -> Built:
             cfg.seq_kv,
             cfg.head_dim,
             cfg.dtype,
+            config=config,
         )
     except NotImplementedError as err:
         raise Unsupported(str(err) or "NotImplementedError") from err

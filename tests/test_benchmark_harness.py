@@ -304,6 +304,7 @@ def test_plot(tmp_path):
     [
         ["benchmarks.attention", "--quick"],
         ["benchmarks.profile", "decode-gqa-b8-kv4096"],
+        ["benchmarks.sweep_decode", "decode-gqa-b8-kv4096", "--grid", '{"pv_keys": [4, 8]}'],
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
     ],
@@ -341,6 +342,26 @@ def test_profile_cli_rejects_unknown_configurations():
     )
     assert proc.returncode == 2
     assert "unknown configurations ['decode-gqa-b8-kv1']" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["decode-gqa-b8-kv1", "--grid", "{}"], "unknown configuration 'decode-gqa-b8-kv1'"),
+        (["decode-gqa-b8-kv4096", "--grid", '{"pv_rows": [4]}'], "['pv_rows'] are not DecodeConfig fields"),
+        (["decode-gqa-b8-kv4096", "--grid", '{"pv_keys": 4}'], "--grid must map DecodeConfig fields to lists"),
+    ],
+)
+def test_sweep_cli_rejects_unknown_configurations_and_fields(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sweep_decode", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
 
 
 def test_speed_against_a_named_peer():

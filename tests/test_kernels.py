@@ -5,7 +5,7 @@ import pytest
 import tvm
 import tvm_cascade  # noqa: F401
 
-from tvm_cascade import kernels
+from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import random_attention_inputs
@@ -43,6 +43,25 @@ def test_records_default_to_the_checkout_and_follow_the_environment(monkeypatch,
     assert kernels.default_records("prefill").parts[-3:] == ("benchmarks", "tuned", "prefill")
     monkeypatch.setenv("TVM_CASCADE_TUNED_PREFILL", str(tmp_path))
     assert kernels.default_records("prefill") == tmp_path
+
+
+def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
+    """``compile_attention(config=...)`` compiles the heuristic schedule with those choices
+    (not a tuned record); a prefill config for a decode configuration is refused."""
+    from tvm_cascade.schedules.decode import DecodeConfig, schedule_decode
+    from tvm_cascade.schedules.prefill import PrefillConfig
+
+    config = DecodeConfig(pv_keys=4)
+    compiled = kernels.compile_attention(
+        1, 8, 2, 1, 512, 128, variant=VARIANTS["gqa"], target=CUDA, records=tmp_path, config=config
+    )
+    func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"], pad_to=kernels.PAD_TO["decode"])
+    expected = tvm.compile(schedule_decode(func, 8, 2, 128, kernels._multiprocessors(), config).mod, target=CUDA)
+    default = tvm.compile(schedule_decode(func, 8, 2, 128, kernels._multiprocessors()).mod, target=CUDA)
+    source = compiled.mod.imports[0].inspect_source()
+    assert source == expected.mod.imports[0].inspect_source() != default.mod.imports[0].inspect_source()
+    with pytest.raises(ValueError, match="config must be a DecodeConfig"):
+        kernels.compile_attention(1, 8, 2, 1, 512, 128, target=CUDA, config=PrefillConfig())
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")

@@ -19,9 +19,10 @@ VARIANTS = {
 }
 
 
-def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype):
-    """Compile one attention configuration for the current CUDA GPU; returns
-    ``fn(q, k, v) -> out`` on torch tensors (q[b, hq, sq, d], k/v[b, hkv, skv, d])."""
+def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, config=None):
+    """Compile one attention configuration for the current CUDA GPU (``config``: the
+    heuristic schedule's choices, see :func:`~tvm_cascade.kernels.compile_attention`);
+    returns ``fn(q, k, v) -> out`` on torch tensors (q[b, hq, sq, d], k/v[b, hkv, skv, d])."""
     import tvm
 
     from .kernels import kind_of
@@ -31,7 +32,7 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
     if kind_of(seq_q) != kind:
         raise ValueError(f"{seq_q} query rows are served by the {kind_of(seq_q)} schedule, not {kind}")
     kernel = compile_attention(
-        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype
+        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, config=config
     )["main"]
 
     def run(q, k, v):

@@ -29,7 +29,7 @@ from . import ops
 from .analysis.scope import buffer_params
 from .ops.variants import AttentionVariant
 from .schedules import decode, prefill
-from .schedules.decode import decode_design_space, schedule_decode
+from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
 from .trace import JSONDatabase
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
@@ -68,15 +68,22 @@ def compile_attention(
     target=None,
     records=None,
     tune_trials=0,
+    config=None,
 ):
     """Compile ``ops.attention`` of this configuration for a CUDA ``target`` (default: the
     GPU of this machine) with the best record of the database at ``records`` (default
     :func:`default_records`), else the heuristic schedule. Lengths need not be multiples
     of the schedules' tiles: the function computes over lengths padded to
     :data:`PAD_TO`. With ``tune_trials`` > 0 the configuration is tuned first (on this
-    machine's GPU), its records written to ``records``. Returns the compiled module; its
+    machine's GPU), its records written to ``records``. ``config`` (a
+    :class:`~tvm_cascade.schedules.decode.DecodeConfig` for :data:`DECODE_QUERIES` query
+    rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
+    heuristic schedule's choices and skips the records. Returns the compiled module; its
     ``"main"`` takes ``q, k, v, out``."""
     kind = kind_of(seq_q)
+    expected = DecodeConfig if kind == "decode" else prefill.PrefillConfig
+    if config is not None and not isinstance(config, expected):
+        raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {expected.__name__}")
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
         pad_to=PAD_TO[kind],
@@ -86,7 +93,7 @@ def compile_attention(
     records = Path(records) if records is not None else default_records(kind)
     if tune_trials:
         tune(func, target, records, tune_trials)
-    sch = schedule(func, target, records)
+    sch = schedule(func, target, records) if config is None else heuristic_schedule(func, config)
     if kind == "prefill":
         return prefill.build(sch.mod, target)
     return tvm.compile(sch.mod, target=target)
@@ -98,10 +105,16 @@ def schedule(func, target, records):
     tuned = tuned_schedule(func, target, records)
     if tuned is not None:
         return tuned
+    return heuristic_schedule(func)
+
+
+def heuristic_schedule(func, config=None):
+    """The heuristic schedule of ``ops.attention`` function ``func`` with the choices of
+    ``config`` (default: the schedule's defaults)."""
     heads_q, heads_kv, seq_q, head_dim = _dims(func)
     if kind_of(seq_q) == "prefill":
-        return prefill.schedule_prefill(func)
-    return schedule_decode(func, heads_q, heads_kv, head_dim, _multiprocessors())
+        return prefill.schedule_prefill(func, config or prefill.PrefillConfig())
+    return schedule_decode(func, heads_q, heads_kv, head_dim, _multiprocessors(), config or DecodeConfig())
 
 
 def tuned_schedule(func, target, records):
