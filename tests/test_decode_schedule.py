@@ -121,6 +121,17 @@ def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed
     assert several == (["32"] if packed else one)
 
 
+def test_combine_splits_the_chunks_over_thread_rows():
+    """Kernel 3: ``combine_slices`` thread rows each combine a slice of a query row's
+    chunks; the slices meet in shared memory and one of them stores the output."""
+    func = ops.attention(2, 8, 8, 1, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
+    for slices in (1, 2):
+        source = _source(schedule_decode(func, 8, 8, 128, config=DecodeConfig(combine_slices=slices)).mod)
+        combine = _kernel_body(source, _kernels(source)[2])
+        assert ("threadIdx.y" in combine) == (slices > 1)
+        assert ("if (((int)threadIdx.y) == 0) {\n    out_ptr[" in combine) == (slices > 1)
+
+
 def test_tiled_key_rows_are_padded_by_128_bits():
     func = ops.attention(1, 8, 1, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2)
@@ -166,7 +177,7 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
     tiled = heads_q // heads_kv >= DecodeConfig().tile_from_group
-    assert len(samples) == (7 if tiled else 6)
+    assert len(samples) == (8 if tiled else 7)
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):

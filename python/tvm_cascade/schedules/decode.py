@@ -23,8 +23,9 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
   same V rows, which the first of them brings into L1. Several query rows of one head
   per K/V head are served like the heads of a group (:func:`packs_queries`); otherwise
   each query row has blocks of its own;
-* kernel 3, the combine: a block per query row, a thread per output dim, which combines
-  the chunks' maxima, sums and partial outputs and writes the output.
+* kernel 3, the combine: a block per query row, a thread per output dim and slice of the
+  chunks, which combines the chunks' maxima, sums and partial outputs and writes the
+  output.
 
 The chunk count is chosen from the shape and the number of SMs: enough threads to keep
 the GPU's memory busy, chunks long enough that the partial outputs they write
@@ -59,6 +60,7 @@ class DecodeConfig:
     heads_per_thread: int = 4  # kernel 2: query heads of the group each thread serves
     pv_keys: int = 8  # kernel 2: V rows each lane loads before folding them in
     packed_rows: int = 8  # kernel 2: query rows a chunk serves at most (one head per K/V head)
+    combine_slices: int = 2  # kernel 3: threads (threadIdx.y) that split a row's chunks
     threads_per_sm: int = 2048  # kernel 2: threads to aim for per SM
     min_chunk: int = 128  # kernel 2: keys per chunk at least, if the shape allows ...
     keys_per_head: int = 16  # ... and at least this many per query head of the group
@@ -142,6 +144,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         lanes=lanes,
         pv_keys=config.pv_keys,
         packed=packed,
+        combine_slices=config.combine_slices,
     )
     return sch
 
@@ -163,7 +166,7 @@ def rows_per_chunk(group, seq_q, config):
 def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     """A MetaSchedule design space (``fn(sch)``) over the decode schedule: the chunk
     count, the chunks per thread block, the threads over the chunk's rows, the V rows
-    loaded at once and kernel 1's tile (rows and keys per row, or threads, keys per
+    loaded at once, the combine's slices of the chunks and kernel 1's tile (rows and keys per row, or threads, keys per
     thread and stages when it is tiled) are ``sample_categorical`` decisions, applied
     through the traced ``split_k_update``."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
@@ -205,6 +208,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             lanes=lanes,
             pv_keys=sample([4, 8, 16]),
             packed=packs_queries(group, seq_q, config),
+            combine_slices=sample([1, 2, 4]),
         )
 
     return space
@@ -215,13 +219,15 @@ def _shape(sch):
 
 
 def apply_decode_schedule(
-    sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16, pv_keys=4, packed=False
+    sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16, pv_keys=4, packed=False,
+    combine_slices=1,
 ):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
     ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
     ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group;
     ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension;
-    ``pv_keys`` V rows are loaded at once; ``packed``: :func:`packs_queries`.
+    ``pv_keys`` V rows are loaded at once; ``packed``: :func:`packs_queries`;
+    ``combine_slices`` threads of kernel 3 split each row's chunks.
     The choices are ints or sampled ``ExprRV``s."""
     # The query heads of a GQA group (and, packed, the query rows) go below the chunk
     # loop, so that every block placed under it gets its own row loop: the threads of a
@@ -242,7 +248,7 @@ def apply_decode_schedule(
     else:
         _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
     _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
-    _schedule_combine(sch)
+    _schedule_combine(sch, combine_slices)
     inline_padding(sch)
 
 
@@ -349,10 +355,11 @@ def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
     sch.vectorize(sch.split(store, [None, 4])[-1])
 
 
-def _schedule_combine(sch):
-    # One kernel: a block per query row, a thread per output dim. Each thread combines
-    # the row's chunk maxima and sums itself (the same few partials across the block,
-    # read as broadcasts), then its dim of the output; only the output leaves the thread.
+def _schedule_combine(sch, slices):
+    # One kernel: a block per query row, a thread per output dim and slice of the chunks
+    # (``threadIdx.y``). Each thread combines its slice's chunk maxima and sums itself
+    # (the same few partials across the block, read as broadcasts), then its dim of the
+    # output; the slices' results meet in shared memory (cross-thread reductions).
     b, h, i, d = sch.get_loops(sch.get_sblock("out"))
     sch.bind(sch.fuse(b, h, i), "blockIdx.x")
     sch.bind(d, "threadIdx.x")
@@ -360,3 +367,6 @@ def _schedule_combine(sch):
         block = sch.get_sblock(name)
         sch.compute_at(block, d)
         sch.set_scope(block, 0, "local")
+        if not (isinstance(slices, int) and slices == 1):  # an int, or a sampled ExprRV
+            chunk = sch.get_loops(block)[-1]
+            sch.bind(sch.split(chunk, [slices, None])[0], "threadIdx.y")
