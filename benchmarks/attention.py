@@ -81,6 +81,35 @@ def cuda_unavailable() -> Optional[str]:
     return None
 
 
+def skip_without_gpu(prog: str) -> bool:
+    """True, after saying so, if there is no CUDA GPU: ``prog`` then skips its work."""
+    why = cuda_unavailable()
+    if why is not None:
+        print(f"{prog}: no CUDA GPU ({why}); skipping.", flush=True)
+    return why is not None
+
+
+def random_inputs(cfg: Config):
+    """Seeded random q, k, v of ``cfg`` on the GPU (the same for every implementation)."""
+    import torch
+
+    o = cfg.op
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device="cuda", dtype=getattr(torch, cfg.dtype))
+
+    q = randn(cfg.batch, o.heads_q, cfg.seq_q, cfg.head_dim)
+    k = randn(cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)
+    v = randn(cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)
+    return q, k, v
+
+
+def close_to(out, ref):
+    """Whether ``out`` is within the harness's tolerance of ``ref`` everywhere (NaN is not)."""
+    return bool(((out.float() - ref).abs() <= ATOL + RTOL * ref.abs()).all())
+
+
 def _one_line(text: str, limit: int = 240) -> str:
     text = re.sub(r"\s+", " ", text).strip()
     return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2 :]
@@ -104,11 +133,10 @@ def _verify_and_time(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
     torch.cuda.synchronize()
     if tuple(out.shape) != tuple(ref.shape):
         return Cell(name, WRONG, note=f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
-    diff = (out.float() - ref).abs()
-    max_err = diff.max().item()
-    if not bool((diff <= ATOL + RTOL * ref.abs()).all()):  # also rejects NaN
+    max_err = (out.float() - ref).abs().max().item()
+    if not close_to(out, ref):
         return Cell(name, WRONG, max_err=max_err, note=note)
-    del out, diff
+    del out
     return Cell(name, OK, ms=bench(lambda: fn(q, k, v)), max_err=max_err, note=note)
 
 
@@ -129,19 +157,9 @@ def measure(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
 
 
 def run_config(cfg: Config, peers: Dict) -> List[Cell]:
-    import torch
-
     from .reference import attention_reference
 
-    o = cfg.op
-    gen = torch.Generator(device="cuda").manual_seed(SEED)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device="cuda", dtype=getattr(torch, cfg.dtype))
-
-    q = randn(cfg.batch, o.heads_q, cfg.seq_q, cfg.head_dim)
-    k = randn(cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)
-    v = randn(cfg.batch, o.heads_kv, cfg.seq_kv, cfg.head_dim)
+    q, k, v = random_inputs(cfg)
     ref = attention_reference(cfg, q, k, v)
     cells = []
     for name, build in peers.items():
@@ -210,9 +228,7 @@ def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results) -> List[s
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    why = cuda_unavailable()
-    if why is not None:
-        print(f"benchmarks.attention: no CUDA GPU ({why}); skipping.", flush=True)
+    if skip_without_gpu("benchmarks.attention"):
         return 0
     from .timing import copy_bandwidth_gbps
 

@@ -8,7 +8,7 @@ called ``--calls`` times. Names are those of ``python -m benchmarks.attention``.
 import argparse
 import sys
 
-from .attention import ATOL, RTOL, SEED, cuda_unavailable
+from .attention import close_to, random_inputs, skip_without_gpu
 from .configs import suite
 
 
@@ -21,9 +21,7 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in configs]
     if unknown:
         parser.error(f"unknown configurations {unknown}; known: {sorted(configs)}")
-    why = cuda_unavailable()
-    if why is not None:
-        print(f"benchmarks.profile: no CUDA GPU ({why}); skipping.")
+    if skip_without_gpu("benchmarks.profile"):
         return 0
     import torch
 
@@ -32,18 +30,9 @@ def main(argv=None):
 
     for name in args.names:
         cfg = configs[name]
-        gen = torch.Generator(device="cuda").manual_seed(SEED)
-        q, k, v = (
-            torch.randn(shape, generator=gen, device="cuda", dtype=getattr(torch, cfg.dtype))
-            for shape in (
-                (cfg.batch, cfg.op.heads_q, cfg.seq_q, cfg.head_dim),
-                (cfg.batch, cfg.op.heads_kv, cfg.seq_kv, cfg.head_dim),
-                (cfg.batch, cfg.op.heads_kv, cfg.seq_kv, cfg.head_dim),
-            )
-        )
+        q, k, v = random_inputs(cfg)
         fn, _ = tvm_cascade(cfg, q, k, v)
-        ref = attention_reference(cfg, q, k, v)
-        if not bool(((fn(q, k, v).float() - ref).abs() <= ATOL + RTOL * ref.abs()).all()):
+        if not close_to(fn(q, k, v), attention_reference(cfg, q, k, v)):
             raise SystemExit(f"{name}: tvm-cascade's output is wrong; not profiling it")
         for _ in range(args.calls):
             fn(q, k, v)

@@ -14,7 +14,7 @@ import itertools
 import json
 import sys
 
-from .attention import cuda_unavailable, run_config
+from .attention import run_config, skip_without_gpu
 from .configs import suite
 
 
@@ -35,9 +35,7 @@ def main(argv=None):
     unknown = sorted(set(args.grid) - fields)
     if unknown:
         parser.error(f"{unknown} are not DecodeConfig fields; fields: {sorted(fields)}")
-    why = cuda_unavailable()
-    if why is not None:
-        print(f"benchmarks.sweep_decode: no CUDA GPU ({why}); skipping.")
+    if skip_without_gpu("benchmarks.sweep_decode"):
         return 0
     from . import peers
     from .timing import copy_bandwidth_gbps

@@ -148,6 +148,16 @@ def _decomposed_row_tiles(func, keys, rows):
     return sch, max_block, j0
 
 
+def _assert_matches_reference(sch, variant, seq_q, seq_kv):
+    """The scheduled float32 ``ops.attention(1, 2, 1, seq_q, seq_kv, 16)`` on the CPU
+    against the numpy reference."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
+    k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=variant), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "variant, seq_q, seq_kv, tiles",
     [
@@ -185,11 +195,7 @@ def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq
             at[bind.var] = tvm.tirx.const(start, "int32")
         assert start == first
         assert start + analyzer.simplify(substitute(loop.extent, at)).value == end
-    rng = np.random.default_rng(2)
-    q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
-    k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
-    out, = run_prim_func(sch.mod["main"], [q, k, v])
-    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+    _assert_matches_reference(sch, var, seq_q, seq_kv)
 
 
 def test_skip_masked_tiles_refuses_what_would_change_the_result():
@@ -351,11 +357,7 @@ def test_unmask_inner_tiles_computes_whole_tiles_without_the_mask(variant, windo
         pieces = [(k, n) for k, n in _tile_pieces(sch.mod["main"], r, i0) if n]
         runs = [(k, sum(n for _, n in g)) for k, g in itertools.groupby(pieces, key=lambda p: p[0])]
         assert runs == expected, (r, pieces, expected)
-    rng = np.random.default_rng(2)
-    q = rng.standard_normal((1, 2, seq_q, 16)).astype("float32")
-    k, v = (rng.standard_normal((1, 1, seq_kv, 16)).astype("float32") for _ in range(2))
-    out, = run_prim_func(sch.mod["main"], [q, k, v])
-    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+    _assert_matches_reference(sch, var, seq_q, seq_kv)
 
 
 def test_unmask_inner_tiles_refuses_a_loop_without_masked_scores():

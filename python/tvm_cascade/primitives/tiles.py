@@ -326,7 +326,7 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
     it is.
     """
     node = self.get(loop)
-    func, root_sref = scope_of(self, _any_block_under(self, node.body))
+    func, root_sref = scope_of(self, _any_block_under(self, node))
     # The copies share the buffers that live across tiles; those a tile writes and reads
     # itself get a copy each, or the buffer would span every tile of both loops.
     across = _buffers_used_outside(root_sref.stmt, node)
@@ -418,24 +418,12 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
 
 
 def _buffers_used_outside(root, loop):
-    """The buffers that statements of ``root`` outside ``loop`` read or write."""
-    used = []
-
-    def visit(stmt):
-        if stmt.same_as(loop):
-            return
-        if isinstance(stmt, SBlockRealize):
-            for region in list(stmt.block.reads) + list(stmt.block.writes):
-                used.append(region.source)
-            visit(stmt.block.body)
-        elif isinstance(stmt, tvm.tirx.For):
-            visit(stmt.body)
-        elif isinstance(stmt, tvm.tirx.SeqStmt):
-            for item in stmt:
-                visit(item)
-
-    visit(root.body)
-    return used
+    """The buffers that blocks of ``root`` outside ``loop`` read or write."""
+    return [
+        region.source
+        for realize in _realizes(root.body, skip=loop)
+        for region in list(realize.block.reads) + list(realize.block.writes)
+    ]
 
 
 def _slope(analyzer, expr, var):
@@ -631,40 +619,32 @@ def _site_under(root, block, loop, primitive="split_tile_accumulation"):
     raise FusionError(f"block '{block.name_hint}' is not in the root scope")
 
 
+def _realizes(stmt, skip=None):
+    """The block realizations reachable from ``stmt`` through loops and statement
+    sequences (not into blocks), except those under ``skip``."""
+    if skip is not None and stmt.same_as(skip):
+        return
+    if isinstance(stmt, SBlockRealize):
+        yield stmt
+    elif isinstance(stmt, tvm.tirx.For):
+        yield from _realizes(stmt.body, skip)
+    elif isinstance(stmt, tvm.tirx.SeqStmt):
+        for item in stmt:
+            yield from _realizes(item, skip)
+
+
 def _any_block_under(sch, node):
-    found = []
-
-    def visit(stmt):
-        if isinstance(stmt, SBlockRealize) and not found:
-            found.append(stmt.block)
-        elif isinstance(stmt, tvm.tirx.For):
-            visit(stmt.body)
-        elif isinstance(stmt, tvm.tirx.SeqStmt):
-            for item in stmt:
-                visit(item)
-
-    visit(node)
-    if not found:
+    found = next(_realizes(node), None)
+    if found is None:
         raise FusionError(f"loop '{node.loop_var.name}' holds no block")
-    return sch.get_sblock(found[0].name_hint)
+    return sch.get_sblock(found.block.name_hint)
 
 
 def _check_row_slices(node):
     """Raise unless every iteration of ``node`` touches only its own slice of the buffers
     written below it (see :func:`distribute`)."""
     var = node.loop_var
-    sites = []
-
-    def visit(stmt):
-        if isinstance(stmt, SBlockRealize):
-            sites.append(stmt)
-        elif isinstance(stmt, tvm.tirx.For):
-            visit(stmt.body)
-        elif isinstance(stmt, tvm.tirx.SeqStmt):
-            for item in stmt:
-                visit(item)
-
-    visit(node.body)
+    sites = list(_realizes(node.body))
     analyzer = tvm.sym.Analyzer()
     row_of, offset = {}, None
     for realize in sites:

@@ -219,8 +219,7 @@ def _shape(sch):
 
 
 def apply_decode_schedule(
-    sch, heads_kv, group, chunks, qk, chunk_rows, z, tiled, lanes=16, pv_keys=4, packed=False,
-    combine_slices=1,
+    sch, heads_kv, group, chunks, qk, chunk_rows, z, *, tiled, lanes, pv_keys, packed, combine_slices
 ):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
     ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
