@@ -7,7 +7,7 @@ model over :func:`tvm_cascade.schedules.prefill.prefill_design_space` (its choic
 ``sample_categorical`` decisions; its fusion the traced ``rolling_update``,
 ``distribute``, ``split_tile_accumulation`` and, for causal and window masks,
 ``skip_masked_tiles``), through :func:`tvm_cascade.kernels.tune`. Candidates are built
-with :func:`tvm_cascade.schedules.prefill.build` (every warp fragment lowered to
+with :func:`tvm_cascade.schedules.tensor_cores.build` (every warp fragment lowered to
 registers). Records go to a JSON database in ``--work-dir`` (default
 ``benchmarks/tuned/prefill``), which :func:`tvm_cascade.kernels.compile_attention` reads
 back; MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored).

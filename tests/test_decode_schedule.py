@@ -12,6 +12,7 @@ import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
+from tvm_cascade.schedules import tensor_cores
 from tvm_cascade.schedules.decode import (
     DecodeConfig,
     choose_chunks,
@@ -19,6 +20,7 @@ from tvm_cascade.schedules.decode import (
     lanes_for,
     longest_chunk,
     packs_queries,
+    qk_form,
     schedule_decode,
 )
 
@@ -28,7 +30,7 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
 
 def _source(mod):
-    return tvm.compile(mod, target=CUDA).mod.imports[0].inspect_source()
+    return tensor_cores.build(mod, CUDA).mod.imports[0].inspect_source()
 
 
 def _kernels(source):
@@ -40,19 +42,25 @@ def _kernel_body(source, name):
     return source[start : source.index("\n}\n", start)]
 
 
+#: The tiled scores kernel for groups of 8 (tensor cores by default).
+TILED = DecodeConfig(mma_from_group=16)
+
+
 @pytest.mark.parametrize(
-    "heads_q, heads_kv, tiled, head_dim, seq_q, dtype",
+    "heads_q, heads_kv, form, head_dim, seq_q, dtype",
     [
-        (32, 32, False, 128, 1, "float16"),
-        (32, 16, False, 128, 1, "float16"),
-        (64, 8, True, 128, 1, "float16"),
-        (32, 32, False, 64, 1, "bfloat16"),
-        (32, 16, False, 128, 4, "bfloat16"),
-        (64, 8, True, 64, 8, "float16"),
+        (32, 32, "lanes", 128, 1, "float16"),
+        (32, 16, "lanes", 128, 1, "float16"),
+        (32, 8, "tiled", 128, 1, "float16"),
+        (64, 8, "mma", 128, 1, "float16"),
+        (32, 32, "lanes", 64, 1, "bfloat16"),
+        (32, 16, "lanes", 128, 4, "bfloat16"),
+        (64, 8, "mma", 64, 8, "float16"),
+        (32, 2, "mma", 128, 4, "bfloat16"),
     ],
 )
 def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(
-    heads_q, heads_kv, tiled, head_dim, seq_q, dtype
+    heads_q, heads_kv, form, head_dim, seq_q, dtype
 ):
     func = ops.attention(
         2, heads_q, heads_kv, seq_q, 1024, head_dim, dtype=dtype, variant=VARIANTS["causal"]
@@ -62,11 +70,20 @@ def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(
     source = _source(sch.mod)
     qk, chunks, combine = _kernels(source)  # the combine is a single kernel
     qk, chunks, combine = (_kernel_body(source, k) for k in (qk, chunks, combine))
-    if tiled:
+    assert qk_form(heads_q // heads_kv, DecodeConfig()) == form
+    if form != "lanes":
         # K staged in padded shared rows by coalesced 128-bit loads; no shuffles.
-        assert re.search(r"K_shared_ptr\[.*\] = \*\(uint4\*\)\(K_ptr", qk)
+        assert re.search(r"K_shared_ptr\W.* = \*\(uint4\*\)\(K_ptr", qk)
         assert "__shfl" not in qk
+    if form == "tiled":
         assert "K_shared_local_ptr" in qk
+    elif form == "mma":
+        # 16 keys x 8 heads per m16n8k16 product, operands by ldmatrix (K x4, Q x2).
+        precision = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{precision}.{precision}.f32" in qk
+        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in qk
+        assert "ldmatrix.sync.aligned.m8n8.x2.shared.b16" in qk
+        assert f"float qk_warp_ptr[{heads_q // heads_kv // 2}]" in qk  # 4 floats per 8 heads
     else:
         assert "*(uint4*)(K_local_ptr" in qk and "__shfl_down_sync" in qk
     assert "*(uint4*)(V_local_ptr" in chunks and "exp_shared_ptr" in chunks
@@ -95,7 +112,7 @@ def test_tiled_scores_give_each_query_row_blocks_of_its_own():
 
     def registers(seq_q):
         func = ops.attention(2, 64, 8, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
-        source = _source(schedule_decode(func, 64, 8, 128).mod)
+        source = _source(schedule_decode(func, 64, 8, 128, config=TILED).mod)
         qk = _kernel_body(source, _kernels(source)[0])
         return sorted(re.findall(r"alignas\(64\) (?:float|half) (\w+_local_ptr)\[(\d+)\]", qk))
 
@@ -134,7 +151,7 @@ def test_combine_splits_the_chunks_over_thread_rows():
 
 def test_tiled_key_rows_are_padded_by_128_bits():
     func = ops.attention(1, 8, 1, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
-    config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2)
+    config = DecodeConfig(tile_threads=64, tile_keys=2, tile_stages=2, mma_from_group=16)
     source = _source(schedule_decode(func, 8, 1, 128, config=config).mod)
     # 64 threads x 2 keys, each row 64 dims + 8 halves of padding: 128 x 9 uint4.
     assert re.search(r"__shared__ alignas\(\d+\) uint4 K_shared_ptr\[1152\]", source)
@@ -169,15 +186,15 @@ def test_lanes_follow_the_head_dimension():
             lanes_for(bad)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (4, 4, 4)])
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (4, 4, 4), (8, 1, 2)])
 def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)
     decode_design_space(heads_q, heads_kv, 128)(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
-    tiled = heads_q // heads_kv >= DecodeConfig().tile_from_group
-    assert len(samples) == (8 if tiled else 7)
+    qk_decisions = {"mma": 1, "tiled": 3, "lanes": 2}[qk_form(heads_q // heads_kv, DecodeConfig())]
+    assert len(samples) == 5 + qk_decisions
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):

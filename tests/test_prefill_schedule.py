@@ -3,6 +3,7 @@
 No GPU here: the rewrites are checked on the CPU against numpy, the schedule compiled with
 TVM's CUDA codegen and its source checked for what it must hold; the GPU numbers are in
 benchmarks/RESULTS.md."""
+import functools
 import itertools
 import json
 import re
@@ -22,7 +23,7 @@ from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.primitives.tiles import _is_masked_read
-from tvm_cascade.schedules import prefill
+from tvm_cascade.schedules import prefill, tensor_cores
 from tvm_cascade.schedules.padding import padded_inputs
 
 from tuning_records import write_records
@@ -370,7 +371,7 @@ def test_unmask_inner_tiles_refuses_a_loop_without_masked_scores():
 
 
 def _source(mod):
-    return prefill.build(mod, CUDA).mod.imports[0].inspect_source()
+    return tensor_cores.build(mod, CUDA).mod.imports[0].inspect_source()
 
 
 def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
@@ -503,7 +504,7 @@ def test_tuning_builder_processes_build_design_space_samples():
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     builder = ms.builder.LocalBuilder(
-        f_build=prefill.BUILD_FUNC, initializer=kernels.prefill_builder_init, timeout_sec=120, max_workers=1
+        f_build=tensor_cores.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, "prefill"), timeout_sec=120, max_workers=1
     )
     result, = builder.build([ms.builder.BuilderInput(sch.mod, CUDA)])
     assert result.error_msg is None, result.error_msg

@@ -19,6 +19,7 @@ schedule's heuristic choices; ``tune_trials`` runs MetaSchedule's evolutionary s
 the xgboost cost model over the schedule's design space on the GPU first and adds its
 records to the database.
 """
+import functools
 import os
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import tvm_ffi
 from . import ops
 from .analysis.scope import buffer_params
 from .ops.variants import AttentionVariant
-from .schedules import decode, prefill
+from .schedules import decode, mma16x8, prefill, tensor_cores
 from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
 from .trace import JSONDatabase
 
@@ -94,9 +95,7 @@ def compile_attention(
     if tune_trials:
         tune(func, target, records, tune_trials)
     sch = schedule(func, target, records) if config is None else heuristic_schedule(func, config)
-    if kind == "prefill":
-        return prefill.build(sch.mod, target)
-    return tvm.compile(sch.mod, target=target)
+    return tensor_cores.build(sch.mod, target)
 
 
 def schedule(func, target, records):
@@ -123,8 +122,7 @@ def tuned_schedule(func, target, records):
     records = Path(records)
     if not (records / "database_tuning_record.json").exists():
         return None
-    if kind_of(_dims(func)[2]) == "prefill":
-        prefill.cuda_intrinsics()  # the records' tensorize instructions name them
+    _register_intrinsics(kind_of(_dims(func)[2]))  # the records' tensorize instructions name them
     database = JSONDatabase(work_dir=str(records), allow_missing=False)
     return database.query_schedule(tvm.IRModule({"main": func}), target, "main")
 
@@ -146,15 +144,14 @@ def tune(func, target, records, trials):
         space = ms.space_generator.ScheduleFn(
             prefill.prefill_design_space(), sch_rules=[], postprocs=[], mutator_probs={}
         )
-        builder = ms.builder.LocalBuilder(
-            f_build=prefill.BUILD_FUNC, initializer=prefill_builder_init, timeout_sec=120
-        )
     else:
         space = ms.space_generator.ScheduleFn(
             decode_design_space(heads_q, heads_kv, head_dim),
             sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
         )
-        builder = "local"
+    builder = ms.builder.LocalBuilder(
+        f_build=tensor_cores.BUILD_FUNC, initializer=functools.partial(builder_init, kind), timeout_sec=120
+    )
     records = Path(records)
     records.mkdir(parents=True, exist_ok=True)
     database = JSONDatabase(work_dir=str(records))
@@ -175,11 +172,20 @@ def tune(func, target, records, trials):
     return min(secs) if secs and min(secs) < 1e9 else None
 
 
-def prefill_builder_init():
-    """MetaSchedule builder-process initializer for prefill candidates: registers the
-    prefill build function and TVM's CUDA tensor intrinsics (half a minute, once per
-    process rather than per build)."""
-    prefill.cuda_intrinsics()
+def builder_init(kind):
+    """MetaSchedule builder-process initializer for ``kind`` candidates: importing this
+    module registers the build function; prefill's also needs TVM's CUDA tensor intrinsics
+    (half a minute, once per process rather than per build), whose index maps the CUDA
+    codegen reads."""
+    if kind == "prefill":
+        tensor_cores.cuda_intrinsics()
+
+
+def _register_intrinsics(kind):
+    if kind == "prefill":
+        tensor_cores.cuda_intrinsics()
+    else:
+        mma16x8.register()
 
 
 def _dims(func):

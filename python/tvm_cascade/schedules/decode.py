@@ -2,7 +2,7 @@
 
 Built from the traced ``split_k_update``, then ordinary TVM primitives. Three kernels:
 
-* kernel 1, ``qk``, in one of two forms:
+* kernel 1, ``qk``, in one of three forms (:func:`qk_form`):
 
   - lanes (small GQA groups): thread rows (``threadIdx.y``) take a few keys each, 16
     lanes (``threadIdx.x``) split the head dimension with 128-bit loads of K and reduce
@@ -12,8 +12,13 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
     dimension at a time, and its group's query rows in shared memory with coalesced
     128-bit loads; each thread then computes whole dot products of a few consecutive keys
     with every query row of the group, with no reduction across threads;
+  - tensor cores (GQA groups of 8 query heads or multiples, from ``mma_from_group``): a
+    block stages its keys and its group's query rows in shared memory with 128-bit
+    copies; each warp computes the scores of 16 keys with 8 query heads at a time by
+    ``mma.sync.m16n8k16`` (:mod:`.mma16x8`), operands by ldmatrix, and stores them from
+    its accumulators; such schedules build with :func:`.tensor_cores.build`;
 
-  either way each K row is loaded once for all query heads of its group;
+  each way, each K row is loaded once for all query heads of its group;
 * kernel 2, the chunks: a chunk of keys belongs to a row of head_dim / 8 lanes (``threadIdx.x``),
   one row per chunk (``threadIdx.y``) and per slice of the group's query heads
   (``threadIdx.z``; the head loop is moved below the chunk loop before ``split_k_update``
@@ -38,6 +43,8 @@ from dataclasses import dataclass
 
 import tvm
 
+from ..analysis.scope import buffer_params
+from . import mma16x8
 from .padding import inline_padding, padded_inputs
 
 VECTOR = 8  # fp16/bf16 elements in a 128-bit load
@@ -52,7 +59,9 @@ class DecodeConfig:
 
     qk_rows: int = 8  # kernel 1 (lanes): thread rows per block
     keys_per_row: int = 4  # kernel 1 (lanes): keys each thread row reduces
-    tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more
+    tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more ...
+    mma_from_group: int = 8  # ... on tensor cores for groups of this many or more, multiples of 8
+    mma_warps: int = 4  # kernel 1 (tensor cores): warps per block, 16 keys each
     tile_threads: int = 64  # kernel 1 (tiled): threads per block
     tile_keys: int = 4  # kernel 1 (tiled): consecutive keys per thread
     tile_stages: int = 2  # kernel 1 (tiled): slices of the head dimension staged in turn
@@ -65,6 +74,14 @@ class DecodeConfig:
     min_chunk: int = 128  # kernel 2: keys per chunk at least, if the shape allows ...
     keys_per_head: int = 16  # ... and at least this many per query head of the group
     exp_bytes: int = 32768  # kernel 2: shared memory for a block's exps (float32) at most
+
+
+def qk_form(group, config):
+    """Kernel 1's form for GQA groups of ``group`` query heads: ``"mma"``, ``"tiled"`` or
+    ``"lanes"``."""
+    if group >= config.mma_from_group and group % mma16x8.COLS == 0:
+        return "mma"
+    return "tiled" if group >= config.tile_from_group else "lanes"
 
 
 def z_threads(group, heads_per_thread):
@@ -128,10 +145,12 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     rows = rows_per_chunk(group, seq_q, config)
     # Query rows that are not packed are rows of thread blocks of their own.
     chunks = choose_chunks(batch * (1 if packed else seq_q), heads_kv, rows, seq_kv, config, multiprocessors, lanes)
-    if group >= config.tile_from_group:
-        qk = (config.tile_threads, config.tile_keys, config.tile_stages)
-    else:
-        qk = (config.qk_rows, config.keys_per_row)
+    form = qk_form(group, config)
+    qk = {
+        "mma": (config.mma_warps,),
+        "tiled": (config.tile_threads, config.tile_keys, config.tile_stages),
+        "lanes": (config.qk_rows, config.keys_per_row),
+    }[form]
     apply_decode_schedule(
         sch,
         heads_kv,
@@ -140,7 +159,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         qk,
         config.rows,
         z_threads(rows, config.heads_per_thread),
-        tiled=group >= config.tile_from_group,
+        form=form,
         lanes=lanes,
         pv_keys=config.pv_keys,
         packed=packed,
@@ -170,12 +189,14 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     thread and stages when it is tiled) are ``sample_categorical`` decisions, applied
     through the traced ``split_k_update``."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
-    tiled = group >= config.tile_from_group
+    form = qk_form(group, config)
     block_chunks = [1, 2, 4, 8]
-    if tiled:
-        qk_options = ([64, 128], [2, 4], [2, 4])
-    else:
-        qk_options = ([4, 8, 16], [1, 2, 4, 8])
+    qk_options = {
+        # Warps of 16 keys: blocks of 32, 64 or 128 keys, which divide the padded key count.
+        "mma": ([2, 4, 8],),
+        "tiled": ([64, 128], [2, 4], [2, 4]),
+        "lanes": ([4, 8, 16], [1, 2, 4, 8]),
+    }[form]
 
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
@@ -204,7 +225,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             sample(block_chunks),
             # The z threads of a chunk split its rows evenly.
             sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
-            tiled=tiled,
+            form=form,
             lanes=lanes,
             pv_keys=sample([4, 8, 16]),
             packed=packs_queries(group, seq_q, config),
@@ -219,10 +240,11 @@ def _shape(sch):
 
 
 def apply_decode_schedule(
-    sch, heads_kv, group, chunks, qk, chunk_rows, z, *, tiled, lanes, pv_keys, packed, combine_slices
+    sch, heads_kv, group, chunks, qk, chunk_rows, z, *, form, lanes, pv_keys, packed, combine_slices
 ):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
-    ``(threads, keys per thread, stages)`` if ``tiled``, else its ``(rows, keys per row)``;
+    choices for its :func:`qk_form` ``form``: ``(warps,)`` on tensor cores, ``(threads,
+    keys per thread, stages)`` tiled, ``(rows, keys per row)`` with lanes;
     ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group;
     ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension;
     ``pv_keys`` V rows are loaded at once; ``packed``: :func:`packs_queries`;
@@ -242,7 +264,9 @@ def apply_decode_schedule(
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
-    if tiled:
+    if form == "mma":
+        _schedule_qk_mma(sch, heads_kv, group, *qk)
+    elif form == "tiled":
         _schedule_qk_tiled(sch, heads_kv, group, *qk)
     else:
         _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
@@ -306,6 +330,66 @@ def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
     acc = sch.cache_write(qk, 0, "local")
     sch.reverse_compute_at(acc, jt, preserve_unit_loops=True)
     sch.decompose_reduction(qk, rs)
+
+
+def _schedule_qk_mma(sch, heads_kv, group, warps):
+    mma16x8.register()
+    qk = sch.get_sblock("qk")
+    dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
+    b, h, i, j, rd = sch.get_loops(qk)
+    hkv, g = sch.split(h, [heads_kv, group])
+    gn, g = sch.split(g, [None, mma16x8.COLS])
+    jo, jw, jm = sch.split(j, [None, warps, mma16x8.ROWS])
+    ko, kk = sch.split(rd, [None, mma16x8.DEPTH])
+    # A block per K/V head, query row and tile of keys, a warp per 16 keys; a warp's
+    # m16n8k16 products take 16 keys (rows) by 8 query heads of the group (columns).
+    sch.reorder(b, hkv, i, jo, jw, ko, gn, g, jm, kk)
+    sch.bind(sch.fuse(b, hkv, i), "blockIdx.x")
+    sch.bind(jo, "blockIdx.y")
+    sch.bind(jw, "threadIdx.y")
+    # The group's query rows and the block's keys go to shared memory with 128-bit copies
+    # by all threads, rows padded by 128 bits (ldmatrix's row addresses on distinct banks).
+    # ldmatrix reads 8 or 16 rows of 16 dims: query heads and dims, keys and dims must be
+    # the last two axes of their buffers, so the queries' and the scores' rows become
+    # (query, head) rather than (head, query).
+    for index in (0, 1):
+        cache = sch.cache_read(qk, index, "shared")
+        sch.compute_at(cache, jo, preserve_unit_loops=True)
+        if index == 0:
+            sch.transform_layout(cache, ("write", 0), lambda b, h, i, d: (b, i, h, d))
+        fused = sch.fuse(*sch.get_loops(cache)[-3:])
+        _, ty, tx, vector = sch.split(fused, [None, warps, mma16x8.WARP, VECTOR])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        sch.vectorize(vector)
+        sch.storage_align(cache, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
+    sch.transform_layout(qk, ("write", 0), lambda b, h, i, j: (b, i, h, j))
+    q_warp = sch.cache_read(qk, 0, "warp", consumer_blocks=[qk])
+    k_warp = sch.cache_read(qk, 1, "warp", consumer_blocks=[qk])
+    sch.compute_at(q_warp, ko)
+    sch.compute_at(k_warp, ko)
+    scores = sch.cache_write(qk, 0, "warp")
+    sch.reverse_compute_at(scores, jw)
+    init = sch.decompose_reduction(qk, ko)
+    rows, cols, depth = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH
+    sch.transform_layout(
+        q_warp, ("write", 0), lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth))
+    )
+    sch.transform_layout(
+        k_warp, ("write", 0), lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth))
+    )
+    sch.transform_layout(
+        scores, ("read", 0), lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols))
+    )
+
+    def tile(block, rows):  # the loop of one ``rows`` x 16 tile of ``block``
+        return sch.split(sch.get_loops(block)[-2], [None, rows])[1]
+
+    sch.tensorize(tile(q_warp, cols), mma16x8.load_name("B", dtype, "shared"))
+    sch.tensorize(tile(k_warp, rows), mma16x8.load_name("A", dtype, "shared"))
+    sch.tensorize(g, mma16x8.mma_name(dtype))
+    sch.tensorize(tile(init, cols), mma16x8.FILL)
+    sch.tensorize(tile(scores, cols), mma16x8.store_name("global"))
 
 
 def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):

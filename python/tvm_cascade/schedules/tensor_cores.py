@@ -1,0 +1,88 @@
+"""Building schedules that run on tensor cores: TVM's CUDA tensor intrinsics, registered
+on first use, and ``tvm.compile`` with every warp fragment lowered to registers."""
+import tvm
+import tvm_ffi
+from tvm.s_tir.stmt import SBlock
+
+
+def cuda_intrinsics():
+    """TVM's CUDA tensor intrinsics module, registered on first use (it takes half a
+    minute): the prefill schedule tensorizes with them, the CUDA codegen reads their index
+    maps, and tuning records name them."""
+    from tvm.s_tir.tensor_intrin import cuda
+
+    return cuda
+
+
+def build(mod, target):
+    """``tvm.compile``; a module with warp-scope buffers (tensor-core fragments) gets TVM's
+    default pipeline except that every warp-scope buffer is lowered to registers.
+
+    TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
+    sequence per run (it rewrites the rest of the sequence for that buffer and stops);
+    an accumulator left in warp scope is then filled and stored by lane 0's offsets while
+    ``mma`` uses every lane's, and operands stay whole-warp arrays per thread (local
+    memory). Running the pass until no warp buffer is left lowers them all; common
+    subexpression elimination stays off, since it hides the lane term of the fragment
+    offsets (``threadIdx.x * 8``) from that pass.
+    """
+    if not _has_warp_buffers(mod):
+        return tvm.compile(mod, target=target)
+    with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
+        return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
+
+
+_PIPELINE = "tvm_cascade_warp_lowered"
+#: :func:`build` as a global function returning the runtime module, for MetaSchedule's builder
+#: processes.
+BUILD_FUNC = "tvm_cascade.build"
+
+
+def _has_warp_buffers(mod):
+    found = []
+
+    def visit(node):
+        if isinstance(node, SBlock):
+            found.extend(b for b in node.alloc_buffers if b.scope() == "warp")
+
+    for func in mod.functions.values():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, visit)
+    return bool(found)
+
+
+def _warp_allocations(func) -> int:
+    found = [0]
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.AllocBuffer) and node.buffer.scope() == "warp":
+            found[0] += 1
+
+    tvm_ffi.structural_walk(func.body, visit)
+    return found[0]
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.LowerAllWarpMemory")
+def _lower_all_warp_memory(mod, _ctx):
+    lower = tvm.tirx.transform.LowerWarpMemory()
+    while any(_warp_allocations(f) for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)):
+        before = mod
+        mod = lower(mod)
+        if tvm_ffi.structural_equal(before, mod):
+            raise RuntimeError("LowerWarpMemory left warp-scope buffers it cannot lower")
+    return mod
+
+
+def _pipeline_factory():
+    from tvm.s_tir.pipeline import default_s_tir_pipeline
+
+    pipeline, finalize_host, finalize_device = default_s_tir_pipeline()
+
+    def finalize():
+        return tvm.transform.Sequential([_lower_all_warp_memory, finalize_device()])
+
+    return pipeline, finalize_host, finalize
+
+
+tvm.tirx.compilation_pipeline.register_tir_pipeline(_PIPELINE, _pipeline_factory)
+tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)
