@@ -21,6 +21,7 @@ from tvm_cascade.schedules.decode import (
     longest_chunk,
     packs_queries,
     qk_form,
+    v_tiles,
     schedule_decode,
 )
 
@@ -59,35 +60,44 @@ TILED = DecodeConfig(mma_from_group=16)
         (32, 2, "mma", 128, 4, "bfloat16"),
     ],
 )
-def test_heuristic_schedule_compiles_to_three_kernels_with_128_bit_loads(
-    heads_q, heads_kv, form, head_dim, seq_q, dtype
-):
+def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, heads_kv, form, head_dim, seq_q, dtype):
+    """Three kernels (scores, chunks, combine), or two on tensor cores (scores and chunks
+    in one), loading K and V 128 bits at a time."""
     func = ops.attention(
         2, heads_q, heads_kv, seq_q, 1024, head_dim, dtype=dtype, variant=VARIANTS["causal"]
     )
     sch = schedule_decode(func, heads_q, heads_kv, head_dim)
     assert str(sch.trace).count("sch.split_k_update(") == 3
-    source = _source(sch.mod)
-    qk, chunks, combine = _kernels(source)  # the combine is a single kernel
-    qk, chunks, combine = (_kernel_body(source, k) for k in (qk, chunks, combine))
     assert qk_form(heads_q // heads_kv, DecodeConfig()) == form
-    if form != "lanes":
+    source = _source(sch.mod)
+    kernels_ = [_kernel_body(source, k) for k in _kernels(source)]
+    combine = kernels_[-1]  # the combine is a single kernel
+    assert "out_ptr" in combine and "__shfl" not in combine
+    if form == "mma":
+        (chunks,) = kernels_[:-1]
+        # K and V staged in padded shared rows by coalesced 128-bit loads, the scores kept
+        # in shared memory; Q·Kᵀ products of 16 keys x 8 heads, P·V products of 16 dims x
+        # 8 heads, operands by ldmatrix (K x4, Q x2, V x4 transposed, exps x2).
+        for operand in ("K", "V"):
+            assert re.search(rf"_shared_ptr\W.* = \*\(uint4\*\)\({operand}_ptr", chunks)
+        assert "qk_ptr" not in chunks
+        precision = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        assert chunks.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{precision}.{precision}.f32") == 2
+        for load in ("x4", "x2", "x4.trans"):
+            assert f"ldmatrix.sync.aligned.m8n8.{load}.shared.b16" in chunks
+        warps = min(DecodeConfig().mma_warps, head_dim // 16)
+        # 4 floats per 16 dims (a warp's share of the head dimension) and 8 heads.
+        assert f"float pv_partial_warp_ptr[{heads_q // heads_kv // 8 * head_dim // warps // 4}]" in chunks
+        return
+    qk, chunks = kernels_[:-1]
+    if form == "tiled":
         # K staged in padded shared rows by coalesced 128-bit loads; no shuffles.
         assert re.search(r"K_shared_ptr\W.* = \*\(uint4\*\)\(K_ptr", qk)
         assert "__shfl" not in qk
-    if form == "tiled":
         assert "K_shared_local_ptr" in qk
-    elif form == "mma":
-        # 16 keys x 8 heads per m16n8k16 product, operands by ldmatrix (K x4, Q x2).
-        precision = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        assert f"mma.sync.aligned.m16n8k16.row.col.f32.{precision}.{precision}.f32" in qk
-        assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in qk
-        assert "ldmatrix.sync.aligned.m8n8.x2.shared.b16" in qk
-        assert f"float qk_warp_ptr[{heads_q // heads_kv // 2}]" in qk  # 4 floats per 8 heads
     else:
         assert "*(uint4*)(K_local_ptr" in qk and "__shfl_down_sync" in qk
-    assert "*(uint4*)(V_local_ptr" in chunks and "exp_shared_ptr" in chunks
-    assert "out_ptr" in combine and "__shfl" not in combine
+    assert "exp_shared_ptr" in chunks and "*(uint4*)(V_local_ptr" in chunks
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, seq_q, seq_kv", [(32, 32, 1, 4100), (64, 8, 1, 1000), (32, 16, 3, 37)])
@@ -98,7 +108,7 @@ def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q
         2, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS["causal"], target=CUDA, records="/none"
     )
     source = compiled.mod.imports[0].inspect_source()
-    assert len(_kernels(source)) == 3
+    assert len(_kernels(source)) == (2 if qk_form(heads_q // heads_kv, DecodeConfig()) == "mma" else 3)
     for operand in ("K", "V"):
         assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source), operand
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -179,6 +189,24 @@ def test_chunk_count_refuses_keys_that_do_not_split():
         choose_chunks(8, 8, 1, 4100, DecodeConfig(), 132, lanes=lanes_for(64))
 
 
+def test_tensor_core_v_tiles_outgrow_the_scores():
+    """The tensor-core form stages V tiles larger than a chunk's scores (or TVM's storage
+    planner may put the tile in their place): smaller choices take the smallest such tile,
+    others are refused."""
+    config = DecodeConfig()
+    assert v_tiles(128, config) == [64, 128] and v_tiles(64, config) == [128]
+    for head_dim in (64, 128):
+        assert all(keys * (head_dim + 8) * 2 > config.mma_score_bytes for keys in v_tiles(head_dim, config))
+    wide = ops.attention(1, 16, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
+    for keys in (96, 256):
+        with pytest.raises(ValueError, match=f"mma_pv_keys={keys} with head_dim 128"):
+            schedule_decode(wide, 16, 2, 128, config=DecodeConfig(mma_pv_keys=keys))
+    func = ops.attention(1, 16, 2, 1, 512, 64, dtype="float16", variant=VARIANTS["gqa"])
+    # Smaller tiles than the first that outgrows the scores become that one.
+    staged = schedule_decode(func, 16, 2, 64, config=DecodeConfig(mma_pv_keys=32))
+    assert tvm_ffi.structural_equal(staged.mod, schedule_decode(func, 16, 2, 64, config=DecodeConfig(mma_pv_keys=128)).mod)
+
+
 def test_lanes_follow_the_head_dimension():
     assert (lanes_for(64), lanes_for(128)) == (8, 16)
     for bad in (80, 96, 8):
@@ -193,15 +221,17 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     decode_design_space(heads_q, heads_kv, 128)(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
-    qk_decisions = {"mma": 1, "tiled": 3, "lanes": 2}[qk_form(heads_q // heads_kv, DecodeConfig())]
-    assert len(samples) == 5 + qk_decisions
+    # mma: chunks, warps, V tile, combine slices; the others also chunks per block, z
+    # threads and kernel 1's tile (3 tiled, 2 lanes).
+    form = qk_form(heads_q // heads_kv, DecodeConfig())
+    assert len(samples) == {"mma": 4, "tiled": 8, "lanes": 7}[form]
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):
             trace = trace.with_decision(inst, decision, remove_postproc=True)
         replayed = tvm.s_tir.Schedule(func)
         trace.apply_to_schedule(replayed, remove_postproc=True)
-    assert len(_kernels(_source(replayed.mod))) == 3
+        assert len(_kernels(_source(replayed.mod))) == (2 if form == "mma" else 3), decisions
 
 
 def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):

@@ -65,15 +65,33 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
         kernels.compile_attention(1, 8, 2, 1, 512, 128, target=CUDA, config=PrefillConfig())
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant, batch, heads_q, heads_kv, seq_q, seq_kv", CONFIGS)
-def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv):
+def _check_against_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, tolerance):
     dev = tvm.cuda(0)
-    q, k, v = random_attention_inputs(batch, heads_q, heads_kv, seq_q, seq_kv, 128, dtype="float16", seed=3)
+    q, k, v = random_attention_inputs(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, seed=3)
     exe = kernels.compile_attention(
-        batch, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant], records="/none"
+        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, records="/none"
     )
     args = [tvm.runtime.tensor(a, dev) for a in (q, k, v, np.zeros_like(q))]
     exe["main"](*args)
     expected = attention_ref(q.astype("float32"), k.astype("float32"), v.astype("float32"), variant=VARIANTS[variant])
-    np.testing.assert_allclose(args[3].numpy().astype("float32"), expected, rtol=2e-2, atol=5e-3)
+    np.testing.assert_allclose(args[3].numpy().astype("float32"), expected, **tolerance)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant, batch, heads_q, heads_kv, seq_q, seq_kv", CONFIGS)
+def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv):
+    _check_against_the_reference(
+        variant, batch, heads_q, heads_kv, seq_q, seq_kv, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}
+    )
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "variant, heads_q, heads_kv, seq_q, seq_kv, head_dim",
+    # Decode on tensor cores (GQA groups of 8 and 16, head dims 128 and 64) and without.
+    [("gqa", 16, 2, 1, 1000, 128), ("gqa", 32, 2, 3, 700, 64), ("alibi", 4, 4, 2, 500, 64)],
+)
+def test_bfloat16_decode_kernels_match_the_reference(variant, heads_q, heads_kv, seq_q, seq_kv, head_dim):
+    _check_against_the_reference(
+        variant, 2, heads_q, heads_kv, seq_q, seq_kv, head_dim, "bfloat16", {"rtol": 5e-2, "atol": 2e-2}
+    )

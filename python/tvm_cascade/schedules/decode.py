@@ -1,8 +1,22 @@
 """GPU schedule for decode attention (a few query rows, many keys): split-k (FlashDecoding).
 
-Built from the traced ``split_k_update``, then ordinary TVM primitives. Three kernels:
+Built from the traced ``split_k_update``, then ordinary TVM primitives, in one of three
+forms (:func:`qk_form`). With GQA groups of 8 query heads or multiples (from
+``mma_from_group``), on tensor cores, two kernels:
 
-* kernel 1, ``qk``, in one of three forms (:func:`qk_form`):
+* the chunks: a block of warps per chunk of keys. It stages the group's query rows once
+  and the chunk's keys a tile at a time in shared memory with 128-bit copies; each warp
+  computes the scores of 16 keys with 8 query heads at a time by ``mma.sync.m16n8k16``
+  (:mod:`.mma16x8`, operands by ldmatrix) and stores them to shared memory; the warps
+  then split the heads for max, exp (fp16, in shared memory) and sum, their lanes the
+  keys, and the head dimension for P·V, again by m16n8k16 (16 dims x 8 heads x 16 keys,
+  V staged a tile at a time and transposed by ldmatrix); the partial outputs go from the
+  accumulators to global memory. Such schedules build with :func:`.tensor_cores.build`;
+* the combine, as below.
+
+Otherwise three kernels:
+
+* kernel 1, ``qk``:
 
   - lanes (small GQA groups): thread rows (``threadIdx.y``) take a few keys each, 16
     lanes (``threadIdx.x``) split the head dimension with 128-bit loads of K and reduce
@@ -12,13 +26,8 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
     dimension at a time, and its group's query rows in shared memory with coalesced
     128-bit loads; each thread then computes whole dot products of a few consecutive keys
     with every query row of the group, with no reduction across threads;
-  - tensor cores (GQA groups of 8 query heads or multiples, from ``mma_from_group``): a
-    block stages its keys and its group's query rows in shared memory with 128-bit
-    copies; each warp computes the scores of 16 keys with 8 query heads at a time by
-    ``mma.sync.m16n8k16`` (:mod:`.mma16x8`), operands by ldmatrix, and stores them from
-    its accumulators; such schedules build with :func:`.tensor_cores.build`;
 
-  each way, each K row is loaded once for all query heads of its group;
+  either way each K row is loaded once for all query heads of its group;
 * kernel 2, the chunks: a chunk of keys belongs to a row of head_dim / 8 lanes (``threadIdx.x``),
   one row per chunk (``threadIdx.y``) and per slice of the group's query heads
   (``threadIdx.z``; the head loop is moved below the chunk loop before ``split_k_update``
@@ -35,10 +44,11 @@ Built from the traced ``split_k_update``, then ordinary TVM primitives. Three ke
 The chunk count is chosen from the shape and the number of SMs: enough threads to keep
 the GPU's memory busy, chunks long enough that the partial outputs they write
 (``group x head_dim`` floats each) stay small next to the K and V rows they read, and
-short enough that a block's exps fit its share of shared memory. Key counts the chunks
+short enough that a block's exps (or scores) fit its share of shared memory. Key counts the chunks
 do not split are padded by ``ops.attention(pad_to=(1, PAD_KEYS))``; the schedule inlines
 the pad blocks into its K and V loads.
 """
+import dataclasses
 from dataclasses import dataclass
 
 import tvm
@@ -60,8 +70,10 @@ class DecodeConfig:
     qk_rows: int = 8  # kernel 1 (lanes): thread rows per block
     keys_per_row: int = 4  # kernel 1 (lanes): keys each thread row reduces
     tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more ...
-    mma_from_group: int = 8  # ... on tensor cores for groups of this many or more, multiples of 8
-    mma_warps: int = 4  # kernel 1 (tensor cores): warps per block, 16 keys each
+    mma_from_group: int = 8  # ... and on tensor cores (with kernel 2) for multiples of 8 from this
+    mma_warps: int = 8  # tensor cores: warps per chunk (at most head_dim / 16)
+    mma_pv_keys: int = 64  # tensor cores: V rows staged in shared memory at once (at least v_tiles' first)
+    mma_score_bytes: int = 16384  # tensor cores: shared memory for a chunk's scores (float32) at most
     tile_threads: int = 64  # kernel 1 (tiled): threads per block
     tile_keys: int = 4  # kernel 1 (tiled): consecutive keys per thread
     tile_stages: int = 2  # kernel 1 (tiled): slices of the head dimension staged in turn
@@ -77,11 +89,18 @@ class DecodeConfig:
 
 
 def qk_form(group, config):
-    """Kernel 1's form for GQA groups of ``group`` query heads: ``"mma"``, ``"tiled"`` or
-    ``"lanes"``."""
+    """The schedule's form for GQA groups of ``group`` query heads: ``"mma"`` (tensor
+    cores, scores and chunks in one kernel), ``"tiled"`` or ``"lanes"`` (kernel 1's form)."""
     if group >= config.mma_from_group and group % mma16x8.COLS == 0:
         return "mma"
     return "tiled" if group >= config.tile_from_group else "lanes"
+
+
+def v_tiles(head_dim, config):
+    """The V tiles (rows) the tensor-core form may stage: more bytes than a chunk's
+    scores, so that TVM's storage planner never puts the fp16 tile, which ldmatrix reads,
+    in the place of the dead fp32 scores (the ldmatrix address lowering rejects that)."""
+    return [keys for keys in (16, 32, 64, 128) if keys * (head_dim + VECTOR) * 2 > config.mma_score_bytes]
 
 
 def z_threads(group, heads_per_thread):
@@ -109,23 +128,25 @@ def lanes_for(head_dim):
     return lanes
 
 
-def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes=16):
-    """The chunk count: a multiple of ``config.rows`` dividing ``seq_kv / lanes`` (chunks
-    split the keys evenly, in whole lane groups) with at most :func:`longest_chunk` keys;
-    among those with at least ``max(min_chunk, keys_per_head * group)`` keys (all, if
-    none has), the one closest to ``threads_per_sm`` threads per SM."""
+def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes=16, granularity=None):
+    """The chunk count: a multiple of ``config.rows`` dividing ``seq_kv / granularity``
+    (chunks split the keys evenly, in whole groups of ``granularity`` keys, default
+    ``lanes``) with at most :func:`longest_chunk` keys; among those with at least
+    ``max(min_chunk, keys_per_head * group)`` keys (all, if none has), the one closest to
+    ``threads_per_sm`` threads per SM (``lanes`` threads per slice of a chunk's heads)."""
+    granularity = granularity or lanes
     threads_per_chunk = lanes * z_threads(group, config.heads_per_thread)
     wanted = config.threads_per_sm * multiprocessors / (batch * heads_kv * threads_per_chunk)
-    groups = seq_kv // lanes
+    groups = seq_kv // granularity
     longest = longest_chunk(group, config.rows, config)
     fits = [
         c
         for c in range(config.rows, groups + 1, config.rows)
         if groups % c == 0 and seq_kv // c <= longest
     ]
-    if seq_kv % lanes or not fits:
+    if seq_kv % granularity or not fits:
         raise ValueError(
-            f"the decode schedule needs a key count divisible by {lanes} into chunks of at "
+            f"the decode schedule needs a key count divisible by {granularity} into chunks of at "
             f"most {longest} keys, got {seq_kv} (ops.attention(pad_to=(1, {PAD_KEYS})) pads "
             "other counts)"
         )
@@ -143,11 +164,31 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     batch, _, seq_q, seq_kv = _shape(sch)
     packed = packs_queries(group, seq_q, config)
     rows = rows_per_chunk(group, seq_q, config)
-    # Query rows that are not packed are rows of thread blocks of their own.
-    chunks = choose_chunks(batch * (1 if packed else seq_q), heads_kv, rows, seq_kv, config, multiprocessors, lanes)
     form = qk_form(group, config)
+    warps = min(config.mma_warps, head_dim // mma16x8.ROWS)
+    chunk_rows, chunk_config, chunk_keys, granularity = config.rows, config, lanes, None
+    pv_keys = config.pv_keys
+    if form == "mma":
+        tiles = v_tiles(head_dim, config)
+        pv_keys = max(config.mma_pv_keys, tiles[0])
+        if pv_keys not in tiles:
+            raise ValueError(
+                f"mma_pv_keys={config.mma_pv_keys} with head_dim {head_dim}: the tensor-core form "
+                f"stages V tiles of {tiles} rows"
+            )
+        # A block of warps (over the group's heads) per chunk, whose keys are whole tiles
+        # of every choice, and whose scores fit their share of shared memory.
+        chunk_rows, chunk_keys, granularity = 1, mma16x8.WARP, PAD_KEYS
+        chunk_config = dataclasses.replace(
+            config, rows=1, heads_per_thread=rows // warps, exp_bytes=config.mma_score_bytes
+        )
+    # Query rows that are not packed are rows of thread blocks of their own.
+    chunks = choose_chunks(
+        batch * (1 if packed else seq_q), heads_kv, rows, seq_kv, chunk_config, multiprocessors, chunk_keys,
+        granularity,
+    )
     qk = {
-        "mma": (config.mma_warps,),
+        "mma": (warps,),
         "tiled": (config.tile_threads, config.tile_keys, config.tile_stages),
         "lanes": (config.qk_rows, config.keys_per_row),
     }[form]
@@ -157,11 +198,11 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         group,
         chunks,
         qk,
-        config.rows,
-        z_threads(rows, config.heads_per_thread),
+        chunk_rows,
+        z_threads(rows, chunk_config.heads_per_thread),
         form=form,
         lanes=lanes,
-        pv_keys=config.pv_keys,
+        pv_keys=pv_keys,
         packed=packed,
         combine_slices=config.combine_slices,
     )
@@ -192,23 +233,30 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     form = qk_form(group, config)
     block_chunks = [1, 2, 4, 8]
     qk_options = {
-        # Warps of 16 keys: blocks of 32, 64 or 128 keys, which divide the padded key count.
-        "mma": ([2, 4, 8],),
+        # Warps per chunk; each takes 16 dims of a multiple of 16 (P·V).
+        "mma": ([w for w in (2, 4, 8) if head_dim // mma16x8.ROWS % w == 0],),
         "tiled": ([64, 128], [2, 4], [2, 4]),
         "lanes": ([4, 8, 16], [1, 2, 4, 8]),
     }[form]
 
+    mma = form == "mma"
+    # With tensor cores a chunk is a block whose keys are whole tiles of every choice.
+    # Counts from 2: the combine splits its chunk loop.
+    granularity, first, step = (PAD_KEYS, 2, 1) if mma else (lanes, max(block_chunks), max(block_chunks))
+
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
         rows = rows_per_chunk(group, seq_q, config)
-        step = max(block_chunks)
         # Bounded for the heuristic's chunks per block: VerifyGPUCode drops samples whose
         # exps outgrow the GPU's shared memory.
-        longest = longest_chunk(rows, config.rows, config)
+        if mma:
+            longest = longest_chunk(rows, 1, dataclasses.replace(config, exp_bytes=config.mma_score_bytes))
+        else:
+            longest = longest_chunk(rows, config.rows, config)
         counts = [
             c
-            for c in range(step, seq_kv // lanes + 1, step)
-            if (seq_kv // lanes) % c == 0 and seq_kv // c <= longest
+            for c in range(first, seq_kv // granularity + 1, step)
+            if (seq_kv // granularity) % c == 0 and seq_kv // c <= longest
         ]
         if not counts:
             raise ValueError(f"no chunk count splits {seq_kv} keys for this design space")
@@ -222,12 +270,12 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             group,
             sample(counts),
             tuple(sample(options) for options in qk_options),
-            sample(block_chunks),
+            1 if mma else sample(block_chunks),
             # The z threads of a chunk split its rows evenly.
-            sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
+            1 if mma else sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
             form=form,
             lanes=lanes,
-            pv_keys=sample([4, 8, 16]),
+            pv_keys=sample(v_tiles(head_dim, config)[:2] if mma else [4, 8, 16]),
             packed=packs_queries(group, seq_q, config),
             combine_slices=sample([1, 2, 4]),
         )
@@ -265,12 +313,13 @@ def apply_decode_schedule(
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
     if form == "mma":
-        _schedule_qk_mma(sch, heads_kv, group, *qk)
-    elif form == "tiled":
-        _schedule_qk_tiled(sch, heads_kv, group, *qk)
+        _schedule_fused_mma(sch, *qk, pv_keys)
     else:
-        _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
-    _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
+        if form == "tiled":
+            _schedule_qk_tiled(sch, heads_kv, group, *qk)
+        else:
+            _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
+        _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
     _schedule_combine(sch, combine_slices)
     inline_padding(sch)
 
@@ -332,66 +381,6 @@ def _schedule_qk_tiled(sch, heads_kv, group, threads, keys, stages):
     sch.decompose_reduction(qk, rs)
 
 
-def _schedule_qk_mma(sch, heads_kv, group, warps):
-    mma16x8.register()
-    qk = sch.get_sblock("qk")
-    dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
-    b, h, i, j, rd = sch.get_loops(qk)
-    hkv, g = sch.split(h, [heads_kv, group])
-    gn, g = sch.split(g, [None, mma16x8.COLS])
-    jo, jw, jm = sch.split(j, [None, warps, mma16x8.ROWS])
-    ko, kk = sch.split(rd, [None, mma16x8.DEPTH])
-    # A block per K/V head, query row and tile of keys, a warp per 16 keys; a warp's
-    # m16n8k16 products take 16 keys (rows) by 8 query heads of the group (columns).
-    sch.reorder(b, hkv, i, jo, jw, ko, gn, g, jm, kk)
-    sch.bind(sch.fuse(b, hkv, i), "blockIdx.x")
-    sch.bind(jo, "blockIdx.y")
-    sch.bind(jw, "threadIdx.y")
-    # The group's query rows and the block's keys go to shared memory with 128-bit copies
-    # by all threads, rows padded by 128 bits (ldmatrix's row addresses on distinct banks).
-    # ldmatrix reads 8 or 16 rows of 16 dims: query heads and dims, keys and dims must be
-    # the last two axes of their buffers, so the queries' and the scores' rows become
-    # (query, head) rather than (head, query).
-    for index in (0, 1):
-        cache = sch.cache_read(qk, index, "shared")
-        sch.compute_at(cache, jo, preserve_unit_loops=True)
-        if index == 0:
-            sch.transform_layout(cache, ("write", 0), lambda b, h, i, d: (b, i, h, d))
-        fused = sch.fuse(*sch.get_loops(cache)[-3:])
-        _, ty, tx, vector = sch.split(fused, [None, warps, mma16x8.WARP, VECTOR])
-        sch.bind(ty, "threadIdx.y")
-        sch.bind(tx, "threadIdx.x")
-        sch.vectorize(vector)
-        sch.storage_align(cache, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
-    sch.transform_layout(qk, ("write", 0), lambda b, h, i, j: (b, i, h, j))
-    q_warp = sch.cache_read(qk, 0, "warp", consumer_blocks=[qk])
-    k_warp = sch.cache_read(qk, 1, "warp", consumer_blocks=[qk])
-    sch.compute_at(q_warp, ko)
-    sch.compute_at(k_warp, ko)
-    scores = sch.cache_write(qk, 0, "warp")
-    sch.reverse_compute_at(scores, jw)
-    init = sch.decompose_reduction(qk, ko)
-    rows, cols, depth = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH
-    sch.transform_layout(
-        q_warp, ("write", 0), lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth))
-    )
-    sch.transform_layout(
-        k_warp, ("write", 0), lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth))
-    )
-    sch.transform_layout(
-        scores, ("read", 0), lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols))
-    )
-
-    def tile(block, rows):  # the loop of one ``rows`` x 16 tile of ``block``
-        return sch.split(sch.get_loops(block)[-2], [None, rows])[1]
-
-    sch.tensorize(tile(q_warp, cols), mma16x8.load_name("B", dtype, "shared"))
-    sch.tensorize(tile(k_warp, rows), mma16x8.load_name("A", dtype, "shared"))
-    sch.tensorize(g, mma16x8.mma_name(dtype))
-    sch.tensorize(tile(init, cols), mma16x8.FILL)
-    sch.tensorize(tile(scores, cols), mma16x8.store_name("global"))
-
-
 def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
     blocks = {n: sch.get_sblock(n) for n in ("max_partial", "exp", "sum_partial", "pv_partial")}
     # Query rows that are not packed go to blocks, not a serial loop: their blocks read
@@ -436,6 +425,135 @@ def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
     # float32 partials: 128-bit stores are 4 lanes wide.
     store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
     sch.vectorize(sch.split(store, [None, 4])[-1])
+
+
+def _schedule_fused_mma(sch, warps, tile_keys):
+    """Kernels 1 and 2 as one, on tensor cores: a block of ``warps`` warps per chunk."""
+    mma16x8.register()
+    dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
+    rows, cols, depth, warp = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH, mma16x8.WARP
+    blocks = {n: sch.get_sblock(n) for n in ("qk", "max_partial", "exp", "sum_partial", "pv_partial")}
+    *outer, c = sch.get_loops(blocks["max_partial"])[:4]
+    sch.bind(sch.fuse(*outer), "blockIdx.x")
+    sch.bind(c, "blockIdx.y")
+    # The chunk's scores: each warp 16 keys of a tile of warps x 16 at a time by 8 query
+    # heads, K staged a tile at a time and the group's query rows once. ldmatrix reads
+    # 8 or 16 rows of 16 dims: heads and dims, keys and dims must be the last two axes of
+    # their buffers, so the queries' and the scores' rows become (query, head).
+    qk = blocks["qk"]
+    sch.compute_at(qk, c)
+    sch.set_scope(qk, 0, "shared")
+    sch.transform_layout(qk, ("write", 0), lambda b, h, i, j: (b, i, h, j))
+    g, j, rd = sch.get_loops(qk)[-3:]
+    gn, g = sch.split(g, [None, cols])
+    jt, jw, j16 = sch.split(j, [None, warps, rows])
+    ko, kk = sch.split(rd, [None, depth])
+    sch.reorder(jt, jw, ko, gn, g, j16, kk)
+    sch.bind(jw, "threadIdx.y")
+    for index, at in ((0, c), (1, jt)):
+        cache = sch.cache_read(qk, index, "shared")
+        sch.compute_at(cache, at, preserve_unit_loops=True)
+        if index == 0:
+            sch.transform_layout(cache, ("write", 0), lambda b, h, i, d: (b, i, h, d))
+        _copy_by_all_threads(sch, cache, warps, loops=3)
+    q_warp = sch.cache_read(qk, 0, "warp", consumer_blocks=[qk])
+    k_warp = sch.cache_read(qk, 1, "warp", consumer_blocks=[qk])
+    sch.compute_at(q_warp, ko)
+    sch.compute_at(k_warp, ko)
+    scores = sch.cache_write(qk, 0, "warp")
+    sch.reverse_compute_at(scores, jw)
+    init = sch.decompose_reduction(qk, ko)
+    sch.transform_layout(
+        q_warp, ("write", 0), lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth))
+    )
+    sch.transform_layout(
+        k_warp, ("write", 0), lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth))
+    )
+    sch.transform_layout(
+        scores, ("read", 0), lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols))
+    )
+    sch.tensorize(_row_tiles(sch, q_warp, cols), mma16x8.load_name("B", dtype))
+    sch.tensorize(_row_tiles(sch, k_warp, rows), mma16x8.load_name("A", dtype))
+    sch.tensorize(g, mma16x8.mma_name(dtype))
+    sch.tensorize(_head_tiles(sch, init), mma16x8.FILL)
+    sch.tensorize(_head_tiles(sch, scores), mma16x8.store_name("shared"))
+
+    # Max, exp and sum: the warps split the group's heads, lanes the chunk's keys.
+    for name in ("max_partial", "exp", "sum_partial"):
+        head, key = sch.get_loops(blocks[name])[-2:]
+        sch.bind(sch.split(head, [warps, None])[0], "threadIdx.y")
+        sch.bind(sch.split(key, [None, warp])[1], "threadIdx.x")
+    for name, consumers in (("max_partial", [blocks["exp"]]), ("sum_partial", [])):
+        store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
+        sch.reverse_compute_at(store, c, preserve_unit_loops=True)
+        sch.bind(sch.split(sch.get_loops(store)[-2], [warps, None])[0], "threadIdx.y")
+    # The exps, fp16 like V for the second GEMM, rows (query, head) padded by 128 bits
+    # (ldmatrix's row addresses on distinct banks).
+    exp = blocks["exp"]
+    sch.set_scope(exp, 0, "shared")
+    sch.unsafe_set_dtype(exp, 0, dtype)
+    sch.transform_layout(exp, ("write", 0), lambda b, h, i, j: (b, i, h, j))
+    sch.storage_align(exp, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
+
+    # pv: O[dim, head] += V[key, dim] * exp[head, key], 16 dims x 8 heads x 16 keys per
+    # product, the warps splitting the head dimension, V staged ``tile_keys`` rows at a time.
+    pv = blocks["pv_partial"]
+    sch.transform_layout(pv, ("write", 0), lambda c, b, h, i, d: (c, b, i, h, d))
+    g, d, r = sch.get_loops(pv)[-3:]
+    gn, g = sch.split(g, [None, cols])
+    dw, dm, dk = sch.split(d, [warps, None, rows])
+    rt, rk, r16 = sch.split(r, [None, tile_keys // depth, depth])
+    sch.reorder(dw, rt, rk, gn, dm, g, dk, r16)
+    sch.bind(dw, "threadIdx.y")
+    v_shared = sch.cache_read(pv, "V_pad" if "V_pad" in padded_inputs(sch) else "V", "shared")
+    sch.compute_at(v_shared, rt, preserve_unit_loops=True)
+    _copy_by_all_threads(sch, v_shared, warps, loops=2)
+    p_warp = sch.cache_read(pv, 0, "warp", consumer_blocks=[pv])
+    v_warp = sch.cache_read(pv, 1, "warp", consumer_blocks=[pv])
+    sch.compute_at(p_warp, gn)
+    sch.compute_at(v_warp, dm)
+    out = sch.cache_write(pv, 0, "warp")
+    sch.reverse_compute_at(out, dw)
+    init = sch.decompose_reduction(pv, rt)
+    sch.transform_layout(
+        p_warp, ("write", 0), lambda b, i, h, j: (b, i, h // cols, j // depth, *mma16x8.b_layout(h % cols, j % depth))
+    )
+    sch.transform_layout(
+        v_warp, ("write", 0), lambda b, h, j, d: (b, h, d // rows, j // depth, *mma16x8.a_layout(d % rows, j % depth))
+    )
+    sch.transform_layout(
+        out, ("read", 0), lambda c, b, i, h, d: (c, b, i, h // cols, d // rows, *mma16x8.c_layout(d % rows, h % cols))
+    )
+    sch.tensorize(_row_tiles(sch, p_warp, cols), mma16x8.load_name("B", dtype))
+    sch.tensorize(sch.get_loops(v_warp)[-2], mma16x8.load_name("A_T", dtype))
+    sch.tensorize(g, mma16x8.mma_name(dtype))
+    sch.tensorize(_head_tiles(sch, init), mma16x8.FILL)
+    sch.tensorize(_head_tiles(sch, out), mma16x8.store_name("global"))
+
+
+def _copy_by_all_threads(sch, cache, warps, loops):
+    """The copy ``cache`` (its last ``loops`` loops) by all threads of the block, 128 bits
+    each, into rows padded by 128 bits (ldmatrix's row addresses on distinct banks)."""
+    fused = sch.fuse(*sch.get_loops(cache)[-loops:])
+    _, ty, tx, vector = sch.split(fused, [None, warps, mma16x8.WARP, VECTOR])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(vector)
+    sch.storage_align(cache, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
+
+
+def _row_tiles(sch, block, rows):
+    """The loop over one ``rows``-row tile of ``block``'s last two loops (rows, 16 cols)."""
+    return sch.split(sch.get_loops(block)[-2], [None, rows])[1]
+
+
+def _head_tiles(sch, block):
+    """The loop over one 8 x 16 tile of ``block``'s last two loops (heads, keys or dims)."""
+    heads, other = sch.get_loops(block)[-2:]
+    outer_heads, heads = sch.split(heads, [None, mma16x8.COLS])
+    outer_other, other = sch.split(other, [None, mma16x8.ROWS])
+    sch.reorder(outer_heads, outer_other, heads, other)
+    return heads
 
 
 def _schedule_combine(sch, slices):

@@ -42,9 +42,11 @@ def c_layout(row, col):
     return 4 * (row % 8) + col // 2, 2 * (row // 8) + col % 2
 
 
-def load_name(operand, dtype, scope):
-    """The ldmatrix intrinsic of ``operand`` ("A": 16 x 16, x4; "B": 8 x 16, x2)."""
-    return f"tvm_cascade_ldmatrix_{operand}_{dtype}_{scope.replace('.', '_')}"
+def load_name(operand, dtype):
+    """The ldmatrix intrinsic of ``operand`` from shared memory: "A" (16 x 16, x4), "A_T"
+    (the 16 x 16 A operand from a tile stored ``[depth, row]``, x4 .trans) or "B" (8 x 16,
+    x2)."""
+    return f"tvm_cascade_ldmatrix_{operand}_{dtype}"
 
 
 def mma_name(dtype):
@@ -55,18 +57,19 @@ FILL = "tvm_cascade_mma_fill_16x8_f32"
 
 
 def store_name(scope):
-    return f"tvm_cascade_mma_store_8x16_f32_{scope.replace('.', '_')}"
+    """Stores a 16 x 8 accumulator to a tile in ``scope`` stored ``[col, row]``."""
+    return f"tvm_cascade_mma_store_8x16_f32_{scope}"
 
 
-def _ldmatrix(dtype, scope, rows, layout, local, matrices):
-    """ldmatrix of a ``rows x 16`` tile stored row by row into ``layout``: lane ``tx``
-    addresses row ``tx % rows`` at column ``8 * (tx // rows % 2)``, the rows of the
-    ``matrices`` 8 x 8 matrices in the order of ``layout``'s elements (lanes past them
-    address rows that ldmatrix ignores)."""
+def _ldmatrix(dtype, rows, layout, local, matrices, transposed, address):
+    """ldmatrix (``.trans`` if ``transposed``) of a ``rows x 16`` tile of shared memory,
+    element ``(r, c)`` to ``layout(r, c)``; lane ``tx`` addresses the row that starts at
+    ``address(tx, row stride)`` (lanes past the ``matrices`` 8 x 8 matrices' rows address
+    rows that ldmatrix ignores)."""
 
     @T.prim_func(s_tir=True)
     def desc(warp_handle: T.handle, shared_handle: T.handle) -> None:
-        shared = T.match_buffer(shared_handle, (rows, DEPTH), dtype, align=64, offset_factor=DEPTH, scope=scope)
+        shared = T.match_buffer(shared_handle, (rows, DEPTH), dtype, align=64, offset_factor=DEPTH, scope="shared")
         warp = T.match_buffer(warp_handle, (WARP, local), dtype, align=64, offset_factor=DEPTH, scope="warp")
         with T.sblock("root"):
             T.reads(shared[0:rows, 0:DEPTH])
@@ -84,7 +87,7 @@ def _ldmatrix(dtype, scope, rows, layout, local, matrices):
         s0 = T.int32()
         s1 = T.int32()
         shared = T.match_buffer(
-            shared_handle, (rows, DEPTH), dtype, align=64, offset_factor=DEPTH, scope=scope, strides=[s0, s1]
+            shared_handle, (rows, DEPTH), dtype, align=64, offset_factor=DEPTH, scope="shared", strides=[s0, s1]
         )
         warp = T.match_buffer(warp_handle, (WARP, local), dtype, align=64, offset_factor=DEPTH, scope="warp")
         with T.sblock("root"):
@@ -93,13 +96,13 @@ def _ldmatrix(dtype, scope, rows, layout, local, matrices):
             for tx in T.thread_binding(0, WARP, "threadIdx.x"):
                 T.evaluate(
                     T.ptx_legacy.ldmatrix(
-                        False,
+                        transposed,
                         matrices,
                         ".b16",
                         warp.data,
                         warp.elem_offset + local * tx,
                         shared.access_ptr("r"),
-                        s0 * (tx % rows) + 8 * (tx // rows % 2),
+                        address(tx, s0),
                         dtype=dtype,
                     )
                 )
@@ -230,14 +233,18 @@ def register():
     tuning records name them."""
     for dtype in _ABBREVIATION:
         TensorIntrin.register(mma_name(dtype), *_mma(dtype), override=True)
-        for scope in ("shared", "shared.dyn"):
-            TensorIntrin.register(
-                load_name("A", dtype, scope), *_ldmatrix(dtype, scope, ROWS, a_layout, A_LOCAL, 4), override=True
-            )
-            TensorIntrin.register(
-                load_name("B", dtype, scope), *_ldmatrix(dtype, scope, COLS, b_layout, B_LOCAL, 2), override=True
-            )
+        for operand, loader in (
+            ("A", (ROWS, a_layout, A_LOCAL, 4, False, lambda tx, stride: stride * (tx % 16) + 8 * (tx // 16))),
+            # Lanes 0-7 address depths 0-7 at rows 0-7, lanes 8-15 the same depths at rows
+            # 8-15, lanes 16-31 depths 8-15 likewise: the 8 x 8 matrices of a_layout's order.
+            (
+                "A_T",
+                (DEPTH, lambda depth, row: a_layout(row, depth), A_LOCAL, 4, True,
+                 lambda tx, stride: stride * (8 * (tx // 16) + tx % 8) + 8 * (tx // 8 % 2)),
+            ),
+            ("B", (COLS, b_layout, B_LOCAL, 2, False, lambda tx, stride: stride * (tx % 8) + 8 * (tx // 8 % 2))),
+        ):
+            TensorIntrin.register(load_name(operand, dtype), *_ldmatrix(dtype, *loader), override=True)
     TensorIntrin.register(FILL, *_fill(), override=True)
-    for scope in ("global", "shared", "shared.dyn"):
+    for scope in ("global", "shared"):
         TensorIntrin.register(store_name(scope), *_store(scope), override=True)
-
