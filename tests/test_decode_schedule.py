@@ -225,6 +225,8 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     # threads and kernel 1's tile (3 tiled, 2 lanes).
     form = qk_form(heads_q // heads_kv, DecodeConfig())
     assert len(samples) == {"mma": 4, "tiled": 8, "lanes": 7}[form]
+    # MetaSchedule keeps traces as JSON: every instruction input is an RV or a constant.
+    assert "SplitKUpdate" in str(sch.trace.as_json())
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
         trace = sch.trace
         for inst, decision in zip(samples, decisions):

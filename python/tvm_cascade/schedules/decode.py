@@ -502,7 +502,8 @@ def _schedule_fused_mma(sch, warps, tile_keys):
     g, d, r = sch.get_loops(pv)[-3:]
     gn, g = sch.split(g, [None, cols])
     dw, dm, dk = sch.split(d, [warps, None, rows])
-    rt, rk, r16 = sch.split(r, [None, tile_keys // depth, depth])
+    rt, r = sch.split(r, [None, tile_keys])  # (tile_keys is an int or a sampled ExprRV)
+    rk, r16 = sch.split(r, [None, depth])
     sch.reorder(dw, rt, rk, gn, dm, g, dk, r16)
     sch.bind(dw, "threadIdx.y")
     v_shared = sch.cache_read(pv, "V_pad" if "V_pad" in padded_inputs(sch) else "V", "shared")
