@@ -143,9 +143,27 @@ def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed
         return re.findall(r"float pv_partial_local_ptr\[(\d+)\]", kernel)
 
     one, several = chunk_kernel(1), chunk_kernel(4)
-    assert packs_queries(heads_q // heads_kv, 4, DecodeConfig()) == packed
+    assert packs_queries(heads_q // heads_kv, 4, 128, DecodeConfig()) == packed
     assert one == ["8" if heads_q == heads_kv else "16"]
     assert several == (["32"] if packed else one)
+
+
+def test_tensor_core_products_serve_every_query_row_of_a_group():
+    """On tensor cores several query rows are columns of the same products (8 heads of a
+    row a tile): a warp accumulates all four rows' heads, each K and V tile loaded once."""
+
+    def accumulators(seq_q):
+        func = ops.attention(2, 16, 2, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
+        source = _source(schedule_decode(func, 16, 2, 128).mod)
+        kernel = _kernel_body(source, _kernels(source)[0])
+        return re.findall(r"float (qk_shared_warp_ptr|pv_partial_warp_ptr)\[(\d+)\]", kernel)
+
+    assert packs_queries(8, 4, 128, DecodeConfig()) and packs_queries(8, 8, 128, DecodeConfig())
+    # The shortest chunk's scores (64 rows) would outgrow every V tile of 64 dims; groups
+    # of 16 keep blocks per query row.
+    assert not packs_queries(8, 8, 64, DecodeConfig()) and not packs_queries(16, 2, 128, DecodeConfig())
+    assert accumulators(1) == [("qk_shared_warp_ptr", "4"), ("pv_partial_warp_ptr", "4")]
+    assert accumulators(4) == [("qk_shared_warp_ptr", "16"), ("pv_partial_warp_ptr", "16")]
 
 
 def test_combine_splits_the_chunks_over_thread_rows():
@@ -193,10 +211,10 @@ def test_tensor_core_v_tiles_outgrow_the_scores():
     """The tensor-core form stages V tiles larger than a chunk's scores (or TVM's storage
     planner may put the tile in their place): smaller choices take the smallest such tile,
     others are refused."""
-    config = DecodeConfig()
-    assert v_tiles(128, config) == [64, 128] and v_tiles(64, config) == [128]
+    scores = DecodeConfig().mma_score_bytes
+    assert v_tiles(128, scores) == [64, 128] and v_tiles(64, scores) == [128]
     for head_dim in (64, 128):
-        assert all(keys * (head_dim + 8) * 2 > config.mma_score_bytes for keys in v_tiles(head_dim, config))
+        assert all(keys * (head_dim + 8) * 2 > scores for keys in v_tiles(head_dim, scores))
     wide = ops.attention(1, 16, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     for keys in (96, 256):
         with pytest.raises(ValueError, match=f"mma_pv_keys={keys} with head_dim 128"):

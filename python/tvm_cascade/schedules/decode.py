@@ -96,11 +96,18 @@ def qk_form(group, config):
     return "tiled" if group >= config.tile_from_group else "lanes"
 
 
-def v_tiles(head_dim, config):
+def score_bytes(rows, config):
+    """Shared memory for the scores of a chunk of ``rows`` query rows on tensor cores:
+    ``mma_score_bytes``, or enough for ``PAD_KEYS`` keys (the shortest chunk)."""
+    return max(config.mma_score_bytes, 4 * rows * PAD_KEYS)
+
+
+def v_tiles(head_dim, scores):
     """The V tiles (rows) the tensor-core form may stage: more bytes than a chunk's
-    scores, so that TVM's storage planner never puts the fp16 tile, which ldmatrix reads,
-    in the place of the dead fp32 scores (the ldmatrix address lowering rejects that)."""
-    return [keys for keys in (16, 32, 64, 128) if keys * (head_dim + VECTOR) * 2 > config.mma_score_bytes]
+    ``scores``, so that TVM's storage planner never puts the fp16 tile, which ldmatrix
+    reads, in the place of the dead fp32 scores (the ldmatrix address lowering rejects
+    that)."""
+    return [keys for keys in (16, 32, 64, 128) if keys * (head_dim + VECTOR) * 2 > scores]
 
 
 def z_threads(group, heads_per_thread):
@@ -162,14 +169,14 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     sch = tvm.s_tir.Schedule(func)
     batch, _, seq_q, seq_kv = _shape(sch)
-    packed = packs_queries(group, seq_q, config)
-    rows = rows_per_chunk(group, seq_q, config)
+    packed = packs_queries(group, seq_q, head_dim, config)
+    rows = rows_per_chunk(group, seq_q, head_dim, config)
     form = qk_form(group, config)
     warps = min(config.mma_warps, head_dim // mma16x8.ROWS)
     chunk_rows, chunk_config, chunk_keys, granularity = config.rows, config, lanes, None
     pv_keys = config.pv_keys
     if form == "mma":
-        tiles = v_tiles(head_dim, config)
+        tiles = v_tiles(head_dim, score_bytes(rows, config))
         pv_keys = max(config.mma_pv_keys, tiles[0])
         if pv_keys not in tiles:
             raise ValueError(
@@ -180,7 +187,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         # of every choice, and whose scores fit their share of shared memory.
         chunk_rows, chunk_keys, granularity = 1, mma16x8.WARP, PAD_KEYS
         chunk_config = dataclasses.replace(
-            config, rows=1, heads_per_thread=rows // warps, exp_bytes=config.mma_score_bytes
+            config, rows=1, heads_per_thread=rows // warps, exp_bytes=score_bytes(rows, config)
         )
     # Query rows that are not packed are rows of thread blocks of their own.
     chunks = choose_chunks(
@@ -209,18 +216,26 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     return sch
 
 
-def packs_queries(group, seq_q, config):
-    """Whether kernel 2 serves a chunk's query rows (speculative decoding) in the threads
-    that serve its heads, which then load each V row once for all of them, rather than in
-    blocks of their own, which read the chunk again from L2. Only for one query head per
-    K/V head: with a GQA group, region analysis does not see that a thread's fused
-    (head, query) rows read one V head, and gives every thread a copy of many V rows."""
-    return group == 1 and 1 < seq_q <= config.packed_rows
+def packs_queries(group, seq_q, head_dim, config):
+    """Whether a chunk's query rows (speculative decoding) are served by the threads (or
+    tensor-core products) that serve its heads, which then load each V row once for all
+    of them, rather than by blocks of their own, which read the chunk again from L2. With
+    one query head per K/V head, or on tensor cores with groups of 8 (the rows are columns
+    of the products, the 8 heads of one query row a tile; the fused rows of larger groups
+    do not split into tiles that TVM's blockize accepts) while the largest V tile outgrows
+    the shortest chunk's scores (:func:`v_tiles`). Not in kernel 2's lanes with a GQA
+    group: region analysis does not see that a thread's fused (query, head) rows read one
+    V head, and gives every thread a copy of many V rows."""
+    if not 1 < seq_q <= config.packed_rows:
+        return False
+    if qk_form(group, config) == "mma":
+        return group == mma16x8.COLS and bool(v_tiles(head_dim, score_bytes(group * seq_q, config)))
+    return group == 1
 
 
-def rows_per_chunk(group, seq_q, config):
+def rows_per_chunk(group, seq_q, head_dim, config):
     """The query rows (heads x queries) a chunk of kernel 2 serves."""
-    return group * seq_q if packs_queries(group, seq_q, config) else group
+    return group * seq_q if packs_queries(group, seq_q, head_dim, config) else group
 
 
 def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
@@ -246,11 +261,11 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
 
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
-        rows = rows_per_chunk(group, seq_q, config)
+        rows = rows_per_chunk(group, seq_q, head_dim, config)
         # Bounded for the heuristic's chunks per block: VerifyGPUCode drops samples whose
         # exps outgrow the GPU's shared memory.
         if mma:
-            longest = longest_chunk(rows, 1, dataclasses.replace(config, exp_bytes=config.mma_score_bytes))
+            longest = longest_chunk(rows, 1, dataclasses.replace(config, exp_bytes=score_bytes(rows, config)))
         else:
             longest = longest_chunk(rows, config.rows, config)
         counts = [
@@ -275,8 +290,8 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             1 if mma else sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
             form=form,
             lanes=lanes,
-            pv_keys=sample(v_tiles(head_dim, config)[:2] if mma else [4, 8, 16]),
-            packed=packs_queries(group, seq_q, config),
+            pv_keys=sample(v_tiles(head_dim, score_bytes(rows, config))[:2] if mma else [4, 8, 16]),
+            packed=packs_queries(group, seq_q, head_dim, config),
             combine_slices=sample([1, 2, 4]),
         )
 
@@ -304,16 +319,16 @@ def apply_decode_schedule(
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     _, g = sch.split(h, [heads_kv, group])
     j0, _ = sch.split(j, [chunks, None])
-    if packed:
-        sch.reorder(j0, g, i)
-        sch.fuse(g, i)
+    if packed:  # rows (query, head): a query row's heads are consecutive
+        sch.reorder(j0, i, g)
+        sch.fuse(i, g)
     else:
         sch.reorder(i, j0, g)
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
     if form == "mma":
-        _schedule_fused_mma(sch, *qk, pv_keys)
+        _schedule_fused_mma(sch, *qk, pv_keys, packed)
     else:
         if form == "tiled":
             _schedule_qk_tiled(sch, heads_kv, group, *qk)
@@ -419,21 +434,29 @@ def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
         sch.reverse_compute_at(store, at, preserve_unit_loops=True)
         if at is cy:  # each z thread stores the maxima and sums of its own rows
-            head, query = sch.get_loops(store)[-2:]
-            rows = sch.fuse(head, query) if packed else head
+            rows = _rows(sch, *sch.get_loops(store)[-2:], packed)
             sch.bind(sch.split(rows, [z, None])[0], "threadIdx.z")
     # float32 partials: 128-bit stores are 4 lanes wide.
     store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
     sch.vectorize(sch.split(store, [None, 4])[-1])
 
 
-def _schedule_fused_mma(sch, warps, tile_keys):
+def _rows(sch, head, query, packed):
+    """The loop over a block's query rows: its ``head`` loop, or with ``packed`` query
+    rows its (``query``, ``head``) loops fused, as the chunk loop's rows are."""
+    if not packed:
+        return head
+    sch.reorder(query, head)
+    return sch.fuse(query, head)
+
+
+def _schedule_fused_mma(sch, warps, tile_keys, packed):
     """Kernels 1 and 2 as one, on tensor cores: a block of ``warps`` warps per chunk."""
     mma16x8.register()
     dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
     rows, cols, depth, warp = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH, mma16x8.WARP
     blocks = {n: sch.get_sblock(n) for n in ("qk", "max_partial", "exp", "sum_partial", "pv_partial")}
-    *outer, c = sch.get_loops(blocks["max_partial"])[:4]
+    *outer, c = sch.get_loops(blocks["max_partial"])[: 3 if packed else 4]
     sch.bind(sch.fuse(*outer), "blockIdx.x")
     sch.bind(c, "blockIdx.y")
     # The chunk's scores: each warp 16 keys of a tile of warps x 16 at a time by 8 query
@@ -444,7 +467,8 @@ def _schedule_fused_mma(sch, warps, tile_keys):
     sch.compute_at(qk, c)
     sch.set_scope(qk, 0, "shared")
     sch.transform_layout(qk, ("write", 0), lambda b, h, i, j: (b, i, h, j))
-    g, j, rd = sch.get_loops(qk)[-3:]
+    *_, j, rd = loops = sch.get_loops(qk)
+    g = _rows(sch, *loops[-4:-2], packed) if packed else loops[-3]
     gn, g = sch.split(g, [None, cols])
     jt, jw, j16 = sch.split(j, [None, warps, rows])
     ko, kk = sch.split(rd, [None, depth])
@@ -486,7 +510,7 @@ def _schedule_fused_mma(sch, warps, tile_keys):
     for name, consumers in (("max_partial", [blocks["exp"]]), ("sum_partial", [])):
         store = sch.cache_write(blocks[name], name, "local", consumer_blocks=consumers)
         sch.reverse_compute_at(store, c, preserve_unit_loops=True)
-        sch.bind(sch.split(sch.get_loops(store)[-2], [warps, None])[0], "threadIdx.y")
+        sch.bind(sch.split(_rows(sch, *sch.get_loops(store)[-2:], packed), [warps, None])[0], "threadIdx.y")
     # The exps, fp16 like V for the second GEMM, rows (query, head) padded by 128 bits
     # (ldmatrix's row addresses on distinct banks).
     exp = blocks["exp"]
