@@ -480,27 +480,20 @@ def _schedule_fused_mma(sch, warps, tile_keys, packed):
         if index == 0:
             sch.transform_layout(cache, ("write", 0), lambda b, h, i, d: (b, i, h, d))
         _copy_by_all_threads(sch, cache, warps, loops=3)
-    q_warp = sch.cache_read(qk, 0, "warp", consumer_blocks=[qk])
-    k_warp = sch.cache_read(qk, 1, "warp", consumer_blocks=[qk])
-    sch.compute_at(q_warp, ko)
-    sch.compute_at(k_warp, ko)
-    scores = sch.cache_write(qk, 0, "warp")
-    sch.reverse_compute_at(scores, jw)
-    init = sch.decompose_reduction(qk, ko)
-    sch.transform_layout(
-        q_warp, ("write", 0), lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth))
+    _gemm_on_tensor_cores(
+        sch,
+        qk,
+        dtype,
+        g,
+        (ko, ko, jw, ko),
+        (
+            lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth)),
+            lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth)),
+            lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols)),
+        ),
+        "A",
+        "shared",
     )
-    sch.transform_layout(
-        k_warp, ("write", 0), lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth))
-    )
-    sch.transform_layout(
-        scores, ("read", 0), lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols))
-    )
-    sch.tensorize(_row_tiles(sch, q_warp, cols), mma16x8.load_name("B", dtype))
-    sch.tensorize(_row_tiles(sch, k_warp, rows), mma16x8.load_name("A", dtype))
-    sch.tensorize(g, mma16x8.mma_name(dtype))
-    sch.tensorize(_head_tiles(sch, init), mma16x8.FILL)
-    sch.tensorize(_head_tiles(sch, scores), mma16x8.store_name("shared"))
 
     # Max, exp and sum: the warps split the group's heads, lanes the chunk's keys.
     for name in ("max_partial", "exp", "sum_partial"):
@@ -533,27 +526,42 @@ def _schedule_fused_mma(sch, warps, tile_keys, packed):
     v_shared = sch.cache_read(pv, "V_pad" if "V_pad" in padded_inputs(sch) else "V", "shared")
     sch.compute_at(v_shared, rt, preserve_unit_loops=True)
     _copy_by_all_threads(sch, v_shared, warps, loops=2)
-    p_warp = sch.cache_read(pv, 0, "warp", consumer_blocks=[pv])
-    v_warp = sch.cache_read(pv, 1, "warp", consumer_blocks=[pv])
-    sch.compute_at(p_warp, gn)
-    sch.compute_at(v_warp, dm)
-    out = sch.cache_write(pv, 0, "warp")
-    sch.reverse_compute_at(out, dw)
-    init = sch.decompose_reduction(pv, rt)
-    sch.transform_layout(
-        p_warp, ("write", 0), lambda b, i, h, j: (b, i, h // cols, j // depth, *mma16x8.b_layout(h % cols, j % depth))
+    _gemm_on_tensor_cores(
+        sch,
+        pv,
+        dtype,
+        g,
+        (gn, dm, dw, rt),
+        (
+            lambda b, i, h, j: (b, i, h // cols, j // depth, *mma16x8.b_layout(h % cols, j % depth)),
+            lambda b, h, j, d: (b, h, d // rows, j // depth, *mma16x8.a_layout(d % rows, j % depth)),
+            lambda c, b, i, h, d: (c, b, i, h // cols, d // rows, *mma16x8.c_layout(d % rows, h % cols)),
+        ),
+        "A_T",
+        "global",
     )
-    sch.transform_layout(
-        v_warp, ("write", 0), lambda b, h, j, d: (b, h, d // rows, j // depth, *mma16x8.a_layout(d % rows, j % depth))
-    )
-    sch.transform_layout(
-        out, ("read", 0), lambda c, b, i, h, d: (c, b, i, h // cols, d // rows, *mma16x8.c_layout(d % rows, h % cols))
-    )
-    sch.tensorize(_row_tiles(sch, p_warp, cols), mma16x8.load_name("B", dtype))
-    sch.tensorize(sch.get_loops(v_warp)[-2], mma16x8.load_name("A_T", dtype))
-    sch.tensorize(g, mma16x8.mma_name(dtype))
+
+
+def _gemm_on_tensor_cores(sch, block, dtype, product, at, layouts, a_operand, out_scope):
+    """Tensorize ``block`` (``C[row, col] += B[col, depth] * A[row, depth]`` in tiles of
+    16 x 8 x 16; its loop ``product`` over one tile's columns): B (read 0) and A (read 1)
+    loaded into warp fragments at loops ``at[0]`` and ``at[1]`` by ldmatrix (A as
+    ``a_operand``), the accumulator stored to ``out_scope`` at ``at[2]`` and initialised
+    at ``at[3]``; ``layouts`` map B's, A's and C's buffer indices to fragments."""
+    b_warp = sch.cache_read(block, 0, "warp", consumer_blocks=[block])
+    a_warp = sch.cache_read(block, 1, "warp", consumer_blocks=[block])
+    sch.compute_at(b_warp, at[0])
+    sch.compute_at(a_warp, at[1])
+    out = sch.cache_write(block, 0, "warp")
+    sch.reverse_compute_at(out, at[2])
+    init = sch.decompose_reduction(block, at[3])
+    for buffer, layout in zip((("write", b_warp), ("write", a_warp), ("read", out)), layouts):
+        sch.transform_layout(buffer[1], (buffer[0], 0), layout)
+    sch.tensorize(_row_tiles(sch, b_warp, mma16x8.COLS), mma16x8.load_name("B", dtype))
+    sch.tensorize(_row_tiles(sch, a_warp, mma16x8.ROWS), mma16x8.load_name(a_operand, dtype))
+    sch.tensorize(product, mma16x8.mma_name(dtype))
     sch.tensorize(_head_tiles(sch, init), mma16x8.FILL)
-    sch.tensorize(_head_tiles(sch, out), mma16x8.store_name("global"))
+    sch.tensorize(_head_tiles(sch, out), mma16x8.store_name(out_scope))
 
 
 def _copy_by_all_threads(sch, cache, warps, loops):
