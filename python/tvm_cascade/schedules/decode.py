@@ -72,7 +72,7 @@ class DecodeConfig:
     tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more ...
     mma_from_group: int = 8  # ... and on tensor cores (with kernel 2) for multiples of 8 from this
     mma_warps: int = 8  # tensor cores: warps per chunk (at most head_dim / 16)
-    mma_pv_keys: int = 64  # tensor cores: V rows staged in shared memory at once (at least v_tiles' first)
+    mma_pv_keys: int = 128  # tensor cores: V rows staged in shared memory at once (at least v_tiles' first)
     mma_score_bytes: int = 16384  # tensor cores: shared memory for a chunk's scores (float32) at most
     tile_threads: int = 64  # kernel 1 (tiled): threads per block
     tile_keys: int = 4  # kernel 1 (tiled): consecutive keys per thread
