@@ -165,7 +165,9 @@ def choose_chunks(batch, heads_kv, group, seq_kv, config, multiprocessors, lanes
 
 def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, config=DecodeConfig()):
     """Schedule ``ops.attention(..., seq_q=1..8, ...)`` for CUDA with the choices of
-    ``config`` (the chunk count from the shape and the SM count); returns the schedule."""
+    ``config`` (the chunk count from the shape and the SM count); returns the schedule.
+    Build its module with :func:`.tensor_cores.build` (the tensor-core form's warp
+    fragments need it; ``tvm.compile`` fails on them)."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
     sch = tvm.s_tir.Schedule(func)
     batch, _, seq_q, seq_kv = _shape(sch)
