@@ -218,26 +218,17 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
     if mask is None:
         raise FusionError(f"skip_masked_tiles: block '{target.name_hint}' reads no masked scores")
     _check_every_row_sees_a_key(target, mask)
-    bindings = {iv.var: site.binding(iv) for iv in target.iter_vars}
-    below = {
-        l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(node)
-    }
     analyzer = tvm.sym.Analyzer()
     t = node.loop_var
     lo, hi = node.min, node.min + node.extent
     bounded = False
-    for difference, strict in _linear_conjuncts(mask):
-        smallest = analyzer.int_set(substitute(difference, bindings), below).min_value
-        slope, at_zero = _slope(analyzer, smallest, t)
-        if slope is None:
-            continue
-        # The conjunct can hold in tile t iff slope * t + at_zero <= -strict.
-        limit = -at_zero - int(strict)
-        if slope > 0:
-            hi = tvm.tirx.min(hi, tvm.tirx.floordiv(limit, slope) + 1)
+    # A conjunct can hold in tile t iff it holds for the smallest difference there.
+    for slope, limit in _tile_inequalities(analyzer, site, node, mask, "min_value"):
+        if slope is not None and slope > 0:
+            hi = tvm.tirx.min(hi, _tiles_end(slope, limit))
             bounded = True
-        elif slope < 0:
-            lo = tvm.tirx.max(lo, tvm.tirx.floordiv(-limit - slope - 1, -slope))
+        elif slope is not None and slope < 0:
+            lo = tvm.tirx.max(lo, _tiles_first(slope, limit))
             bounded = True
     if not bounded:
         raise FusionError(
@@ -345,25 +336,19 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
         if mask is None:
             continue
         masked = True
-        bindings = {iv.var: site.binding(iv) for iv in site.block.iter_vars}
-        below = {
-            l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(node)
-        }
-        for difference, strict in _linear_conjuncts(mask):
-            largest = analyzer.int_set(substitute(difference, bindings), below).max_value
-            slope, at_zero = _slope(analyzer, largest, t)
+        # A conjunct holds on all of tile t iff it holds for the largest difference there.
+        for slope, limit in _tile_inequalities(analyzer, site, node, mask, "max_value"):
             if slope is None:
                 raise FusionError(
                     f"unmask_inner_tiles: a mask conjunct of block '{site.name}' is not linear "
                     f"in loop '{t.name}'"
                 )
-            # The conjunct holds on all of tile t iff slope * t + at_zero <= -strict.
-            limit = analyzer.simplify(-at_zero - int(strict))
+            limit = analyzer.simplify(limit)
             if slope > 0:
-                inner_end = tvm.tirx.min(inner_end, tvm.tirx.floordiv(limit, slope) + 1)
+                inner_end = tvm.tirx.min(inner_end, _tiles_end(slope, limit))
                 tail = True
             elif slope < 0:
-                inner_first = tvm.tirx.max(inner_first, tvm.tirx.floordiv(-limit - slope - 1, -slope))
+                inner_first = tvm.tirx.max(inner_first, _tiles_first(slope, limit))
                 head = True
             elif not analyzer.can_prove(limit >= 0):
                 raise FusionError(
@@ -434,6 +419,31 @@ def _slope(analyzer, expr, var):
     if isinstance(slope, tvm.tirx.IntImm) and analyzer.can_prove_equal(expr, slope * var + at[0]):
         return slope.value, at[0]
     return None, None
+
+
+def _tile_inequalities(analyzer, site, loop, mask, extreme):
+    """``(slope, limit)`` for each linear conjunct ``difference <= -strict`` of ``mask``
+    read by ``site``'s block: the conjunct holds for the ``extreme`` (``"min_value"`` or
+    ``"max_value"``) of its difference over tile ``t`` of ``loop`` iff
+    ``slope * t <= limit``; ``(None, None)`` where that extreme is not linear in t."""
+    bindings = {iv.var: site.binding(iv) for iv in site.block.iter_vars}
+    below = {
+        l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(loop)
+    }
+    for difference, strict in _linear_conjuncts(mask):
+        bound = getattr(analyzer.int_set(substitute(difference, bindings), below), extreme)
+        slope, at_zero = _slope(analyzer, bound, loop.loop_var)
+        yield slope, (None if slope is None else -at_zero - int(strict))
+
+
+def _tiles_end(slope, limit):
+    """One past the last tile t with ``slope * t <= limit`` (``slope > 0``)."""
+    return tvm.tirx.floordiv(limit, slope) + 1
+
+
+def _tiles_first(slope, limit):
+    """The first tile t with ``slope * t <= limit`` (``slope < 0``)."""
+    return tvm.tirx.floordiv(-limit - slope - 1, -slope)
 
 
 def _copy_tile_body(body, buffers, replacements, suffix, unmask):
