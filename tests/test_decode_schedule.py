@@ -21,6 +21,7 @@ from tvm_cascade.schedules.decode import (
     longest_chunk,
     packs_queries,
     qk_form,
+    rows_per_chunk,
     v_tiles,
     schedule_decode,
 )
@@ -47,30 +48,42 @@ def _kernel_body(source, name):
 TILED = DecodeConfig(mma_from_group=16)
 
 
+def _form(heads_q, heads_kv, seq_q, head_dim=128, config=DecodeConfig()):
+    group = heads_q // heads_kv
+    return qk_form(group, config, rows_per_chunk(group, seq_q, head_dim, config))
+
+
+def _kernel_count(form):
+    """Scores and chunks are one kernel on tensor cores and fused; the combine is another."""
+    return 2 if form in ("mma", "fused") else 3
+
+
 @pytest.mark.parametrize(
     "heads_q, heads_kv, form, head_dim, seq_q, dtype",
     [
-        (32, 32, "lanes", 128, 1, "float16"),
-        (32, 16, "lanes", 128, 1, "float16"),
+        (32, 32, "fused", 128, 1, "float16"),
+        (32, 16, "fused", 128, 1, "float16"),
         (32, 8, "tiled", 128, 1, "float16"),
         (64, 8, "mma", 128, 1, "float16"),
-        (32, 32, "lanes", 64, 1, "bfloat16"),
-        (32, 16, "lanes", 128, 4, "bfloat16"),
+        (32, 32, "fused", 64, 1, "bfloat16"),
+        (32, 16, "fused", 128, 4, "bfloat16"),
+        (32, 32, "lanes", 128, 4, "float16"),
         (64, 8, "mma", 64, 8, "float16"),
         (32, 2, "mma", 128, 4, "bfloat16"),
     ],
 )
 def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, heads_kv, form, head_dim, seq_q, dtype):
-    """Three kernels (scores, chunks, combine), or two on tensor cores (scores and chunks
-    in one), loading K and V 128 bits at a time."""
+    """Three kernels (scores, chunks, combine), or two on tensor cores and fused (scores
+    and chunks in one), loading K and V 128 bits at a time."""
     func = ops.attention(
         2, heads_q, heads_kv, seq_q, 1024, head_dim, dtype=dtype, variant=VARIANTS["causal"]
     )
     sch = schedule_decode(func, heads_q, heads_kv, head_dim)
     assert str(sch.trace).count("sch.split_k_update(") == 3
-    assert qk_form(heads_q // heads_kv, DecodeConfig()) == form
+    assert _form(heads_q, heads_kv, seq_q, head_dim) == form
     source = _source(sch.mod)
     kernels_ = [_kernel_body(source, k) for k in _kernels(source)]
+    assert len(kernels_) == _kernel_count(form)
     combine = kernels_[-1]  # the combine is a single kernel
     assert "out_ptr" in combine and "__shfl" not in combine
     if form == "mma":
@@ -88,6 +101,14 @@ def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, head
         warps = min(DecodeConfig().mma_warps, head_dim // 16)
         # 4 floats per 16 dims (a warp's share of the head dimension) and 8 heads.
         assert f"float pv_partial_warp_ptr[{heads_q // heads_kv // 8 * head_dim // warps // 4}]" in chunks
+        return
+    if form == "fused":
+        # Each chunk's scores: K rows by 128-bit loads into registers, reduced by the
+        # lanes' shuffles, kept in shared memory for the softmax and P·V.
+        (chunks,) = kernels_[:-1]
+        assert "*(uint4*)(K_local_ptr" in chunks and "__shfl_down_sync" in chunks
+        assert "qk_ptr" not in chunks and "qk_shared_ptr" in chunks
+        assert "*(uint4*)(V_local_ptr" in chunks
         return
     qk, chunks = kernels_[:-1]
     if form == "tiled":
@@ -108,11 +129,32 @@ def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q
         2, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS["causal"], target=CUDA, records="/none"
     )
     source = compiled.mod.imports[0].inspect_source()
-    assert len(_kernels(source)) == (2 if qk_form(heads_q // heads_kv, DecodeConfig()) == "mma" else 3)
+    assert len(_kernels(source)) == _kernel_count(_form(heads_q, heads_kv, seq_q))
     for operand in ("K", "V"):
         assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source), operand
     with pytest.raises(ValueError, match="divisible by 16"):
         choose_chunks(2, heads_kv, heads_q // heads_kv, 4100, DecodeConfig(), 132)
+
+
+def test_chunks_of_few_query_rows_compute_their_scores_themselves():
+    """Chunks of at most ``fuse_rows`` query rows compute their own scores (one kernel
+    fewer); packed chunks of more rows, whose lanes would reduce every row's dot
+    products, keep kernel 1. The z threads of a chunk split its rows for the scores too:
+    each keeps only its own rows' slices of Q."""
+    assert _form(32, 32, 1) == _form(32, 16, 1) == _form(32, 32, 2) == "fused"
+    assert _form(32, 16, 4) == "fused"  # GQA query rows have blocks of their own
+    assert _form(32, 32, 4) == "lanes"  # 4 packed query rows
+    assert _form(32, 32, 1, config=DecodeConfig(fuse_rows=0)) == "lanes"
+
+    def scores(heads_per_thread):
+        func = ops.attention(2, 32, 16, 1, 1024, 128, dtype="float16", variant=VARIANTS["softcap"])
+        config = DecodeConfig(heads_per_thread=heads_per_thread)
+        source = _source(schedule_decode(func, 32, 16, 128, config=config).mod)
+        chunks = _kernel_body(source, _kernels(source)[0])
+        return re.findall(r"half Q_local_ptr\[(\d+)\]", chunks), "threadIdx.z" in chunks
+
+    assert scores(2) == (["16"], False)  # a thread's lanes hold both heads
+    assert scores(1) == (["8"], True)  # two z threads, a head each
 
 
 def test_tiled_scores_give_each_query_row_blocks_of_its_own():
@@ -139,7 +181,7 @@ def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed
     def chunk_kernel(seq_q):
         func = ops.attention(2, heads_q, heads_kv, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
         source = _source(schedule_decode(func, heads_q, heads_kv, 128).mod)
-        kernel = _kernel_body(source, _kernels(source)[1])
+        kernel = _kernel_body(source, _kernels(source)[-2])
         return re.findall(r"float pv_partial_local_ptr\[(\d+)\]", kernel)
 
     one, several = chunk_kernel(1), chunk_kernel(4)
@@ -172,7 +214,7 @@ def test_combine_splits_the_chunks_over_thread_rows():
     func = ops.attention(2, 8, 8, 1, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
     for slices in (1, 2):
         source = _source(schedule_decode(func, 8, 8, 128, config=DecodeConfig(combine_slices=slices)).mod)
-        combine = _kernel_body(source, _kernels(source)[2])
+        combine = _kernel_body(source, _kernels(source)[-1])
         assert ("threadIdx.y" in combine) == (slices > 1)
         assert ("if (((int)threadIdx.y) == 0) {\n    out_ptr[" in combine) == (slices > 1)
 
@@ -232,7 +274,7 @@ def test_lanes_follow_the_head_dimension():
             lanes_for(bad)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (4, 4, 4), (8, 1, 2)])
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (8, 1, 2)])
 def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)
@@ -240,9 +282,9 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
     sizes = [len(i.attrs[0]) for i in samples]
     # mma: chunks, warps, V tile, combine slices; the others also chunks per block, z
-    # threads and kernel 1's tile (3 tiled, 2 lanes).
-    form = qk_form(heads_q // heads_kv, DecodeConfig())
-    assert len(samples) == {"mma": 4, "tiled": 8, "lanes": 7}[form]
+    # threads and the scores' choices (3 tiled, 2 lanes, 1 fused).
+    form = _form(heads_q, heads_kv, seq_q)
+    assert len(samples) == {"mma": 4, "tiled": 8, "lanes": 7, "fused": 6}[form]
     # MetaSchedule keeps traces as JSON: every instruction input is an RV or a constant.
     assert "SplitKUpdate" in str(sch.trace.as_json())
     for decisions in itertools.islice(itertools.product(*(range(n) for n in sizes)), 0, None, 11):
@@ -251,7 +293,7 @@ def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
             trace = trace.with_decision(inst, decision, remove_postproc=True)
         replayed = tvm.s_tir.Schedule(func)
         trace.apply_to_schedule(replayed, remove_postproc=True)
-        assert len(_kernels(_source(replayed.mod))) == (2 if form == "mma" else 3), decisions
+        assert len(_kernels(_source(replayed.mod))) == _kernel_count(form), decisions
 
 
 def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
@@ -274,6 +316,18 @@ def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
     assert kernels.tuned_schedule(other, CUDA, records) is None
     heuristic = schedule_decode(other, 8, 2, 128, kernels._multiprocessors())
     assert tvm_ffi.structural_equal(kernels.schedule(other, CUDA, records).mod, heuristic.mod)
+
+
+def test_checked_in_records_replay_into_the_fused_form(monkeypatch):
+    """The record under ``benchmarks/tuned/decode`` (causal, batch 8, 32 heads, 4096 keys)
+    replays with today's schedule: one kernel for scores and chunks, one combine."""
+    monkeypatch.delenv("TVM_CASCADE_TUNED", raising=False)
+    func = ops.attention(
+        8, 32, 32, 1, 4096, 128, dtype="float16", variant=VARIANTS["causal"], pad_to=kernels.PAD_TO["decode"]
+    )
+    sch = kernels.tuned_schedule(func, CUDA, kernels.default_records("decode"))
+    assert sch is not None and str(sch.trace).count("sch.split_k_update(") == 3
+    assert len(_kernels(_source(sch.mod))) == _kernel_count("fused")
 
 
 def test_tuning_needs_a_gpu():

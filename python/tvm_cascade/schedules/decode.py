@@ -1,6 +1,6 @@
 """GPU schedule for decode attention (a few query rows, many keys): split-k (FlashDecoding).
 
-Built from the traced ``split_k_update``, then ordinary TVM primitives, in one of three
+Built from the traced ``split_k_update``, then ordinary TVM primitives, in one of four
 forms (:func:`qk_form`). With GQA groups of 8 query heads or multiples (from
 ``mma_from_group``), on tensor cores, two kernels:
 
@@ -14,7 +14,11 @@ forms (:func:`qk_form`). With GQA groups of 8 query heads or multiples (from
   accumulators to global memory. Such schedules build with :func:`.tensor_cores.build`;
 * the combine, as below.
 
-Otherwise three kernels:
+Otherwise kernels 1 and 2 below, or, where a chunk serves at most ``fuse_rows`` query
+rows (one or two, as in MHA and small GQA groups), both as one (``"fused"``): the
+threads of each chunk first compute its scores as kernel 1's lanes do, a few K rows in
+flight at a time, into shared memory, which saves a launch and the scores' round trip
+through global memory; then the combine:
 
 * kernel 1, ``qk``:
 
@@ -69,6 +73,9 @@ class DecodeConfig:
 
     qk_rows: int = 8  # kernel 1 (lanes): thread rows per block
     keys_per_row: int = 4  # kernel 1 (lanes): keys each thread row reduces
+    fuse_rows: int = 2  # lanes: kernel 2 computes the scores itself for chunks of at most this many query rows ...
+    fused_keys: int = 8  # ... K rows each of its thread rows loads at once ...
+    fused_block_chunks: int = 2  # ... and chunks per block (threadIdx.y)
     tile_from_group: int = 4  # kernel 1 is tiled for GQA groups of this many heads or more ...
     mma_from_group: int = 8  # ... and on tensor cores (with kernel 2) for multiples of 8 from this
     mma_warps: int = 8  # tensor cores: warps per chunk (at most head_dim / 16)
@@ -88,12 +95,17 @@ class DecodeConfig:
     exp_bytes: int = 32768  # kernel 2: shared memory for a block's exps (float32) at most
 
 
-def qk_form(group, config):
-    """The schedule's form for GQA groups of ``group`` query heads: ``"mma"`` (tensor
-    cores, scores and chunks in one kernel), ``"tiled"`` or ``"lanes"`` (kernel 1's form)."""
+def qk_form(group, config, rows=1):
+    """The schedule's form for GQA groups of ``group`` query heads whose chunks serve
+    ``rows`` query rows (:func:`rows_per_chunk`): ``"mma"`` (tensor cores, scores and
+    chunks in one kernel), ``"fused"`` (lanes, scores and chunks in one kernel, for at
+    most ``fuse_rows`` rows: more rows multiply the lanes' shuffles, which then outweigh
+    the saved launch), ``"tiled"`` or ``"lanes"`` (kernel 1's form)."""
     if group >= config.mma_from_group and group % mma16x8.COLS == 0:
         return "mma"
-    return "tiled" if group >= config.tile_from_group else "lanes"
+    if group >= config.tile_from_group:
+        return "tiled"
+    return "fused" if rows <= config.fuse_rows else "lanes"
 
 
 def score_bytes(rows, config):
@@ -173,9 +185,9 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     batch, _, seq_q, seq_kv = _shape(sch)
     packed = packs_queries(group, seq_q, head_dim, config)
     rows = rows_per_chunk(group, seq_q, head_dim, config)
-    form = qk_form(group, config)
+    form = qk_form(group, config, rows)
     warps = min(config.mma_warps, head_dim // mma16x8.ROWS)
-    chunk_rows, chunk_config, chunk_keys, granularity = config.rows, config, lanes, None
+    (chunk_rows, chunk_config), chunk_keys, granularity = _chunk_config(form, config), lanes, None
     pv_keys = config.pv_keys
     if form == "mma":
         tiles = v_tiles(head_dim, score_bytes(rows, config))
@@ -198,6 +210,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     )
     qk = {
         "mma": (warps,),
+        "fused": (config.fused_keys,),
         "tiled": (config.tile_threads, config.tile_keys, config.tile_stages),
         "lanes": (config.qk_rows, config.keys_per_row),
     }[form]
@@ -216,6 +229,15 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         combine_slices=config.combine_slices,
     )
     return sch
+
+
+def _chunk_config(form, config):
+    """Kernel 2's chunks per block, and ``config`` with them as ``rows`` and, with the
+    scores in shared memory next to the exps (``"fused"``), half ``exp_bytes`` for each."""
+    if form != "fused":
+        return config.rows, config
+    rows = config.fused_block_chunks
+    return rows, dataclasses.replace(config, rows=rows, exp_bytes=config.exp_bytes // 2)
 
 
 def packs_queries(group, seq_q, head_dim, config):
@@ -243,33 +265,34 @@ def rows_per_chunk(group, seq_q, head_dim, config):
 def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
     """A MetaSchedule design space (``fn(sch)``) over the decode schedule: the chunk
     count, the chunks per thread block, the threads over the chunk's rows, the V rows
-    loaded at once, the combine's slices of the chunks and kernel 1's tile (rows and keys per row, or threads, keys per
-    thread and stages when it is tiled) are ``sample_categorical`` decisions, applied
-    through the traced ``split_k_update``."""
+    loaded at once, the combine's slices of the chunks and the scores' choices of the
+    :func:`qk_form` (warps on tensor cores; K rows loaded at once, fused; rows and keys
+    per row with lanes; threads, keys per thread and stages tiled) are
+    ``sample_categorical`` decisions, applied through the traced ``split_k_update``."""
     group, lanes = heads_q // heads_kv, lanes_for(head_dim)
-    form = qk_form(group, config)
     block_chunks = [1, 2, 4, 8]
-    qk_options = {
+    qk_choices = {
         # Warps per chunk; each takes 16 dims of a multiple of 16 (P·V).
         "mma": ([w for w in (2, 4, 8) if head_dim // mma16x8.ROWS % w == 0],),
+        "fused": ([4, 8, 16],),
         "tiled": ([64, 128], [2, 4], [2, 4]),
         "lanes": ([4, 8, 16], [1, 2, 4, 8]),
-    }[form]
-
-    mma = form == "mma"
-    # With tensor cores a chunk is a block whose keys are whole tiles of every choice.
-    # Counts from 2: the combine splits its chunk loop.
-    granularity, first, step = (PAD_KEYS, 2, 1) if mma else (lanes, max(block_chunks), max(block_chunks))
+    }
 
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
         rows = rows_per_chunk(group, seq_q, head_dim, config)
+        form = qk_form(group, config, rows)
+        mma = form == "mma"
+        # With tensor cores a chunk is a block whose keys are whole tiles of every choice.
+        # Counts from 2: the combine splits its chunk loop.
+        granularity, first, step = (PAD_KEYS, 2, 1) if mma else (lanes, max(block_chunks), max(block_chunks))
         # Bounded for the heuristic's chunks per block: VerifyGPUCode drops samples whose
         # exps outgrow the GPU's shared memory.
         if mma:
             longest = longest_chunk(rows, 1, dataclasses.replace(config, exp_bytes=score_bytes(rows, config)))
         else:
-            longest = longest_chunk(rows, config.rows, config)
+            longest = longest_chunk(rows, *_chunk_config(form, config))
         counts = [
             c
             for c in range(first, seq_kv // granularity + 1, step)
@@ -286,7 +309,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             heads_kv,
             group,
             sample(counts),
-            tuple(sample(options) for options in qk_options),
+            tuple(sample(options) for options in qk_choices[form]),
             1 if mma else sample(block_chunks),
             # The z threads of a chunk split its rows evenly.
             1 if mma else sample([z for z in (1, 2, 4, 8) if rows % z == 0]),
@@ -308,8 +331,9 @@ def apply_decode_schedule(
     sch, heads_kv, group, chunks, qk, chunk_rows, z, *, form, lanes, pv_keys, packed, combine_slices
 ):
     """The decode schedule on a fresh schedule of ``ops.attention``. ``qk`` is kernel 1's
-    choices for its :func:`qk_form` ``form``: ``(warps,)`` on tensor cores, ``(threads,
-    keys per thread, stages)`` tiled, ``(rows, keys per row)`` with lanes;
+    choices for its :func:`qk_form` ``form``: ``(warps,)`` on tensor cores, ``(keys loaded
+    at once,)`` fused, ``(threads, keys per thread, stages)`` tiled, ``(rows, keys per
+    row)`` with lanes;
     ``chunk_rows`` and ``z`` are kernel 2's chunks per block and threads per group;
     ``lanes`` (:func:`lanes_for` the head dimension) split the head dimension;
     ``pv_keys`` V rows are loaded at once; ``packed``: :func:`packs_queries`;
@@ -334,9 +358,11 @@ def apply_decode_schedule(
     else:
         if form == "tiled":
             _schedule_qk_tiled(sch, heads_kv, group, *qk)
-        else:
+        elif form == "lanes":
             _schedule_qk_lanes(sch, heads_kv, group, *qk, lanes)
-        _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
+        cy = _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed)
+        if form == "fused":
+            _schedule_qk_in_chunks(sch, cy, z, *qk, lanes)
     _schedule_combine(sch, combine_slices)
     inline_padding(sch)
 
@@ -441,6 +467,37 @@ def _schedule_chunks(sch, chunk_rows, z, lanes, pv_keys, packed):
     # float32 partials: 128-bit stores are 4 lanes wide.
     store = sch.get_loops(sch.get_sblock("pv_partial_local"))[-1]
     sch.vectorize(sch.split(store, [None, 4])[-1])
+    return cy
+
+
+def _schedule_qk_in_chunks(sch, cy, z, keys, lanes):
+    """Kernel 1 inside kernel 2 (form ``"fused"``): the threads of each chunk (loop
+    ``cy``) compute its scores into shared memory, lanes splitting the head dimension as
+    in kernel 1's lanes form, ``keys`` K rows loaded at once (their loads in flight
+    together), the ``z`` threads splitting the query rows."""
+    qk = sch.get_sblock("qk")
+    sch.compute_at(qk, cy)
+    sch.set_scope(qk, 0, "shared")
+    loops = sch.get_loops(qk)
+    below = loops[[sch.get(loop).same_as(sch.get(cy)) for loop in loops].index(True) + 1 :]
+    *rows, j, rd = below
+    jo, jk = sch.split(j, [None, keys])
+    rx, rv = sch.split(rd, [lanes, VECTOR])
+    q_at = cy
+    if rows:
+        q_at, row = sch.split(sch.fuse(*rows), [z, None])
+        sch.reorder(q_at, jo, jk, row, rx, rv)
+        sch.bind(q_at, "threadIdx.z")
+    else:  # one query row per chunk: z is 1
+        sch.reorder(jo, jk, rx, rv)
+    sch.bind(rx, "threadIdx.x")
+    # Each lane keeps its slice of its query rows in registers for the whole chunk.
+    for index, at in ((0, q_at), (1, jo)):
+        cache = sch.cache_read(qk, index, "local")
+        sch.compute_at(cache, at, preserve_unit_loops=True)
+        lane, vector = sch.split(sch.get_loops(cache)[-1], [lanes, VECTOR])
+        sch.bind(lane, "threadIdx.x")
+        sch.vectorize(vector)
 
 
 def _rows(sch, head, query, packed):
