@@ -68,6 +68,8 @@ def _kernel_count(form):
         (32, 32, "fused", 64, 1, "bfloat16"),
         (32, 16, "fused", 128, 4, "bfloat16"),
         (32, 32, "lanes", 128, 4, "float16"),
+        (32, 32, "mma", 128, 8, "float16"),
+        (32, 32, "mma", 64, 8, "bfloat16"),
         (64, 8, "mma", 64, 8, "float16"),
         (32, 2, "mma", 128, 4, "bfloat16"),
     ],
@@ -99,8 +101,9 @@ def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, head
         for load in ("x4", "x2", "x4.trans"):
             assert f"ldmatrix.sync.aligned.m8n8.{load}.shared.b16" in chunks
         warps = min(DecodeConfig().mma_warps, head_dim // 16)
-        # 4 floats per 16 dims (a warp's share of the head dimension) and 8 heads.
-        assert f"float pv_partial_warp_ptr[{heads_q // heads_kv // 8 * head_dim // warps // 4}]" in chunks
+        # 4 floats per 16 dims (a warp's share of the head dimension) and 8 rows.
+        rows = rows_per_chunk(heads_q // heads_kv, seq_q, head_dim, DecodeConfig())
+        assert f"float pv_partial_warp_ptr[{rows // 8 * head_dim // warps // 4}]" in chunks
         return
     if form == "fused":
         # Each chunk's scores: K rows by 128-bit loads into registers, reduced by the
@@ -208,6 +211,23 @@ def test_tensor_core_products_serve_every_query_row_of_a_group():
     assert accumulators(4) == [("qk_shared_warp_ptr", "16"), ("pv_partial_warp_ptr", "16")]
 
 
+def test_eight_query_rows_of_one_head_are_the_columns_of_tensor_core_products():
+    """With one query head per K/V head, 8 packed query rows fill the 8 columns of a
+    product as a GQA group's 8 heads do: one tile, K and V loaded once for all rows;
+    fewer rows keep the lanes. A config whose chunk scores no V tile outgrows is refused."""
+    assert [_form(32, 32, seq_q) for seq_q in (1, 2, 4, 8)] == ["fused", "fused", "lanes", "mma"]
+    func = ops.attention(2, 4, 4, 8, 1024, 128, dtype="float16", variant=VARIANTS["alibi"])
+    source = _source(schedule_decode(func, 4, 4, 128).mod)
+    assert len(_kernels(source)) == 2
+    chunks = _kernel_body(source, _kernels(source)[0])
+    assert re.findall(r"float (qk_shared_warp_ptr|pv_partial_warp_ptr)\[(\d+)\]", chunks) == [
+        ("qk_shared_warp_ptr", "4"),
+        ("pv_partial_warp_ptr", "4"),
+    ]
+    with pytest.raises(ValueError, match="mma_score_bytes=40000: no V tile of head_dim 128"):
+        schedule_decode(func, 4, 4, 128, config=DecodeConfig(mma_score_bytes=40000))
+
+
 def test_combine_splits_the_chunks_over_thread_rows():
     """Kernel 3: ``combine_slices`` thread rows each combine a slice of a query row's
     chunks; the slices meet in shared memory and one of them stores the output."""
@@ -274,7 +294,7 @@ def test_lanes_follow_the_head_dimension():
             lanes_for(bad)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (8, 1, 2)])
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (4, 4, 8), (8, 1, 2)])
 def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)

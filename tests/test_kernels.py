@@ -88,8 +88,14 @@ def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv,
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
     "variant, heads_q, heads_kv, seq_q, seq_kv, head_dim",
-    # Decode on tensor cores (GQA groups of 8 and 16, head dims 128 and 64) and without.
-    [("gqa", 16, 2, 1, 1000, 128), ("gqa", 32, 2, 3, 700, 64), ("alibi", 4, 4, 2, 500, 64)],
+    # Decode on tensor cores (GQA groups of 8 and 16, head dims 128 and 64; 8 query rows
+    # of one head) and without.
+    [
+        ("gqa", 16, 2, 1, 1000, 128),
+        ("gqa", 32, 2, 3, 700, 64),
+        ("causal", 4, 4, 8, 700, 64),
+        ("alibi", 4, 4, 2, 500, 64),
+    ],
 )
 def test_bfloat16_decode_kernels_match_the_reference(variant, heads_q, heads_kv, seq_q, seq_kv, head_dim):
     _check_against_the_reference(

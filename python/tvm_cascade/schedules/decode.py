@@ -2,7 +2,8 @@
 
 Built from the traced ``split_k_update``, then ordinary TVM primitives, in one of four
 forms (:func:`qk_form`). With GQA groups of 8 query heads or multiples (from
-``mma_from_group``), on tensor cores, two kernels:
+``mma_from_group``), or 8 query rows of one head per K/V head, on tensor cores, two
+kernels:
 
 * the chunks: a block of warps per chunk of keys. It stages the group's query rows once
   and the chunk's keys a tile at a time in shared memory with 128-bit copies; each warp
@@ -100,8 +101,12 @@ def qk_form(group, config, rows=1):
     ``rows`` query rows (:func:`rows_per_chunk`): ``"mma"`` (tensor cores, scores and
     chunks in one kernel), ``"fused"`` (lanes, scores and chunks in one kernel, for at
     most ``fuse_rows`` rows: more rows multiply the lanes' shuffles, which then outweigh
-    the saved launch), ``"tiled"`` or ``"lanes"`` (kernel 1's form)."""
+    the saved launch), ``"tiled"`` or ``"lanes"`` (kernel 1's form). Tensor cores serve
+    groups of 8 heads or multiples (from ``mma_from_group``), and as many packed query
+    rows of one head per K/V head (:func:`packs_queries`)."""
     if group >= config.mma_from_group and group % mma16x8.COLS == 0:
+        return "mma"
+    if group == 1 and rows >= config.mma_from_group and rows % mma16x8.COLS == 0:
         return "mma"
     if group >= config.tile_from_group:
         return "tiled"
@@ -191,6 +196,11 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
     pv_keys = config.pv_keys
     if form == "mma":
         tiles = v_tiles(head_dim, score_bytes(rows, config))
+        if not tiles:
+            raise ValueError(
+                f"mma_score_bytes={config.mma_score_bytes}: no V tile of head_dim {head_dim} outgrows "
+                "the chunk's scores (see v_tiles)"
+            )
         pv_keys = max(config.mma_pv_keys, tiles[0])
         if pv_keys not in tiles:
             raise ValueError(
@@ -244,7 +254,8 @@ def packs_queries(group, seq_q, head_dim, config):
     """Whether a chunk's query rows (speculative decoding) are served by the threads (or
     tensor-core products) that serve its heads, which then load each V row once for all
     of them, rather than by blocks of their own, which read the chunk again from L2. With
-    one query head per K/V head, or on tensor cores with groups of 8 (the rows are columns
+    one query head per K/V head (8 such rows are the columns of tensor-core products, see
+    :func:`qk_form`), or on tensor cores with groups of 8 (the rows are columns
     of the products, the 8 heads of one query row a tile; the fused rows of larger groups
     do not split into tiles that TVM's blockize accepts) while the largest V tile outgrows
     the shortest chunk's scores (:func:`v_tiles`). Not in kernel 2's lanes with a GQA
@@ -354,7 +365,7 @@ def apply_decode_schedule(
         sch.split_k_update(sch.get_sblock(name), j0)
     sch.compute_inline(sch.get_sblock("score"))
     if form == "mma":
-        _schedule_fused_mma(sch, *qk, pv_keys, packed)
+        _schedule_fused_mma(sch, group, *qk, pv_keys, packed)
     else:
         if form == "tiled":
             _schedule_qk_tiled(sch, heads_kv, group, *qk)
@@ -478,9 +489,7 @@ def _schedule_qk_in_chunks(sch, cy, z, keys, lanes):
     qk = sch.get_sblock("qk")
     sch.compute_at(qk, cy)
     sch.set_scope(qk, 0, "shared")
-    loops = sch.get_loops(qk)
-    below = loops[[sch.get(loop).same_as(sch.get(cy)) for loop in loops].index(True) + 1 :]
-    *rows, j, rd = below
+    *rows, j, rd = _loops_below(sch, qk, cy)
     jo, jk = sch.split(j, [None, keys])
     rx, rv = sch.split(rd, [lanes, VECTOR])
     q_at = cy
@@ -500,6 +509,12 @@ def _schedule_qk_in_chunks(sch, cy, z, keys, lanes):
         sch.vectorize(vector)
 
 
+def _loops_below(sch, block, loop):
+    """``block``'s loops below ``loop`` (unit loops of its rows were dropped there)."""
+    loops = sch.get_loops(block)
+    return loops[[sch.get(other).same_as(sch.get(loop)) for other in loops].index(True) + 1 :]
+
+
 def _rows(sch, head, query, packed):
     """The loop over a block's query rows: its ``head`` loop, or with ``packed`` query
     rows its (``query``, ``head``) loops fused, as the chunk loop's rows are."""
@@ -509,11 +524,18 @@ def _rows(sch, head, query, packed):
     return sch.fuse(query, head)
 
 
-def _schedule_fused_mma(sch, warps, tile_keys, packed):
+def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
     """Kernels 1 and 2 as one, on tensor cores: a block of ``warps`` warps per chunk."""
     mma16x8.register()
     dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
     rows, cols, depth, warp = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH, mma16x8.WARP
+
+    def rows_last(block, buffer):
+        """The 8 columns of a product are 8 heads of a query row: the query rows of
+        ``block``'s ``buffer`` (indices ``(..., b, h, i, x)``) go before the heads.
+        With one head per K/V head they are 8 packed query rows, already last."""
+        if group > 1:
+            sch.transform_layout(block, buffer, lambda *idx: (*idx[:-3], idx[-2], idx[-3], idx[-1]))
     blocks = {n: sch.get_sblock(n) for n in ("qk", "max_partial", "exp", "sum_partial", "pv_partial")}
     *outer, c = sch.get_loops(blocks["max_partial"])[: 3 if packed else 4]
     sch.bind(sch.fuse(*outer), "blockIdx.x")
@@ -525,9 +547,9 @@ def _schedule_fused_mma(sch, warps, tile_keys, packed):
     qk = blocks["qk"]
     sch.compute_at(qk, c)
     sch.set_scope(qk, 0, "shared")
-    sch.transform_layout(qk, ("write", 0), lambda b, h, i, j: (b, i, h, j))
-    *_, j, rd = loops = sch.get_loops(qk)
-    g = _rows(sch, *loops[-4:-2], packed) if packed else loops[-3]
+    rows_last(qk, ("write", 0))
+    *heads, j, rd = _loops_below(sch, qk, c)  # (head, query) packed, else one of them
+    g = _rows(sch, *heads, packed) if len(heads) == 2 else heads[0]
     gn, g = sch.split(g, [None, cols])
     jt, jw, j16 = sch.split(j, [None, warps, rows])
     ko, kk = sch.split(rd, [None, depth])
@@ -537,7 +559,7 @@ def _schedule_fused_mma(sch, warps, tile_keys, packed):
         cache = sch.cache_read(qk, index, "shared")
         sch.compute_at(cache, at, preserve_unit_loops=True)
         if index == 0:
-            sch.transform_layout(cache, ("write", 0), lambda b, h, i, d: (b, i, h, d))
+            rows_last(cache, ("write", 0))
         _copy_by_all_threads(sch, cache, warps, loops=3)
     _gemm_on_tensor_cores(
         sch,
@@ -568,13 +590,13 @@ def _schedule_fused_mma(sch, warps, tile_keys, packed):
     exp = blocks["exp"]
     sch.set_scope(exp, 0, "shared")
     sch.unsafe_set_dtype(exp, 0, dtype)
-    sch.transform_layout(exp, ("write", 0), lambda b, h, i, j: (b, i, h, j))
+    rows_last(exp, ("write", 0))
     sch.storage_align(exp, 0, axis=-2, factor=2 * VECTOR, offset=VECTOR)
 
     # pv: O[dim, head] += V[key, dim] * exp[head, key], 16 dims x 8 heads x 16 keys per
     # product, the warps splitting the head dimension, V staged ``tile_keys`` rows at a time.
     pv = blocks["pv_partial"]
-    sch.transform_layout(pv, ("write", 0), lambda c, b, h, i, d: (c, b, i, h, d))
+    rows_last(pv, ("write", 0))
     g, d, r = sch.get_loops(pv)[-3:]
     gn, g = sch.split(g, [None, cols])
     dw, dm, dk = sch.split(d, [warps, None, rows])
