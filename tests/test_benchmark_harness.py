@@ -304,6 +304,7 @@ def test_plot(tmp_path):
     [
         ["benchmarks.attention", "--quick"],
         ["benchmarks.profile", "decode-gqa-b8-kv4096"],
+        ["benchmarks.profile", "decode-gqa-b8-kv4096", "--kernel-times"],
         ["benchmarks.sweep_decode", "decode-gqa-b8-kv4096", "--grid", '{"pv_keys": [4, 8]}'],
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
