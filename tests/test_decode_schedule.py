@@ -44,8 +44,8 @@ def _kernel_body(source, name):
     return source[start : source.index("\n}\n", start)]
 
 
-#: The tiled scores kernel for groups of 8 (tensor cores by default).
-TILED = DecodeConfig(mma_from_group=16)
+#: The tiled scores kernel for groups of 8 and their packed query rows (tensor cores by default).
+TILED = DecodeConfig(mma_from_group=128)
 
 
 def _form(heads_q, heads_kv, seq_q, head_dim=128, config=DecodeConfig()):
@@ -66,7 +66,8 @@ def _kernel_count(form):
         (32, 8, "tiled", 128, 1, "float16"),
         (64, 8, "mma", 128, 1, "float16"),
         (32, 32, "fused", 64, 1, "bfloat16"),
-        (32, 16, "fused", 128, 4, "bfloat16"),
+        (32, 16, "mma", 128, 4, "bfloat16"),
+        (32, 16, "fused", 128, 3, "bfloat16"),
         (32, 32, "lanes", 128, 4, "float16"),
         (32, 32, "mma", 128, 8, "float16"),
         (32, 32, "mma", 64, 8, "bfloat16"),
@@ -145,7 +146,7 @@ def test_chunks_of_few_query_rows_compute_their_scores_themselves():
     products, keep kernel 1. The z threads of a chunk split its rows for the scores too:
     each keeps only its own rows' slices of Q."""
     assert _form(32, 32, 1) == _form(32, 16, 1) == _form(32, 32, 2) == "fused"
-    assert _form(32, 16, 4) == "fused"  # GQA query rows have blocks of their own
+    assert _form(32, 16, 3) == "fused"  # 6 rows fill no tile: blocks per query row
     assert _form(32, 32, 4) == "lanes"  # 4 packed query rows
     assert _form(32, 32, 1, config=DecodeConfig(fuse_rows=0)) == "lanes"
 
@@ -175,11 +176,12 @@ def test_tiled_scores_give_each_query_row_blocks_of_its_own():
     assert ("qk_local_ptr", "32") in registers(8)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, packed", [(4, 4, True), (8, 4, False)])
-def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed):
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q, packed", [(4, 4, 4, True), (8, 4, 3, False)])
+def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, seq_q, packed):
     """Several query rows of one head per K/V head: each thread of kernel 2 accumulates
-    all four (its V loads serve them all) instead of each row having blocks of its own;
-    with GQA groups the query rows keep blocks of their own."""
+    all of them (its V loads serve them all) instead of each row having blocks of its
+    own; with GQA groups whose rows fill no tensor-core tile the query rows keep blocks
+    of their own."""
 
     def chunk_kernel(seq_q):
         func = ops.attention(2, heads_q, heads_kv, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["causal"])
@@ -187,28 +189,40 @@ def test_chunk_threads_serve_every_query_row_of_a_head(heads_q, heads_kv, packed
         kernel = _kernel_body(source, _kernels(source)[-2])
         return re.findall(r"float pv_partial_local_ptr\[(\d+)\]", kernel)
 
-    one, several = chunk_kernel(1), chunk_kernel(4)
-    assert packs_queries(heads_q // heads_kv, 4, 128, DecodeConfig()) == packed
+    one, several = chunk_kernel(1), chunk_kernel(seq_q)
+    assert packs_queries(heads_q // heads_kv, seq_q, 128, DecodeConfig()) == packed
     assert one == ["8" if heads_q == heads_kv else "16"]
-    assert several == (["32"] if packed else one)
+    assert several == ([str(8 * seq_q)] if packed else one)
 
 
-def test_tensor_core_products_serve_every_query_row_of_a_group():
-    """On tensor cores several query rows are columns of the same products (8 heads of a
-    row a tile): a warp accumulates all four rows' heads, each K and V tile loaded once."""
+@pytest.mark.parametrize(
+    "heads_q, seq_q, tiles",
+    # (group, query rows): rows (query, head) of a K/V head in tiles of 8 columns
+    [(16, 1, 1), (16, 4, 4), (4, 4, 1), (4, 8, 2), (8, 2, 1), (32, 2, 4)],
+)
+def test_tensor_core_products_serve_every_query_row_of_a_group(heads_q, seq_q, tiles):
+    """On tensor cores the rows (query, head) of a K/V head are the columns of the same
+    products, 8 a tile, in as many tiles as they fill, tiles spanning several query rows
+    for groups of fewer than 8: a warp accumulates them all, each K and V tile loaded
+    once for all rows."""
+    func = ops.attention(2, heads_q, 2, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
+    assert _form(heads_q, 2, seq_q) == "mma"
+    source = _source(schedule_decode(func, heads_q, 2, 128).mod)
+    assert len(_kernels(source)) == 2
+    kernel = _kernel_body(source, _kernels(source)[0])
+    # 4 floats per tile and thread (16 keys or dims x 8 columns over a warp).
+    expected = [("qk_shared_warp_ptr", str(4 * tiles)), ("pv_partial_warp_ptr", str(4 * tiles))]
+    assert re.findall(r"float (qk_shared_warp_ptr|pv_partial_warp_ptr)\[(\d+)\]", kernel) == expected
 
-    def accumulators(seq_q):
-        func = ops.attention(2, 16, 2, seq_q, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
-        source = _source(schedule_decode(func, 16, 2, 128).mod)
-        kernel = _kernel_body(source, _kernels(source)[0])
-        return re.findall(r"float (qk_shared_warp_ptr|pv_partial_warp_ptr)\[(\d+)\]", kernel)
 
-    assert packs_queries(8, 4, 128, DecodeConfig()) and packs_queries(8, 8, 128, DecodeConfig())
-    # The shortest chunk's scores (64 rows) would outgrow every V tile of 64 dims; groups
-    # of 16 keep blocks per query row.
-    assert not packs_queries(8, 8, 64, DecodeConfig()) and not packs_queries(16, 2, 128, DecodeConfig())
-    assert accumulators(1) == [("qk_shared_warp_ptr", "4"), ("pv_partial_warp_ptr", "4")]
-    assert accumulators(4) == [("qk_shared_warp_ptr", "16"), ("pv_partial_warp_ptr", "16")]
+def test_query_rows_pack_where_they_fill_tiles_and_the_v_tiles_fit():
+    config = DecodeConfig()
+    assert packs_queries(8, 4, 128, config) and packs_queries(8, 8, 128, config)
+    assert packs_queries(2, 4, 128, config) and packs_queries(16, 2, 128, config)
+    # 3 queries of a group of 2 fill no tile: blocks per query row, scores in the chunk.
+    assert not packs_queries(2, 3, 128, config) and _form(4, 2, 3) == "fused"
+    # The shortest chunk's scores (64 rows) would outgrow every V tile of 64 dims.
+    assert not packs_queries(8, 8, 64, config)
 
 
 def test_eight_query_rows_of_one_head_are_the_columns_of_tensor_core_products():
@@ -216,6 +230,7 @@ def test_eight_query_rows_of_one_head_are_the_columns_of_tensor_core_products():
     product as a GQA group's 8 heads do: one tile, K and V loaded once for all rows;
     fewer rows keep the lanes. A config whose chunk scores no V tile outgrows is refused."""
     assert [_form(32, 32, seq_q) for seq_q in (1, 2, 4, 8)] == ["fused", "fused", "lanes", "mma"]
+    assert [_form(32, 16, seq_q) for seq_q in (1, 2, 4, 8)] == ["fused", "fused", "mma", "mma"]
     func = ops.attention(2, 4, 4, 8, 1024, 128, dtype="float16", variant=VARIANTS["alibi"])
     source = _source(schedule_decode(func, 4, 4, 128).mod)
     assert len(_kernels(source)) == 2
@@ -294,7 +309,7 @@ def test_lanes_follow_the_head_dimension():
             lanes_for(bad)
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (4, 4, 8), (8, 1, 2)])
+@pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (4, 4, 8), (8, 1, 2), (8, 4, 4)])
 def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)

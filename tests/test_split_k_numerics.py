@@ -298,6 +298,39 @@ def test_attention_empty_trailing_chunks(shape, chunks, variant, dtype, nb):
     check_attention(shape, variant=variant, dtype=dtype, chunks=chunks, nb=nb, seed=3)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_merged_by_layout_rewrites_with_one_kv_head(dtype):
+    """split_k_update after TVM's own layout rewrites: the chain's blocks and buffers
+    indexed (batch, K/V head, row = query * group + head), as the decode schedule packs
+    query rows for tensor cores. With one K/V head TVM simplifies that axis's index to
+    0 in the spatial blocks' stores, which split_k_update must still see through; the
+    result matches the float64 reference."""
+    shape, group = (1, 4, 1, 2, 37, 16), 4
+    func, exe = _attention_unfused(shape, "causal", dtype, False)
+    sch = tvm.s_tir.Schedule(func)
+
+    def merged(b, h, i, *rest):
+        return (b, h // group, i * group + h % group, *rest)
+
+    chain = [sch.get_sblock(name) for name in ("qk", "score", "max", "exp", "sum", "pv")]
+    for block in chain:
+        ndim = len(sch.get(block).iter_vars)
+        sch.transform_block_layout(block, tvm.tirx.IndexMap.from_func(merged, ndim=ndim, index_dtype="int32"))
+    for block in chain:
+        ndim = len(sch.get(block).writes[0].region)
+        sch.transform_layout(block, ("write", 0), tvm.tirx.IndexMap.from_func(merged, ndim=ndim, index_dtype="int32"))
+    assert "exp[v0, 0, v2, v3]" in sch.mod["main"].script()
+    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [4, None])
+    for name in ATTENTION_CHAIN:
+        sch.split_k_update(sch.get_sblock(name), j0)
+    q, k, v = tt.random_attention_inputs(*shape, dtype=dtype, seed=5, magnitude=3.0)
+    expected = R.attention_ref(q, k, v, variant="causal")
+    (out_unfused,) = tt.run_compiled(exe, func, [q, k, v])
+    (poisoned,), (out,) = _run_both(sch.mod["main"], [q, k, v])
+    _check_close(poisoned, expected, out_unfused, dtype, None, None, what="fused (poisoned)")
+    _check_close(out, expected, out_unfused, dtype, None, None)
+
+
 def test_empty_chunk_minimal_reproducer():
     """logsumexp over 5 columns in 4 chunks: chunk 2, chunk 3 covers columns 6..7."""
     func = ops.logsumexp(1, 5)

@@ -286,9 +286,11 @@ class Chain:
                 return load
             vmap = {}
             for idx, iv, value in zip(store.indices, writer.block.iter_vars, load.indices):
-                if not (isinstance(idx, ir_expr.Var) and idx.same_as(iv.var)):
+                # TVM's layout rewrites simplify the iterator of a unit axis to 0.
+                unit = _is_zero(idx) and _is_zero(iv.dom.extent - 1)
+                if not (unit or isinstance(idx, ir_expr.Var) and idx.same_as(iv.var)):
                     return load
-                vmap[iv.var] = value
+                vmap[iv.var] = idx if unit else value
             return self.inline(substitute(store.value, vmap))
 
         return tvm_ffi.structural_map(expr, (ir_expr.TensorLoad, visit))
@@ -297,6 +299,10 @@ class Chain:
         """The producer whose partial result ``load`` reads, or None."""
         writer = self.writer.get(load.source)
         return writer.index if writer in self.producers else None
+
+
+def _is_zero(expr):
+    return isinstance(expr, tvm.tirx.IntImm) and expr.value == 0
 
 
 def substitute(node, vmap: dict):

@@ -2,15 +2,17 @@
 
 Built from the traced ``split_k_update``, then ordinary TVM primitives, in one of four
 forms (:func:`qk_form`). With GQA groups of 8 query heads or multiples (from
-``mma_from_group``), or 8 query rows of one head per K/V head, on tensor cores, two
+``mma_from_group``), or speculative decoding whose rows (query, head) of a K/V head fill
+tiles of 8 (MHA with 8 queries, groups of 2 with 4 or 8, ...), on tensor cores, two
 kernels:
 
 * the chunks: a block of warps per chunk of keys. It stages the group's query rows once
   and the chunk's keys a tile at a time in shared memory with 128-bit copies; each warp
-  computes the scores of 16 keys with 8 query heads at a time by ``mma.sync.m16n8k16``
-  (:mod:`.mma16x8`, operands by ldmatrix) and stores them to shared memory; the warps
-  then split the heads for max, exp (fp16, in shared memory) and sum, their lanes the
-  keys, and the head dimension for P·V, again by m16n8k16 (16 dims x 8 heads x 16 keys,
+  computes the scores of 16 keys with 8 query rows (heads of a query row, or packed rows
+  (query, head)) at a time by ``mma.sync.m16n8k16`` (:mod:`.mma16x8`, operands by
+  ldmatrix) and stores them to shared memory; the warps then split the rows for max, exp
+  (fp16, in shared memory) and sum, their lanes the keys, and the head dimension for
+  P·V, again by m16n8k16 (16 dims x 8 rows x 16 keys,
   V staged a tile at a time and transposed by ldmatrix); the partial outputs go from the
   accumulators to global memory. Such schedules build with :func:`.tensor_cores.build`;
 * the combine, as below.
@@ -102,12 +104,12 @@ def qk_form(group, config, rows=1):
     chunks in one kernel), ``"fused"`` (lanes, scores and chunks in one kernel, for at
     most ``fuse_rows`` rows: more rows multiply the lanes' shuffles, which then outweigh
     the saved launch), ``"tiled"`` or ``"lanes"`` (kernel 1's form). Tensor cores serve
-    groups of 8 heads or multiples (from ``mma_from_group``), and as many packed query
-    rows of one head per K/V head (:func:`packs_queries`)."""
+    groups of 8 heads or multiples (from ``mma_from_group``), and packed rows (query,
+    head) of a K/V head that fill tiles of 8 (:func:`packs_queries`)."""
     if group >= config.mma_from_group and group % mma16x8.COLS == 0:
         return "mma"
-    if group == 1 and rows >= config.mma_from_group and rows % mma16x8.COLS == 0:
-        return "mma"
+    if rows > group and rows >= config.mma_from_group and rows % mma16x8.COLS == 0:
+        return "mma"  # packed query rows (packs_queries)
     if group >= config.tile_from_group:
         return "tiled"
     return "fused" if rows <= config.fuse_rows else "lanes"
@@ -253,18 +255,18 @@ def _chunk_config(form, config):
 def packs_queries(group, seq_q, head_dim, config):
     """Whether a chunk's query rows (speculative decoding) are served by the threads (or
     tensor-core products) that serve its heads, which then load each V row once for all
-    of them, rather than by blocks of their own, which read the chunk again from L2. With
-    one query head per K/V head (8 such rows are the columns of tensor-core products, see
-    :func:`qk_form`), or on tensor cores with groups of 8 (the rows are columns
-    of the products, the 8 heads of one query row a tile; the fused rows of larger groups
-    do not split into tiles that TVM's blockize accepts) while the largest V tile outgrows
-    the shortest chunk's scores (:func:`v_tiles`). Not in kernel 2's lanes with a GQA
-    group: region analysis does not see that a thread's fused (query, head) rows read one
-    V head, and gives every thread a copy of many V rows."""
+    of them, rather than by blocks of their own, which read the chunk again from L2. On
+    tensor cores whenever the rows (query, head) of a K/V head fill tiles of 8 (the
+    columns of the products, :func:`qk_form`) and the largest V tile outgrows the
+    shortest chunk's scores (:func:`v_tiles`); otherwise with one query head per K/V
+    head. Not in kernel 2's lanes with a GQA group: region analysis does not see that a
+    thread's fused (query, head) rows read one V head, and gives every thread a copy of
+    many V rows."""
     if not 1 < seq_q <= config.packed_rows:
         return False
-    if qk_form(group, config) == "mma":
-        return group == mma16x8.COLS and bool(v_tiles(head_dim, score_bytes(group * seq_q, config)))
+    rows = group * seq_q
+    if qk_form(group, config, rows) == "mma":
+        return bool(v_tiles(head_dim, score_bytes(rows, config))) or group == 1
     return group == 1
 
 
@@ -353,16 +355,25 @@ def apply_decode_schedule(
     # The query heads of a GQA group (and, packed, the query rows) go below the chunk
     # loop, so that every block placed under it gets its own row loop: the threads of a
     # chunk then hold all its rows and load each V row for them.
-    b, h, i, j = sch.get_loops(sch.get_sblock("max"))
-    _, g = sch.split(h, [heads_kv, group])
-    j0, _ = sch.split(j, [chunks, None])
-    if packed:  # rows (query, head): a query row's heads are consecutive
-        sch.reorder(j0, i, g)
-        sch.fuse(i, g)
+    if _merges_rows(group, packed):
+        _merge_rows(sch, group)
+        b, h, r, j = sch.get_loops(sch.get_sblock("max"))
+        j0, _ = sch.split(j, [chunks, None])
+        sch.reorder(j0, r)
     else:
-        sch.reorder(i, j0, g)
+        b, h, i, j = sch.get_loops(sch.get_sblock("max"))
+        _, g = sch.split(h, [heads_kv, group])
+        j0, _ = sch.split(j, [chunks, None])
+        if packed:  # rows (query, head): a query row's heads are consecutive
+            sch.reorder(j0, i, g)
+            sch.fuse(i, g)
+        else:
+            sch.reorder(i, j0, g)
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
+    if _merges_rows(group, packed):
+        for name in ("exp", "pv_partial"):
+            _fuse_unit_loops(sch, sch.get_sblock(name), 3)
     sch.compute_inline(sch.get_sblock("score"))
     if form == "mma":
         _schedule_fused_mma(sch, group, *qk, pv_keys, packed)
@@ -376,6 +387,50 @@ def apply_decode_schedule(
             _schedule_qk_in_chunks(sch, cy, z, *qk, lanes)
     _schedule_combine(sch, combine_slices)
     inline_padding(sch)
+
+
+def _merges_rows(group, packed):
+    """Whether :func:`_merge_rows` applies: packed query rows of a GQA group (on tensor
+    cores, :func:`packs_queries`)."""
+    return packed and group > 1
+
+
+def _merged_rows(group, ndim):
+    """The index map ``(b, h, i, ...) -> (b, K/V head, row, ...)`` of ``ndim`` indices,
+    the row ``i * group + h % group``."""
+    return tvm.tirx.IndexMap.from_func(
+        lambda b, h, i, *rest: (b, h // group, i * group + h % group, *rest), ndim=ndim, index_dtype="int32"
+    )
+
+
+def _merge_rows(sch, group):
+    """The attention chain's blocks and buffers indexed ``(b, K/V head, row, ...)``, the
+    rows (query, head of the group) of a K/V head one axis: tiles of 8 such rows span
+    several query rows, and tensorize sees one axis, not a pair, as a tile's columns.
+    Blocks first: transform_layout then simplifies the indices the block transforms wrote
+    (transform_block_layout does not), which split_k_update must read."""
+    chain = [sch.get_sblock(name) for name in ("qk", "score", "max", "exp", "sum", "pv")]
+    for block in chain:
+        sch.transform_block_layout(block, _merged_rows(group, len(sch.get(block).iter_vars)))
+    for block in chain:
+        sch.transform_layout(block, ("write", 0), _merged_rows(group, len(sch.get(block).writes[0].region)))
+
+
+def _fuse_unit_loops(sch, block, after):
+    """Fuse each loop of one iteration below ``block``'s first ``after`` loops into the
+    loop above it. With one K/V head, :func:`_merge_rows` makes the K/V head index 0,
+    and ``split_k_update`` gives the blocks it moves a loop of one iteration for it,
+    between the rows and the keys or dims the schedule expects."""
+    while True:
+        loops = sch.get_loops(block)
+        units = [k for k in range(after, len(loops)) if _is_unit(sch.get(loops[k]).extent)]
+        if not units:
+            return
+        sch.fuse(loops[units[0] - 1], loops[units[0]])
+
+
+def _is_unit(extent):
+    return isinstance(extent, tvm.tirx.IntImm) and extent.value == 1
 
 
 def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row, lanes):
@@ -530,11 +585,17 @@ def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
     dtype = str(buffer_params(sch.mod["main"])[0].ty.dtype)
     rows, cols, depth, warp = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH, mma16x8.WARP
 
-    def rows_last(block, buffer):
-        """The 8 columns of a product are 8 heads of a query row: the query rows of
-        ``block``'s ``buffer`` (indices ``(..., b, h, i, x)``) go before the heads.
-        With one head per K/V head they are 8 packed query rows, already last."""
-        if group > 1:
+    merged = _merges_rows(group, packed)
+
+    def rows_last(block, buffer, source=False):
+        """The 8 columns of a product are 8 rows (query, head) of a K/V head, which must
+        be the last row axis of ``block``'s ``buffer`` (indices ``(..., b, h, i, x)``):
+        with a query row per block, its heads, after the query rows; with one head per
+        K/V head, the query rows, already last; rows merged by :func:`_merge_rows` are
+        one axis already, except in a copy of Q (``source``)."""
+        if merged and source:
+            sch.transform_layout(block, buffer, _merged_rows(group, 4))
+        elif group > 1 and not merged:
             sch.transform_layout(block, buffer, lambda *idx: (*idx[:-3], idx[-2], idx[-3], idx[-1]))
     blocks = {n: sch.get_sblock(n) for n in ("qk", "max_partial", "exp", "sum_partial", "pv_partial")}
     *outer, c = sch.get_loops(blocks["max_partial"])[: 3 if packed else 4]
@@ -548,8 +609,7 @@ def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
     sch.compute_at(qk, c)
     sch.set_scope(qk, 0, "shared")
     rows_last(qk, ("write", 0))
-    *heads, j, rd = _loops_below(sch, qk, c)  # (head, query) packed, else one of them
-    g = _rows(sch, *heads, packed) if len(heads) == 2 else heads[0]
+    g, j, rd = _loops_below(sch, qk, c)  # the rows: heads, packed query rows or merged rows
     gn, g = sch.split(g, [None, cols])
     jt, jw, j16 = sch.split(j, [None, warps, rows])
     ko, kk = sch.split(rd, [None, depth])
@@ -559,7 +619,7 @@ def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
         cache = sch.cache_read(qk, index, "shared")
         sch.compute_at(cache, at, preserve_unit_loops=True)
         if index == 0:
-            rows_last(cache, ("write", 0))
+            rows_last(cache, ("write", 0), source=True)
         _copy_by_all_threads(sch, cache, warps, loops=3)
     _gemm_on_tensor_cores(
         sch,
