@@ -355,7 +355,8 @@ def apply_decode_schedule(
     # The query heads of a GQA group (and, packed, the query rows) go below the chunk
     # loop, so that every block placed under it gets its own row loop: the threads of a
     # chunk then hold all its rows and load each V row for them.
-    if _merges_rows(group, packed):
+    merged = _merges_rows(group, packed)
+    if merged:
         _merge_rows(sch, group)
         b, h, r, j = sch.get_loops(sch.get_sblock("max"))
         j0, _ = sch.split(j, [chunks, None])
@@ -371,7 +372,7 @@ def apply_decode_schedule(
             sch.reorder(i, j0, g)
     for name in ("max", "sum", "pv"):
         sch.split_k_update(sch.get_sblock(name), j0)
-    if _merges_rows(group, packed):
+    if merged:
         for name in ("exp", "pv_partial"):
             _fuse_unit_loops(sch, sch.get_sblock(name), 3)
     sch.compute_inline(sch.get_sblock("score"))
