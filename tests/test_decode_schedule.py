@@ -21,6 +21,7 @@ from tvm_cascade.schedules.decode import (
     longest_chunk,
     packs_queries,
     qk_form,
+    query_rows,
     rows_per_chunk,
     v_tiles,
     schedule_decode,
@@ -125,7 +126,9 @@ def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, head
     assert "exp_shared_ptr" in chunks and "*(uint4*)(V_local_ptr" in chunks
 
 
-@pytest.mark.parametrize("heads_q, heads_kv, seq_q, seq_kv", [(32, 32, 1, 4100), (64, 8, 1, 1000), (32, 16, 3, 37)])
+@pytest.mark.parametrize(
+    "heads_q, heads_kv, seq_q, seq_kv", [(32, 32, 1, 4100), (64, 8, 1, 1000), (32, 16, 3, 37), (64, 8, 1, 100), (4, 4, 3, 700)]
+)
 def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q, seq_kv):
     """``compile_attention`` pads keys to a multiple of ``PAD_KEYS`` (masked); the loads
     of K and V read zeros past the keys' end."""
@@ -133,7 +136,8 @@ def test_key_lengths_the_chunks_do_not_split_are_padded(heads_q, heads_kv, seq_q
         2, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS["causal"], target=CUDA, records="/none"
     )
     source = compiled.mod.imports[0].inspect_source()
-    assert len(_kernels(source)) == _kernel_count(_form(heads_q, heads_kv, seq_q))
+    padded = query_rows(heads_q // heads_kv, seq_q, 128, DecodeConfig())
+    assert len(_kernels(source)) == _kernel_count(_form(heads_q, heads_kv, padded))
     for operand in ("K", "V"):
         assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source), operand
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -213,6 +217,25 @@ def test_tensor_core_products_serve_every_query_row_of_a_group(heads_q, seq_q, t
     # 4 floats per tile and thread (16 keys or dims x 8 columns over a warp).
     expected = [("qk_shared_warp_ptr", str(4 * tiles)), ("pv_partial_warp_ptr", str(4 * tiles))]
     assert re.findall(r"float (qk_shared_warp_ptr|pv_partial_warp_ptr)\[(\d+)\]", kernel) == expected
+
+
+def test_query_rows_are_padded_to_fill_tensor_core_tiles():
+    """Speculative decoding that would not run on tensor cores computes over as many
+    query rows as fill tiles of 8 (query, head) rows there; ``compile_attention`` pads
+    them (their outputs are dropped)."""
+    config = DecodeConfig()
+    for group, lengths in {
+        1: [1, 8, 8, 8, 8, 8, 8, 8],
+        2: [1, 4, 4, 4, 8, 8, 8, 8],
+        4: [1, 2, 4, 4, 6, 6, 8, 8],  # one query row stays tiled
+        8: [1, 2, 3, 4, 5, 6, 7, 8],  # on tensor cores already
+    }.items():
+        assert [query_rows(group, seq_q, 128, config) for seq_q in range(1, 9)] == lengths, group
+    assert kernels.padding("decode", 4, 4, 3, 128) == (8, 128)
+    assert kernels.padding("decode", 4, 4, 3, 128, DecodeConfig(mma_from_group=16)) == (3, 128)
+    compiled = kernels.compile_attention(1, 4, 4, 3, 700, 128, variant=VARIANTS["alibi"], target=CUDA, records="/none")
+    source = compiled.mod.imports[0].inspect_source()
+    assert len(_kernels(source)) == 2 and "mma.sync" in source
 
 
 def test_query_rows_pack_where_they_fill_tiles_and_the_v_tiles_fit():

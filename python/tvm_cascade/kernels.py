@@ -38,7 +38,8 @@ DECODE_QUERIES = 8
 _CHECKOUT_RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "tuned"
 _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
-#: schedules and of every choice of their design spaces; padded keys are masked.
+#: schedules and of every choice of their design spaces; padded keys are masked. Decode
+#: may pad its query rows further (:func:`padding`).
 PAD_TO = {
     "decode": (1, decode.PAD_KEYS),
     "prefill": (prefill.PrefillConfig().rows, max(prefill.KEY_TILES)),
@@ -50,6 +51,16 @@ _TRIALS_PER_ROUND = {"decode": 16, "prefill": 8}
 def kind_of(seq_q):
     """``"decode"`` or ``"prefill"``: which schedule serves ``seq_q`` query rows."""
     return "decode" if seq_q <= DECODE_QUERIES else "prefill"
+
+
+def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
+    """``ops.attention``'s ``pad_to`` for this configuration: :data:`PAD_TO`, with
+    decode's query rows padded to fill tensor-core tiles where that serves them better
+    (:func:`~tvm_cascade.schedules.decode.query_rows`)."""
+    rows, keys = PAD_TO[kind]
+    if kind == "decode":
+        rows = decode.query_rows(heads_q // heads_kv, seq_q, head_dim, config or DecodeConfig())
+    return rows, keys
 
 
 def default_records(kind):
@@ -87,7 +98,7 @@ def compile_attention(
         raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {expected.__name__}")
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
-        pad_to=PAD_TO[kind],
+        pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, config),
     )
     if target is None:
         target = tvm.target.Target.from_device(tvm.cuda(0))
