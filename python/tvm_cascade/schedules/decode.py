@@ -468,9 +468,15 @@ def _schedule_qk_lanes(sch, heads_kv, group, rows, keys_per_row, lanes):
     sch.bind(rx, "threadIdx.x")
     # Each lane keeps its slice of the group's query rows in registers for all its keys,
     # and loads the slices of its row's keys at once, each once for all query heads.
+    _lane_slices(sch, qk, (jy, jy), lanes)
+
+
+def _lane_slices(sch, qk, at, lanes):
+    """Q's and K's slices of the lanes (``threadIdx.x``, one 128-bit load each over the
+    head dimension) in registers, loaded at loops ``at[0]`` and ``at[1]``."""
     for index in (0, 1):
         cache = sch.cache_read(qk, index, "local")
-        sch.compute_at(cache, jy, preserve_unit_loops=True)
+        sch.compute_at(cache, at[index], preserve_unit_loops=True)
         lane, vector = sch.split(sch.get_loops(cache)[-1], [lanes, VECTOR])
         sch.bind(lane, "threadIdx.x")
         sch.vectorize(vector)
@@ -578,12 +584,7 @@ def _schedule_qk_in_chunks(sch, cy, z, keys, lanes):
         sch.reorder(jo, jk, rx, rv)
     sch.bind(rx, "threadIdx.x")
     # Each lane keeps its slice of its query rows in registers for the whole chunk.
-    for index, at in ((0, q_at), (1, jo)):
-        cache = sch.cache_read(qk, index, "local")
-        sch.compute_at(cache, at, preserve_unit_loops=True)
-        lane, vector = sch.split(sch.get_loops(cache)[-1], [lanes, VECTOR])
-        sch.bind(lane, "threadIdx.x")
-        sch.vectorize(vector)
+    _lane_slices(sch, qk, (q_at, jo), lanes)
 
 
 def _loops_below(sch, block, loop):
@@ -643,20 +644,7 @@ def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
         if index == 0:
             rows_last(cache, ("write", 0), source=True)
         _copy_by_all_threads(sch, cache, warps, loops=3)
-    _gemm_on_tensor_cores(
-        sch,
-        qk,
-        dtype,
-        g,
-        (ko, ko, jw, ko),
-        (
-            lambda b, i, h, d: (b, i, h // cols, d // depth, *mma16x8.b_layout(h % cols, d % depth)),
-            lambda b, h, j, d: (b, h, j // rows, d // depth, *mma16x8.a_layout(j % rows, d % depth)),
-            lambda b, i, h, j: (b, i, h // cols, j // rows, *mma16x8.c_layout(j % rows, h % cols)),
-        ),
-        "A",
-        "shared",
-    )
+    _gemm_on_tensor_cores(sch, qk, dtype, g, (ko, ko, jw, ko), "A", "shared")
 
     # Max, exp and sum: the warps split the group's heads, lanes the chunk's keys.
     for name in ("max_partial", "exp", "sum_partial"):
@@ -689,28 +677,33 @@ def _schedule_fused_mma(sch, group, warps, tile_keys, packed):
     v_shared = sch.cache_read(pv, "V_pad" if "V_pad" in padded_inputs(sch) else "V", "shared")
     sch.compute_at(v_shared, rt, preserve_unit_loops=True)
     _copy_by_all_threads(sch, v_shared, warps, loops=2)
-    _gemm_on_tensor_cores(
-        sch,
-        pv,
-        dtype,
-        g,
-        (gn, dm, dw, rt),
-        (
-            lambda b, i, h, j: (b, i, h // cols, j // depth, *mma16x8.b_layout(h % cols, j % depth)),
-            lambda b, h, j, d: (b, h, d // rows, j // depth, *mma16x8.a_layout(d % rows, j % depth)),
-            lambda c, b, i, h, d: (c, b, i, h // cols, d // rows, *mma16x8.c_layout(d % rows, h % cols)),
-        ),
-        "A_T",
-        "global",
-    )
+    _gemm_on_tensor_cores(sch, pv, dtype, g, (gn, dm, dw, rt), "A_T", "global")
 
 
-def _gemm_on_tensor_cores(sch, block, dtype, product, at, layouts, a_operand, out_scope):
-    """Tensorize ``block`` (``C[row, col] += B[col, depth] * A[row, depth]`` in tiles of
-    16 x 8 x 16; its loop ``product`` over one tile's columns): B (read 0) and A (read 1)
-    loaded into warp fragments at loops ``at[0]`` and ``at[1]`` by ldmatrix (A as
-    ``a_operand``), the accumulator stored to ``out_scope`` at ``at[2]`` and initialised
-    at ``at[3]``; ``layouts`` map B's, A's and C's buffer indices to fragments."""
+def _gemm_on_tensor_cores(sch, block, dtype, product, at, a_operand, out_scope):
+    """Tensorize ``block`` (``C[col, row] += B[col, depth] * A[row, depth]`` in tiles of
+    16 x 8 x 16 on its buffers' last two axes, A's stored ``[depth, row]`` if
+    ``a_operand`` is "A_T"; its loop ``product`` over one tile's columns): B (read 0)
+    and A (read 1) loaded into warp fragments at loops ``at[0]`` and ``at[1]`` by
+    ldmatrix, the accumulator stored to ``out_scope`` at ``at[2]`` and initialised at
+    ``at[3]``."""
+    rows, cols, depth = mma16x8.ROWS, mma16x8.COLS, mma16x8.DEPTH
+
+    # Each buffer index -> (its leading indices, the tile's, lane, element).
+    def b_fragment(*index):
+        *lead, col, k = index
+        return (*lead, col // cols, k // depth, *mma16x8.b_layout(col % cols, k % depth))
+
+    def a_fragment(*index):
+        *lead, row, k = index
+        if a_operand == "A_T":
+            row, k = k, row
+        return (*lead, row // rows, k // depth, *mma16x8.a_layout(row % rows, k % depth))
+
+    def c_fragment(*index):
+        *lead, col, row = index
+        return (*lead, col // cols, row // rows, *mma16x8.c_layout(row % rows, col % cols))
+
     b_warp = sch.cache_read(block, 0, "warp", consumer_blocks=[block])
     a_warp = sch.cache_read(block, 1, "warp", consumer_blocks=[block])
     sch.compute_at(b_warp, at[0])
@@ -718,8 +711,10 @@ def _gemm_on_tensor_cores(sch, block, dtype, product, at, layouts, a_operand, ou
     out = sch.cache_write(block, 0, "warp")
     sch.reverse_compute_at(out, at[2])
     init = sch.decompose_reduction(block, at[3])
-    for buffer, layout in zip((("write", b_warp), ("write", a_warp), ("read", out)), layouts):
-        sch.transform_layout(buffer[1], (buffer[0], 0), layout)
+    for (kind, warp_block), fragment in zip(
+        (("write", b_warp), ("write", a_warp), ("read", out)), (b_fragment, a_fragment, c_fragment)
+    ):
+        sch.transform_layout(warp_block, (kind, 0), fragment)
     sch.tensorize(_row_tiles(sch, b_warp, mma16x8.COLS), mma16x8.load_name("B", dtype))
     sch.tensorize(_row_tiles(sch, a_warp, mma16x8.ROWS), mma16x8.load_name(a_operand, dtype))
     sch.tensorize(product, mma16x8.mma_name(dtype))
