@@ -99,7 +99,8 @@ def test_heuristic_schedule_compiles_to_kernels_with_128_bit_loads(heads_q, head
             assert re.search(rf"_shared_ptr\W.* = \*\(uint4\*\)\({operand}_ptr", chunks)
         assert "qk_ptr" not in chunks
         precision = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        assert chunks.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{precision}.{precision}.f32") == 2
+        # (The loops over products are unrolled, once the fragments are in registers.)
+        assert chunks.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{precision}.{precision}.f32") >= 2
         for load in ("x4", "x2", "x4.trans"):
             assert f"ldmatrix.sync.aligned.m8n8.{load}.shared.b16" in chunks
         warps = min(DecodeConfig().mma_warps, head_dim // 16)

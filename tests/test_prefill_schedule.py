@@ -82,7 +82,7 @@ def test_distribute_gives_each_stage_its_row_loop():
     sch = _fused_row_tiles(func, keys=16, rows=32)
     for name in ("qk", "score", "max", "exp", "sum", "pv_tile", "pv"):
         loops = sch.get_loops(sch.get_sblock(name))
-        assert int(sch.get(loops[4]).extent) == 32, name  # b, h, i0, key tile, row
+        assert int(sch.get(loops[5]).extent) == 32, name  # b, h, i0, warp slice, key tile, row
     assert str(sch.trace).count("sch.distribute(") == 1
 
 
@@ -118,7 +118,7 @@ def test_split_tile_accumulation_needs_a_rolled_sum():
 def test_distribute_groups_consecutive_statements():
     func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
     sch = _fused_row_tiles(func, keys=16, rows=32, sizes=[1, 1, 3, 1, 1])
-    rows = {name: sch.get(sch.get_loops(sch.get_sblock(name))[4]) for name in ("max", "exp", "sum", "pv")}
+    rows = {name: sch.get(sch.get_loops(sch.get_sblock(name))[5]) for name in ("max", "exp", "sum", "pv")}
     assert rows["max"].same_as(rows["exp"]) and rows["exp"].same_as(rows["sum"])
     assert not rows["sum"].same_as(rows["pv"])
     assert "sizes=[1, 1, 3, 1, 1]" in str(sch.trace)
@@ -143,7 +143,7 @@ def _decomposed_row_tiles(func, keys, rows):
     sch = _fused_row_tiles(func, keys, rows)
     sch.compute_inline(sch.get_sblock("score"))
     max_block = sch.get_sblock("max")
-    j0 = sch.get_loops(max_block)[3]
+    j0 = sch.get_loops(max_block)[4]
     for name in ("max", "sum", "pv"):
         sch.decompose_reduction(sch.get_sblock(name), j0)
     return sch, max_block, j0
@@ -199,6 +199,38 @@ def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq
     _assert_matches_reference(sch, var, seq_q, seq_kv)
 
 
+def test_skip_masked_tiles_walks_the_same_tiles_in_every_thread():
+    """Rows split between threads above the key-tile loop (each warp a slice of the
+    block's rows, as the prefill schedule does): the loop visits the tiles any row of the
+    block sees, in every thread, since a tile's body synchronises them; its bounds do
+    not read the thread index."""
+    func = ops.attention(1, 2, 1, 96, 96, 16, dtype="float32", variant=VARIANTS["causal"])
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    _, _, i0, slices, j0, i1 = prefill.row_tiles(sch, 32, 16, warps=2)
+    sch.distribute(i1)
+    sch.compute_inline(sch.get_sblock("score"))
+    sch.bind(slices, "threadIdx.y")
+    max_block = sch.get_sblock("max")
+    for name in ("max", "sum", "pv"):
+        sch.decompose_reduction(sch.get_sblock(name), j0)
+    tile, thread, row_tile = (sch.get(loop).loop_var for loop in (j0, slices, i0))
+    sch.skip_masked_tiles(max_block, j0)
+    loops = []
+    tvm_ffi.structural_walk(
+        sch.mod["main"].body,
+        lambda n: loops.append(n) if isinstance(n, tvm.tirx.For) and n.loop_var.same_as(tile) else None,
+    )
+    (loop,) = loops
+    read = []
+    tvm_ffi.structural_walk(loop.extent, lambda n: read.append(n) if isinstance(n, tvm.tirx.Var) else None)
+    assert loop.min.value == 0 and any(v.same_as(row_tile) for v in read)
+    assert not any(v.same_as(thread) for v in read)
+    # Causal, 32 rows per block in two slices of 16: the block's last row bounds the tiles.
+    analyzer = tvm.sym.Analyzer()
+    for block_row, end in enumerate([2, 4, 6]):
+        assert analyzer.simplify(substitute(loop.extent, {row_tile: tvm.tirx.const(block_row, "int32")})).value == end
+
+
 def test_skip_masked_tiles_refuses_what_would_change_the_result():
     causal = VARIANTS["causal"]
     # The first tile still initialises the running max: skipping it would lose that.
@@ -207,7 +239,7 @@ def test_skip_masked_tiles_refuses_what_would_change_the_result():
     sch.compute_inline(sch.get_sblock("score"))
     before = sch.mod
     with pytest.raises(FusionError, match="decompose the reduction"):
-        sch.skip_masked_tiles(sch.get_sblock("max"), sch.get_loops(sch.get_sblock("max"))[3])
+        sch.skip_masked_tiles(sch.get_sblock("max"), sch.get_loops(sch.get_sblock("max"))[4])
     assert tvm_ffi.structural_equal(sch.mod, before)
     # More queries than keys: the first rows see no key (mean of V over all keys).
     func = ops.attention(1, 1, 1, 96, 64, 16, dtype="float32", variant=causal)
@@ -342,7 +374,7 @@ def test_unmask_inner_tiles_computes_whole_tiles_without_the_mask(variant, windo
     sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
     i0 = sch.get(sch.get_loops(max_block)[2]).loop_var
     sch.skip_masked_tiles(max_block, j0)
-    sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[3])
+    sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[4])
     keys = -(-seq_kv // 16) * 16
     rows, cols = np.arange(seq_q)[:, None] + (seq_kv - seq_q), np.arange(keys)[None, :]
     visible = (cols <= rows if var.causal else rows >= 0) & (cols < seq_kv)
@@ -381,26 +413,28 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert trace.count("sch.rolling_update(") == 2 and "sch.split_tile_accumulation(" in trace
     source = _source(sch.mod)
     assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
-    # Two key-tile loops (unmask_inner_tiles): the tiles below the diagonal, without the
-    # mask, and the two diagonal tiles. In each, Q·Kᵀ (K read as the transposed operand)
-    # and P·V, each with ldmatrix and two m16n8k16 mma.sync per 16x16 tile.
-    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2 * 4
-    # Q, K (stored as the transposed operand already) and P plain, V transposed.
-    assert source.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 2 * 3
-    assert source.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * 1
-    # Every fragment is lowered to per-lane registers (a whole-warp array has 512+ elements).
-    for dtype, name, size in re.findall(r"alignas\(64\) (\w+) (\w+_warp_ptr)\[(\d+)\]", source):
-        assert int(size) <= 128, (name, size)
+    # Q·Kᵀ (K read as the transposed operand) and P·V on m16n8k16 mma.sync; Q, K and P
+    # loaded by plain ldmatrix, V transposed.
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in source
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in source
+    # Every fragment is lowered to per-lane registers (a whole-warp array has 512+
+    # elements); the running output is a warp's 32 rows x 128 dims, 128 floats a lane,
+    # never in shared memory, and the epilogue stores it from there.
+    fragments = dict(re.findall(r"alignas\(64\) \w+ (\w+_warp_ptr)\[(\d+)\]", source))
+    assert fragments.pop("pv_warp_ptr") == "128"
+    assert all(int(size) <= 32 for size in fragments.values()), fragments
+    assert "pv_shared" not in source and "pv_tile_shared" not in source
+    assert re.search(r"out_ptr\[.*\] = \(\(half\)\(pv_warp_ptr\[0\] / sum_shared_ptr", source)
     assert "*(uint4*)(K_ptr" in source and "*(uint4*)(V_ptr" in source
     # Barriers only between the stages of a key tile, none inside the per-row loops: the
     # row statistics sit in static shared memory (the barrier planner sees all dynamic
-    # shared memory as one buffer) and the output's rows are read at one index.
-    depths = _barrier_depths(source)
-    assert max(depths) <= 2 and depths.count(2) <= 2 * 8, depths
-    # The causal mask bounds the key tiles by the block's last row: its first row sees
-    # the tiles before the block's two diagonal tiles in full.
-    assert re.search(r"for \(int rj_0 = 0; rj_0 < \(\(\(\(int\)blockIdx.x\) & 1\) \* 2\);", source)
-    assert re.search(r"for \(int rj_0_1 = 0; rj_0_1 < 2;", source)
+    # shared memory as one buffer).
+    assert max(_barrier_depths(source)) <= 2
+    # The causal mask bounds the key tiles by the block's last row, the same for all its
+    # warps: its first row sees the 4 tiles of 32 keys per 128 rows before the block's
+    # diagonal tiles in full.
+    assert re.search(r"for \(int rj_0 = 0; rj_0 < \(\(\(\(int\)blockIdx.x\) & 1\) \* 4\);", source)
 
 
 @pytest.mark.parametrize("variant, seq_q, seq_kv", [("global", 128, 64), ("causal", 64, 64), ("global", 20, 30)])
@@ -429,11 +463,12 @@ def test_lengths_that_are_not_whole_tiles_are_padded(variant, seq_q, seq_kv):
     source = _source(sch.mod)
     assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
     for operand in ("Q", "K", "V"):
-        # One guarded 128-bit load per copy, zeros otherwise.
-        assert len(re.findall(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)) == 1
+        # 128-bit loads, guarded (zeros otherwise) where they can reach past the end.
+        assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)
     assert re.search(r"if \(.*\) \{\n\s*out_ptr\[", source)
-    # The padded keys are masked: the tiles before the last are computed without it.
-    assert source.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") == 2 * 4
+    # The padded keys are masked: the tiles before the last are computed without it, in
+    # a key-tile loop of their own.
+    assert len(re.findall(r"for \(int rj_0(_1)? = 0;", source)) == 2
 
 
 def _barrier_depths(source):

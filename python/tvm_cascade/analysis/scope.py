@@ -38,6 +38,12 @@ class Site:
     def under(self, loop) -> bool:
         return any(l.same_as(loop) for l in self.loops)
 
+    def loops_above(self, loop) -> list:
+        for k, l in enumerate(self.loops):
+            if l.same_as(loop):
+                return self.loops[:k]
+        return []
+
     def loops_below(self, loop) -> list:
         for k, l in enumerate(self.loops):
             if l.same_as(loop):

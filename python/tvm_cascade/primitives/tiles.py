@@ -218,7 +218,7 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
     if mask is None:
         raise FusionError(f"skip_masked_tiles: block '{target.name_hint}' reads no masked scores")
     _check_every_row_sees_a_key(target, mask)
-    analyzer = tvm.sym.Analyzer()
+    analyzer = _analyzer_above(site, node)
     t = node.loop_var
     lo, hi = node.min, node.min + node.extent
     bounded = False
@@ -335,6 +335,8 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
         mask = mask_condition(site.block) if site.under(node) else None
         if mask is None:
             continue
+        if not masked:
+            analyzer = _analyzer_above(site, node)
         masked = True
         # A conjunct holds on all of tile t iff it holds for the largest difference there.
         for slope, limit in _tile_inequalities(analyzer, site, node, mask, "max_value"):
@@ -411,6 +413,16 @@ def _buffers_used_outside(root, loop):
     ]
 
 
+def _analyzer_above(site, loop):
+    """An analyzer that knows the value of each loop of one iteration above ``loop``
+    (the tile bounds then do not read it)."""
+    analyzer = tvm.sym.Analyzer()
+    for outer in site.loops_above(loop):
+        if isinstance(outer.extent, tvm.tirx.IntImm) and outer.extent.value == 1:
+            analyzer.bind(outer.loop_var, outer.min)
+    return analyzer
+
+
 def _slope(analyzer, expr, var):
     """``(slope, value at var = 0)`` of ``expr`` if it is ``slope * var + c`` with a
     constant integer slope, else ``(None, None)``."""
@@ -427,8 +439,14 @@ def _tile_inequalities(analyzer, site, loop, mask, extreme):
     ``"max_value"``) of its difference over tile ``t`` of ``loop`` iff
     ``slope * t <= limit``; ``(None, None)`` where that extreme is not linear in t."""
     bindings = {iv.var: site.binding(iv) for iv in site.block.iter_vars}
+    # Threads of a block above ``loop`` count as rows below it: every thread must walk
+    # the same tiles, since a tile's body may synchronise them.
+    threads = [
+        l for l in site.loops_above(loop)
+        if l.thread_binding is not None and l.thread_binding.thread_tag.startswith("threadIdx")
+    ]
     below = {
-        l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in site.loops_below(loop)
+        l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in threads + site.loops_below(loop)
     }
     for difference, strict in _linear_conjuncts(mask):
         bound = getattr(analyzer.int_set(substitute(difference, bindings), below), extreme)

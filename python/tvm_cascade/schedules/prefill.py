@@ -2,20 +2,22 @@
 
 Built from the traced ``rolling_update`` and the tile rewrites of
 :mod:`tvm_cascade.primitives.tiles`, then ordinary TVM primitives. One thread block owns
-``rows`` query rows of one head and walks the keys in tiles of ``keys``:
+``rows`` query rows of one head, each of its warps 32 of them from the first key tile to
+the epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
-  by all threads);
+  by all threads of the block);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
-  ``mma.sync`` m16n8k16 with fp32 accumulators, each warp ``rows / warps`` rows; the
-  scores go to shared memory (rows padded by one word);
+  ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores go to
+  shared memory (rows padded by one word);
 * one thread per row applies the score modification and mask (inlined ``score``),
   keeps the running max and sum and writes the tile's exps as fp16 for the second GEMM,
   all in one loop nest over static shared memory (no barrier inside it);
-* ``pv_tile`` (exps · V of the tile) runs on tensor cores like ``qk``;
-* the running output lives in shared memory: one thread per row repairs it
-  (``O * exp(m_prev - m)``) and adds the tile's P·V once per tile; the epilogue
-  normalises it by the sum;
+* the running output lives in the warp's mma accumulators (registers): per pass over
+  ``1 / pv_split`` of the head dimension, ``pv_tile`` (the tile's exps · V) runs on
+  tensor cores into accumulators of its own, and each lane repairs and advances its
+  elements of the output (``O * exp(m_prev - m) + P·V``); the epilogue normalises them
+  by the sum and stores them;
 * the reductions' initial values sit before the key loop, and with a causal or window
   mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see and
   ``unmask_inner_tiles`` splits it into the tiles every row sees in full, computed
@@ -30,6 +32,7 @@ import tvm
 
 from ..primitives.tiles import mask_condition
 from .padding import inline_padding
+from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
 
 
@@ -54,8 +57,8 @@ class PrefillConfig:
     # builds: at 64, TVM's storage planner puts an fp16 shared buffer in an fp32 one's
     # place and its ldmatrix address lowering rejects the mixed types.
     rows: int = 128
-    keys: int = 64  # keys per tile
-    pv_split: int = 1  # passes over the head dimension in the P·V GEMM (register pressure)
+    keys: int = 32  # keys per tile
+    pv_split: int = 4  # passes over the head dimension in the P·V GEMM (register pressure)
 
 
 def check_shape(seq_q, seq_kv, head_dim, config=PrefillConfig()):
@@ -105,10 +108,11 @@ def prefill_design_space(rows=PrefillConfig().rows):
     return space
 
 
-def row_tiles(sch, rows, keys):
+def row_tiles(sch, rows, keys, warps=1):
     """The FlashAttention form of ``ops.attention`` with ``keys`` keys per tile, P·V split
-    into a per-tile GEMM and its repair, and a tile of ``rows`` query rows moved below the
-    key loop; returns the loops (batch, head, row tile, key tile, row in tile)."""
+    into a per-tile GEMM and its repair, and a tile of ``rows`` query rows in ``warps``
+    slices, each slice's rows moved below the key loop; returns the loops (batch, head,
+    row tile, slice, key tile, row in slice)."""
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     j0, _ = sch.split(j, [None, keys])
     sch.rolling_update(sch.get_sblock("sum"), j0)
@@ -116,17 +120,17 @@ def row_tiles(sch, rows, keys):
     sch.compute_at(sch.get_sblock("score"), j0)
     sch.compute_at(sch.get_sblock("qk"), j0)
     sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
-    i0, i1 = sch.split(i, [None, rows])
+    i0, iw, i1 = sch.split(i, [None, warps, rows // warps])
     sch.reorder(j0, i1)
-    return b, h, i0, j0, i1
+    return b, h, i0, iw, j0, i1
 
 
 def apply_prefill_schedule(sch, rows, keys, pv_split):
     """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys`` and
     ``pv_split`` are ints or sampled ``ExprRV``s."""
     warps = rows // WARP
-    # FlashAttention form, then a tile of rows below the key loop, one loop nest per stage.
-    b, h, i0, j0, i1 = row_tiles(sch, rows, keys)
+    # FlashAttention form, each warp's rows below the key loop, one loop nest per stage.
+    b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps)
     # Stages qk, score, then max, exp and sum in one row loop (each thread reads only the
     # statistics it wrote: no barrier between them), then pv_tile, pv.
     sch.distribute(i1, [1, 1, 3, 1, 1])
@@ -135,15 +139,16 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     stats_row = sch.get_loops(max_block)[-2]
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
+    # Each warp owns its rows from the first key tile to the epilogue: their running
+    # output stays in its registers.
+    sch.bind(ty, "threadIdx.y")
     out = sch.get_sblock("out")
-    sch.reverse_compute_at(out, bx)
+    sch.reverse_compute_at(out, ty)
 
-    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, 1, transposed_b=True)
+    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True, out_scope=SHARED)
 
     # One thread per row for the row statistics and the exps.
-    ty, tx = sch.split(stats_row, [warps, WARP])
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
+    sch.bind(stats_row, "threadIdx.x")
     sch.set_scope(max_block, 0, ROW_SHARED)
     sch.set_scope(max_block, 1, ROW_SHARED)
     sch.set_scope(sum_block, 0, ROW_SHARED)
@@ -151,27 +156,25 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     # Padded rows: ldmatrix's eight row addresses hit distinct banks.
     sch.storage_align(exp, 0, axis=-2, factor=MMA, offset=VECTOR)
     sch.unsafe_set_dtype(exp, 0, "float16")
-    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, pv_split, transposed_b=False)
+
+    # The running output in the mma accumulator layout, in registers: per pass over a
+    # slice of the head dimension, the tile's P·V (accumulated in registers too) and its
+    # repair, O * exp(m_prev - m) + P·V, element by element on the fragments.
+    pv = sch.get_sblock("pv")
+    row, dim = sch.get_loops(pv)[-2:]
+    passes, dim = sch.split(dim, [pv_split, None])
+    sch.reorder(passes, row)
+    sch.annotate(passes, tensor_cores.UNROLL, 1)
+    sch.compute_at(sch.get_sblock("pv_tile"), passes)
+    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False, out_scope="warp")
+    sch.set_scope(pv, 0, "warp")
+    sch.transform_layout(pv, ("write", 0), _fragment)
+    _bind_fragment_lanes(sch, pv)
+    # The epilogue normalises each lane's elements of the output.
+    _bind_fragment_lanes(sch, out)
     # Lengths padded to whole tiles (``ops.attention(pad_to=...)``): the shared-memory
     # copies read the inputs, with zeros past their ends.
     inline_padding(sch)
-
-    # The running output stays in shared memory (registers would need one thread mapping
-    # for the tile loop's stages and the epilogue, which TVM's buffer compaction cannot
-    # see across loop nests). One thread per row repairs (O * exp(m_prev - m), one exp
-    # per row and tile) and advances its row; rows padded like the tile's P·V, so that
-    # both are read at one index (no barrier) and without bank conflicts.
-    pv = sch.get_sblock("pv")
-    row, _ = sch.get_loops(pv)[-2:]
-    ty, tx = sch.split(row, [warps, WARP])
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
-    sch.set_scope(pv, 0, SHARED)
-    sch.storage_align(pv, 0, axis=-2, factor=WARP, offset=1)
-    # The epilogue normalises with lanes along the head dimension (coalesced stores).
-    _, ty, tx = sch.split(sch.fuse(*sch.get_loops(out)[-2:]), [None, warps, WARP])
-    sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
     # The key loops stay loops even over one tile (64 keys or fewer, or the last tile of
     # padded keys that unmask_inner_tiles splits off): without its loop, TVM's storage
     # planner puts that tile's fp16 buffers in the place of fp32 ones, which the ldmatrix
@@ -184,7 +187,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     # and only the tiles its rows see in part compute the mask.
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
-        sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[1])
+        sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
 
 
 def _head_dim(sch):
@@ -196,19 +199,41 @@ def _shape(sch):
     return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
 
 
-def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
-    """Tensor-core GEMM of ``block`` (loops rows x cols x depth under ``j0``): A copied
-    to dynamic shared memory at ``a_at`` (None: A already is in static shared memory, as
-    the exps are), B at ``j0``, both through
-    ldmatrix into warp fragments, fp32 accumulators, the result stored to shared
-    memory with rows padded by one word (its readers take one row per thread)."""
+def _fragment(*index):
+    """Buffer index -> (its leading indices, 16 x 16 tile, lane, element) of the
+    ldmatrix/mma fragment layout over the last two axes."""
+    *outer, r, c = index
+    layout = cuda_intrinsics().shared_16x16_to_ldmatrix_32x8_layout
+    return (*outer, r // MMA, c // MMA, *layout(r % MMA, c % MMA))
+
+
+def _bind_fragment_lanes(sch, block):
+    """Loops (rows, cols) of ``block``, which reads or writes a 16 x 16-tiled fragment
+    at its own ``(row, col)``: each lane takes the elements its fragment holds (lane
+    ``4 * (row % 8) + (col % 8) // 2``, two rows and two column pairs per tile)."""
+    rows, cols = sch.get_loops(block)[-2:]
+    row_tile, row_half, row = sch.split(rows, [None, 2, 8])
+    col_tile, col_half, col_pair, col = sch.split(cols, [None, 2, 4, 2])
+    sch.reorder(row_tile, col_tile, row_half, col_half, col, row, col_pair)
+    sch.bind(sch.fuse(row, col_pair), "threadIdx.x")
+    for loop in (row_tile, col_tile, row_half, col_half, col):
+        sch.annotate(loop, tensor_cores.UNROLL, 1)
+
+
+def _gemm(sch, block, a_at, j0, warps, transposed_b, out_scope):
+    """Tensor-core GEMM of one warp's ``block`` (loops rows x cols x depth last): A
+    copied to dynamic shared memory at ``a_at`` (None: A already is in static shared
+    memory, as the exps are), B at ``j0``, both by all ``warps`` warps and through
+    ldmatrix into warp fragments, fp32 accumulators. ``out_scope`` "warp" keeps the
+    result in the accumulators (the block's buffer takes the fragment layout); else it
+    is stored to shared memory with rows padded by one word (its readers take one row
+    per thread)."""
     intrin = cuda_intrinsics()
     i, n, k = sch.get_loops(block)[-3:]
-    ty, mi, i16 = sch.split(i, [warps, None, MMA])
-    no, nj, n16 = sch.split(n, [col_passes, None, MMA])
+    mi, i16 = sch.split(i, [None, MMA])
+    nj, n16 = sch.split(n, [None, MMA])
     ko, k16 = sch.split(k, [None, MMA])
-    sch.reorder(ty, no, ko, mi, nj, i16, n16, k16)
-    sch.bind(ty, "threadIdx.y")
+    sch.reorder(ko, mi, nj, i16, n16, k16)
 
     # Operands: A (rows of this block) and B (this key tile) in shared memory.
     a_index, b_index = 0, 1
@@ -219,39 +244,40 @@ def _gemm(sch, block, a_at, j0, warps, col_passes, transposed_b):
     b_warp = sch.cache_read(block, b_index, "warp", consumer_blocks=[block])
     sch.compute_at(a_warp, ko)
     sch.compute_at(b_warp, ko)
-    c_warp = sch.cache_write(block, 0, "warp")
-    sch.reverse_compute_at(c_warp, no)
-    sch.set_scope(c_warp, 0, SHARED)
-    store_name = sch.get(c_warp).name_hint
+    if out_scope == "warp":
+        sch.set_scope(block, 0, "warp")
+        sch.transform_layout(block, ("write", 0), _fragment)
+    else:
+        # (Stored once the tile is complete: after the GEMM's loops, where cache_write puts it.)
+        c_warp = sch.cache_write(block, 0, "warp")
+        store_name = sch.get(c_warp).name_hint
+        sch.set_scope(c_warp, 0, out_scope)
+        sch.transform_layout(c_warp, ("read", 0), _fragment)
     init = sch.decompose_reduction(block, ko)
-
-    def layout(*index):
-        *outer, r, c = index
-        return (*outer, r // MMA, c // MMA, *intrin.shared_16x16_to_ldmatrix_32x8_layout(r % MMA, c % MMA))
-
-    sch.transform_layout(a_warp, ("write", 0), layout)
-    sch.transform_layout(b_warp, ("write", 0), layout)
-    sch.transform_layout(c_warp, ("read", 0), layout)
+    sch.transform_layout(a_warp, ("write", 0), _fragment)
+    sch.transform_layout(b_warp, ("write", 0), _fragment)
 
     b_load = intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed_b else intrin.LDMATRIX_f16_B_DYN_INTRIN
     a_load = intrin.LDMATRIX_f16_A_DYN_INTRIN if a_at is not None else intrin.LDMATRIX_f16_A_INTRIN
     for cache, name in ((a_warp, a_load), (b_warp, b_load)):
-        r, c = sch.get_loops(cache)[-2:]
-        ro, ri = sch.split(r, [None, MMA])
-        co, ci = sch.split(c, [None, MMA])
-        sch.reorder(ro, co, ri, ci)
-        sch.tensorize(ri, name)
+        sch.tensorize(_tile(sch, cache), name)
     sch.tensorize(
         i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed_b else intrin.MMA_f16f16f32_INTRIN
     )
     sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
-    r, c = sch.get_loops(c_warp)[-2:]
+    if out_scope != "warp":
+        sch.tensorize(_tile(sch, c_warp), intrin.MMA_store_16x16_f32_shared_dyn_INTRIN)
+        # On the tensorized block: tensorize drops the annotations of the block it replaces.
+        sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
+
+
+def _tile(sch, block):
+    """The loop over one 16 x 16 tile of ``block``'s last two loops."""
+    r, c = sch.get_loops(block)[-2:]
     ro, ri = sch.split(r, [None, MMA])
     co, ci = sch.split(c, [None, MMA])
     sch.reorder(ro, co, ri, ci)
-    sch.tensorize(ri, intrin.MMA_store_16x16_f32_shared_dyn_INTRIN)
-    # On the tensorized block: tensorize drops the annotations of the block it replaces.
-    sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
+    return ri
 
 
 def _operand_to_shared(sch, block, index, at, warps):

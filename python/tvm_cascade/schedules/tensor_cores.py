@@ -16,7 +16,8 @@ def cuda_intrinsics():
 
 def build(mod, target):
     """``tvm.compile``; a module with warp-scope buffers (tensor-core fragments) gets TVM's
-    default pipeline except that every warp-scope buffer is lowered to registers.
+    default pipeline except that every warp-scope buffer is lowered to registers and
+    the small loops over fragments are unrolled afterwards.
 
     TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
     sequence per run (it rewrites the rest of the sequence for that buffer and stops);
@@ -24,7 +25,11 @@ def build(mod, target):
     ``mma`` uses every lane's, and operands stay whole-warp arrays per thread (local
     memory). Running the pass until no warp buffer is left lowers them all; common
     subexpression elimination stays off, since it hides the lane term of the fragment
-    offsets (``threadIdx.x * 8``) from that pass.
+    offsets (``threadIdx.x * 8``) from that pass. A fragment indexed by a loop variable
+    lives in local memory (the stack), not in registers: loops of up to
+    ``UNROLL_STEPS`` steps and loops annotated with ``UNROLL`` are unrolled, after
+    ``LowerWarpMemory`` (unrolled earlier, constant offsets hide the lane term from it
+    too).
     """
     if not _has_warp_buffers(mod):
         return tvm.compile(mod, target=target)
@@ -33,6 +38,11 @@ def build(mod, target):
 
 
 _PIPELINE = "tvm_cascade_warp_lowered"
+UNROLL_STEPS = 128
+#: A loop annotation: unroll the loop in full once fragments are in registers (a loop
+#: too long for ``UNROLL_STEPS`` whose iterations index fragments, e.g. passes over an
+#: accumulator).
+UNROLL = "tvm_cascade.unroll_after_warp_lowering"
 #: :func:`build` as a global function returning the runtime module, for MetaSchedule's builder
 #: processes.
 BUILD_FUNC = "tvm_cascade.build"
@@ -73,13 +83,33 @@ def _lower_all_warp_memory(mod, _ctx):
     return mod
 
 
+def _mark_unrolled(loop):
+    if UNROLL not in loop.annotations:
+        return loop
+    annotations = {k: v for k, v in loop.annotations.items() if k != UNROLL}
+    return tvm.tirx.For(
+        loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.UNROLLED, loop.body,
+        loop.thread_binding, annotations, loop.step,
+    )
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.UnrollFragmentLoops")
+def _unroll_fragment_loops(mod, _ctx):
+    for gvar, func in mod.functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            mod[gvar] = func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.For, _mark_unrolled)))
+    config = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": True, "auto_max_step": UNROLL_STEPS}}
+    with tvm.transform.PassContext(opt_level=3, config=config):
+        return tvm.tirx.transform.UnrollLoop()(mod)
+
+
 def _pipeline_factory():
     from tvm.s_tir.pipeline import default_s_tir_pipeline
 
     pipeline, finalize_host, finalize_device = default_s_tir_pipeline()
 
     def finalize():
-        return tvm.transform.Sequential([_lower_all_warp_memory, finalize_device()])
+        return tvm.transform.Sequential([_lower_all_warp_memory, _unroll_fragment_loops, finalize_device()])
 
     return pipeline, finalize_host, finalize
 
