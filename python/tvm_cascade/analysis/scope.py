@@ -39,16 +39,15 @@ class Site:
         return any(l.same_as(loop) for l in self.loops)
 
     def loops_above(self, loop) -> list:
-        for k, l in enumerate(self.loops):
-            if l.same_as(loop):
-                return self.loops[:k]
-        return []
+        k = self._position(loop)
+        return [] if k is None else self.loops[:k]
 
     def loops_below(self, loop) -> list:
-        for k, l in enumerate(self.loops):
-            if l.same_as(loop):
-                return self.loops[k + 1 :]
-        return []
+        k = self._position(loop)
+        return [] if k is None else self.loops[k + 1 :]
+
+    def _position(self, loop):
+        return next((k for k, l in enumerate(self.loops) if l.same_as(loop)), None)
 
     def write_buffers(self):
         return [region.source for region in self.block.writes]

@@ -95,9 +95,12 @@ def _mark_unrolled(loop):
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.UnrollFragmentLoops")
 def _unroll_fragment_loops(mod, _ctx):
-    for gvar, func in mod.functions.items():
-        if isinstance(func, tvm.tirx.PrimFunc):
-            mod[gvar] = func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.For, _mark_unrolled)))
+    marked = {
+        gvar: func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.For, _mark_unrolled)))
+        if isinstance(func, tvm.tirx.PrimFunc) else func
+        for gvar, func in mod.functions.items()
+    }
+    mod = tvm.IRModule(marked, attrs=mod.attrs)
     config = {"tirx.disable_cse_tir": True, "tirx.UnrollLoop": {"explicit_unroll": True, "auto_max_step": UNROLL_STEPS}}
     with tvm.transform.PassContext(opt_level=3, config=config):
         return tvm.tirx.transform.UnrollLoop()(mod)
