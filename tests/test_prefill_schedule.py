@@ -80,7 +80,7 @@ def _blocks(func):
 def test_distribute_gives_each_stage_its_row_loop():
     func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
     sch = _fused_row_tiles(func, keys=16, rows=32)
-    for name in ("qk", "score", "max", "exp", "sum", "pv_tile", "pv"):
+    for name in ("qk", "score", "max", "exp", "sum", "pv_scale", "pv_tile", "pv"):
         loops = sch.get_loops(sch.get_sblock(name))
         assert int(sch.get(loops[5]).extent) == 32, name  # b, h, i0, warp slice, key tile, row
     assert str(sch.trace).count("sch.distribute(") == 1
@@ -106,6 +106,88 @@ def test_distribute_refuses_state_shared_between_iterations():
     assert tvm_ffi.structural_equal(sch.mod, before)
 
 
+@T.prim_func(s_tir=True)
+def _softmax_pv(S: T.Buffer((4, 32), "float32"), V: T.Buffer((32, 8), "float32"), O: T.Buffer((4, 8), "float32")):
+    m = T.sblock_alloc_buffer((4,))
+    e = T.sblock_alloc_buffer((4, 32))
+    for i, j in T.grid(4, 32):
+        with T.sblock("max"):
+            vi, vj = T.axis.remap("SR", [i, j])
+            with T.init():
+                m[vi] = T.min_value("float32")
+            m[vi] = T.max(m[vi], S[vi, vj])
+    for i, j in T.grid(4, 32):
+        with T.sblock("exp"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            e[vi, vj] = T.exp(S[vi, vj] - m[vi])
+    for i, d, j in T.grid(4, 8, 32):
+        with T.sblock("pv"):
+            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+            with T.init():
+                O[vi, vd] = T.float32(0)
+            O[vi, vd] = O[vi, vd] + e[vi, vj] * V[vj, vd]
+
+
+@T.prim_func(s_tir=True)
+def _softmax_pv_tiles(S: T.Buffer((4, 32), "float32"), V: T.Buffer((32, 8), "float32"), O: T.Buffer((4, 8), "float32")):
+    m = T.sblock_alloc_buffer((4,))
+    e = T.sblock_alloc_buffer((4, 32))
+    m_prev = T.sblock_alloc_buffer((4,))
+    O_tile = T.sblock_alloc_buffer((2, 4, 8))
+    O_scale = T.sblock_alloc_buffer((2, 4))
+    for i, j_0 in T.grid(4, 2):
+        for j_1 in range(16):
+            with T.sblock("max"):
+                vi = T.axis.spatial(4, i)
+                vj = T.axis.reduce(32, j_0 * 16 + j_1)
+                T.reads(S[vi, vj])
+                T.writes(m[vi], m_prev[vi])
+                with T.init():
+                    m[vi] = T.min_value("float32")
+                if vj % 16 == 0:
+                    m_prev[vi] = m[vi]
+                m[vi] = T.max(m[vi], S[vi, vj])
+        for j_1 in range(16):
+            with T.sblock("exp"):
+                vi = T.axis.spatial(4, i)
+                vj = T.axis.spatial(32, j_0 * 16 + j_1)
+                e[vi, vj] = T.exp(S[vi, vj] - m[vi])
+        with T.sblock("pv_scale"):
+            v_t, vi = T.axis.remap("SS", [j_0, i])
+            O_scale[v_t, vi] = T.if_then_else(0 < v_t, T.exp(m_prev[vi] - m[vi]), T.float32(1))
+        for ax0, j_1 in T.grid(8, 16):
+            with T.sblock("pv_tile"):
+                vi, vd, v_t, v_r = T.axis.remap("SSSR", [i, ax0, j_0, j_1])
+                with T.init():
+                    O_tile[v_t, vi, vd] = T.float32(0)
+                O_tile[v_t, vi, vd] = O_tile[v_t, vi, vd] + e[vi, v_t * 16 + v_r] * V[v_t * 16 + v_r, vd]
+        for ax0 in range(8):
+            with T.sblock("pv"):
+                vi, vd, v_t = T.axis.remap("SSR", [i, ax0, j_0])
+                T.reads(O_scale[v_t, vi], O_tile[v_t, vi, vd])
+                T.writes(O[vi, vd])
+                with T.init():
+                    O[vi, vd] = T.float32(0)
+                O[vi, vd] = O[vi, vd] * O_scale[v_t, vi] + O_tile[v_t, vi, vd]
+
+
+def test_split_tile_accumulation_exact_ir_and_numerics():
+    """A scaling repair (``O * exp(m_prev - m)``) gets its factor as a stage per row and tile."""
+    sch = tvm.s_tir.Schedule(_softmax_pv)
+    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[1], [None, 16])
+    sch.rolling_update(sch.get_sblock("pv"), j0)
+    sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"), _softmax_pv_tiles.without_attr("global_symbol")
+    )
+    rng = np.random.default_rng(3)
+    s = (rng.standard_normal((4, 32)) * 6).astype("float32")
+    v = rng.standard_normal((32, 8)).astype("float32")
+    out, = run_prim_func(_softmax_pv_tiles, [s, v])
+    p = np.exp(s.astype("float64") - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(out, p @ v, rtol=1e-5, atol=1e-5)
+
+
 def test_split_tile_accumulation_needs_a_rolled_sum():
     func = ops.attention(1, 1, 1, 32, 32, 16, dtype="float32", variant=VARIANTS["causal"])
     sch = tvm.s_tir.Schedule(func)
@@ -117,11 +199,11 @@ def test_split_tile_accumulation_needs_a_rolled_sum():
 
 def test_distribute_groups_consecutive_statements():
     func = ops.attention(1, 1, 1, 64, 64, 16, dtype="float32", variant=VARIANTS["causal"])
-    sch = _fused_row_tiles(func, keys=16, rows=32, sizes=[1, 1, 3, 1, 1])
+    sch = _fused_row_tiles(func, keys=16, rows=32, sizes=[1, 1, 3, 1, 1, 1])
     rows = {name: sch.get(sch.get_loops(sch.get_sblock(name))[5]) for name in ("max", "exp", "sum", "pv")}
     assert rows["max"].same_as(rows["exp"]) and rows["exp"].same_as(rows["sum"])
     assert not rows["sum"].same_as(rows["pv"])
-    assert "sizes=[1, 1, 3, 1, 1]" in str(sch.trace)
+    assert "sizes=[1, 1, 3, 1, 1, 1]" in str(sch.trace)
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 1, 64, 16)).astype("float32") for _ in range(3))
     out, = run_prim_func(sch.mod["main"], [q, k, v])

@@ -88,7 +88,13 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
       reduction over the tile, zero at its start), in place of ``block``;
     * ``block``: ``X = (0 < t ? h(X) : X) + X_tile[t, ...]``, reducing over ``t``,
       placed right after it under ``loop`` with copies of the loops of ``block``'s other
-      iterators.
+      iterators;
+    * for a scaling repair ``h(X) = X * c`` (attention's ``exp(m_prev - m)``), in place
+      of the branch: ``<block>_scale``, ``X_scale[t, ...] = (0 < t ? c : 1)`` over only
+      the iterators ``c`` uses (a row), right before ``<block>_tile`` (it reads what
+      the repair read, complete there), and ``block`` becomes
+      ``X = X * X_scale[t, ...] + X_tile[t, ...]``: the factor is computed once per row
+      and tile, not per element.
 
     ``X_tile`` has ``X``'s shape behind a leading tile dimension, so that the tile's
     rows and columns stay its last two dimensions, as matrix instructions want them.
@@ -157,31 +163,93 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
     entering = analyzer.simplify(substitute(_entering_condition(repaired), first))
     repair = substitute(repaired.args[1], first)
     acc_load = tvm.tirx.BufferLoad(acc, store.indices)
+    # The combine keeps the loops of block's other iterators, with fresh variables.
+    kept = [l for l in inner if not uses_var(site.binding(axis), l.loop_var)]
+    fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in kept}
+    stages, new_buffers = [], [x_tile]
+    factor = _scaling_factor(repair, acc_load)
+    if factor is None:
+        repaired_acc = tvm.tirx.if_then_else(entering, repair, acc_load)
+    else:
+        scale = _ScaleStage(target, site, t_var, tiles, factor, entering, buffers)
+        new_buffers.append(scale.buffer)
+        buffers.append(scale.buffer)
+        stages.append(scale.nest(kept, fresh, node.loop_var))
+        repaired_acc = acc_load * scale.load()
     combine = ir.copy_block(
         target,
         iter_vars=spatial + [tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, REDUCE)],
         body=tvm.tirx.BufferStore(
-            acc,
-            tvm.tirx.if_then_else(entering, repair, acc_load) + tvm.tirx.BufferLoad(x_tile, tile_index),
-            store.indices,
+            acc, repaired_acc + tvm.tirx.BufferLoad(x_tile, tile_index), store.indices
         ),
     )
     combine = ir.with_regions(ir.with_fresh_iter_vars(combine), buffers)
-    # The combine keeps the loops of block's other iterators, with fresh variables.
-    kept = [l for l in inner if not uses_var(site.binding(axis), l.loop_var)]
-    fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in kept}
     combine_realize = SBlockRealize(
         [substitute(v, fresh) for v in spatial_values] + [node.loop_var], True, combine
     )
-    combine_nest = ir.nest([(fresh[l.loop_var], l.extent) for l in kept], combine_realize)
+    stages.append(ir.nest([(fresh[l.loop_var], l.extent) for l in kept], combine_realize))
 
     old = inner[0] if inner else site.realize
     new_per_tile = _rebuild_nest(old, site.realize, per_tile_realize)
     _replace_stmt(
-        self, root_sref, old, tvm.tirx.SeqStmt([new_per_tile, combine_nest]), [x_tile],
+        self, root_sref, old, tvm.tirx.SeqStmt(stages[:-1] + [new_per_tile, stages[-1]]), new_buffers,
         reuse={target: per_tile},
     )
     append_instruction(self, "SplitTileAccumulation", [block, loop])
+
+
+def _scaling_factor(repair, acc_load):
+    """``c`` if the repair is ``X * c`` with ``c`` free of ``X``, else None."""
+    if isinstance(repair, tvm.tirx.Mul):
+        for x, factor in ((repair.a, repair.b), (repair.b, repair.a)):
+            if tvm_ffi.structural_equal(x, acc_load) and not any(
+                load.source.same_as(acc_load.source) for load in _loads(factor)
+            ):
+                return factor
+    return None
+
+
+def _loads(expr):
+    found = []
+    tvm_ffi.structural_walk(expr, lambda n: found.append(n) if isinstance(n, ir_expr.TensorLoad) else None)
+    return found
+
+
+class _ScaleStage:
+    """The factor ``c`` of a scaling repair ``X * c`` as a stage of its own,
+    ``X_scale[t, ...] = 0 < t ? c : 1`` over only the iterators ``c`` uses (a row's
+    ``exp(m_prev - m)``): the combine multiplies by a load, once per element, instead
+    of branching around ``c``'s loads and evaluating it per element."""
+
+    def __init__(self, target, site, t_var, tiles, factor, entering, buffers):
+        spatial = [iv for iv in target.iter_vars if iv.iter_type != REDUCE]
+        self.used = [iv for iv in spatial if uses_var(factor, iv.var)]
+        self.site, self.t_var = site, t_var
+        acc = target.body.buffer
+        self.buffer = ir.like_buffer(
+            acc, f"{acc.name}_scale", shape=[tiles] + [iv.dom.extent for iv in self.used]
+        )
+        index = [t_var] + [iv.var for iv in self.used]
+        one = tvm.tirx.const(1, acc.dtype)
+        block = ir.copy_block(
+            target,
+            name_hint=f"{target.name_hint}_scale",
+            iter_vars=[tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, SPATIAL)] + self.used,
+            init=None,
+            body=tvm.tirx.BufferStore(self.buffer, tvm.tirx.if_then_else(entering, factor, one), index),
+        )
+        self.block = ir.with_regions(ir.with_fresh_iter_vars(block), buffers + [self.buffer])
+
+    def load(self):
+        """``X_scale[t, ...]`` in the combine (its iterators, before they are renamed)."""
+        return tvm.tirx.BufferLoad(self.buffer, [self.t_var] + [iv.var for iv in self.used])
+
+    def nest(self, kept, fresh, tile_loop_var):
+        """The stage under the tile loop, in copies of the kept loops its iterators use."""
+        values = [substitute(self.site.binding(iv), fresh) for iv in self.used]
+        loops = [l for l in kept if any(uses_var(v, fresh[l.loop_var]) for v in values)]
+        realize = SBlockRealize([tile_loop_var] + values, True, self.block)
+        return ir.nest([(fresh[l.loop_var], l.extent) for l in loops], realize)
 
 
 def skip_masked_tiles(self: Schedule, block, loop) -> None:

@@ -11,12 +11,13 @@ the epilogue, and walks the keys in tiles of ``keys``:
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores go to
   shared memory (rows padded by one word);
 * one thread per row applies the score modification and mask (inlined ``score``),
-  keeps the running max and sum and writes the tile's exps as fp16 for the second GEMM,
+  keeps the running max and sum, writes the tile's exps as fp16 for the second GEMM
+  and the row's repair factor ``exp(m_prev - m)`` (``pv_scale``),
   all in one loop nest over static shared memory (no barrier inside it);
 * the running output lives in the warp's mma accumulators (registers): per pass over
   ``1 / pv_split`` of the head dimension, ``pv_tile`` (the tile's exps · V) runs on
   tensor cores into accumulators of its own, and each lane repairs and advances its
-  elements of the output (``O * exp(m_prev - m) + P·V``); the epilogue normalises them
+  elements of the output (``O * factor + P·V``); the epilogue normalises them
   by the sum and stores them;
 * the reductions' initial values sit before the key loop, and with a causal or window
   mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see and
@@ -131,11 +132,11 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     warps = rows // WARP
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage.
     b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps)
-    # Stages qk, score, then max, exp and sum in one row loop (each thread reads only the
-    # statistics it wrote: no barrier between them), then pv_tile, pv.
-    sch.distribute(i1, [1, 1, 3, 1, 1])
+    # Stages qk, score, then max, exp, sum and pv_scale in one row loop (each thread reads
+    # only the statistics it wrote: no barrier between them), then pv_tile, pv.
+    sch.distribute(i1, [1, 1, 4, 1, 1])
     sch.compute_inline(sch.get_sblock("score"))
-    max_block, exp, sum_block = (sch.get_sblock(name) for name in ("max", "exp", "sum"))
+    max_block, exp, sum_block, pv_scale = (sch.get_sblock(n) for n in ("max", "exp", "sum", "pv_scale"))
     stats_row = sch.get_loops(max_block)[-2]
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
@@ -153,13 +154,14 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.set_scope(max_block, 1, ROW_SHARED)
     sch.set_scope(sum_block, 0, ROW_SHARED)
     sch.set_scope(exp, 0, ROW_SHARED)
+    sch.set_scope(pv_scale, 0, ROW_SHARED)
     # Padded rows: ldmatrix's eight row addresses hit distinct banks.
     sch.storage_align(exp, 0, axis=-2, factor=MMA, offset=VECTOR)
     sch.unsafe_set_dtype(exp, 0, "float16")
 
     # The running output in the mma accumulator layout, in registers: per pass over a
     # slice of the head dimension, the tile's P·V (accumulated in registers too) and its
-    # repair, O * exp(m_prev - m) + P·V, element by element on the fragments.
+    # repair, O * factor + P·V, element by element on the fragments.
     pv = sch.get_sblock("pv")
     row, dim = sch.get_loops(pv)[-2:]
     passes, dim = sch.split(dim, [pv_split, None])
