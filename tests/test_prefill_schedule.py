@@ -519,6 +519,33 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert re.search(r"for \(int rj_0 = 0; rj_0 < \(\(\(\(int\)blockIdx.x\) & 1\) \* 4\);", source)
 
 
+def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
+    """Without a mask the key-tile loop is software-pipelined: the K and V copies of the
+    next tile are cp.async copies into the other half of double-buffered shared memory,
+    issued before this tile's GEMMs, which wait for the previous group only."""
+    func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["global"])
+    sch = prefill.schedule_prefill(func)
+    loops = [l for l in _loops(sch.mod["main"]) if "software_pipeline_stage" in l.annotations]
+    assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
+    stages = list(loops[0].annotations["software_pipeline_stage"])
+    assert stages[:2] == [0, 0] and set(stages[2:]) == {1}
+    source = _source(sch.mod)
+    # 16-byte copies: 128 threads x 8 halves, 4 rounds each for K and V (32 keys x 128).
+    assert source.count("cp.async.cg.shared.global [%0], [%1], %2;") >= 1
+    assert len(re.findall(r"ptx_cp_async\w*\(", source)) >= 8
+    assert "cp.async.wait_group 1;" in source and "cp.async.commit_group;" in source
+    masked = prefill.schedule_prefill(
+        ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
+    )
+    assert not any("software_pipeline_stage" in l.annotations for l in _loops(masked.mod["main"]))
+
+
+def _loops(func):
+    found = []
+    tvm_ffi.structural_walk(func.body, lambda n: found.append(n) if isinstance(n, tvm.tirx.For) else None)
+    return found
+
+
 @pytest.mark.parametrize("variant, seq_q, seq_kv", [("global", 128, 64), ("causal", 64, 64), ("global", 20, 30)])
 def test_a_key_loop_of_one_tile_builds(variant, seq_q, seq_kv):
     """64 keys or fewer: one key tile. Its loop stays a loop (an annotation), else TVM's

@@ -6,7 +6,9 @@ Built from the traced ``rolling_update`` and the tile rewrites of
 the epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
-  by all threads of the block);
+  by all threads of the block); without a mask the key loop is software-pipelined, the
+  next tile's K and V copied by ``cp.async`` into double-buffered shared memory while
+  this tile computes;
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores go to
   shared memory (rows padded by one word);
@@ -190,6 +192,29 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
+    else:
+        _pipeline_copies(sch, j0)
+
+
+def _pipeline_copies(sch, loop):
+    """Software-pipeline ``loop`` so that its first statements, the K and V tile copies,
+    load the next tile (cp.async, double-buffered) while the rest computes this one.
+
+    Only for a loop of constant extent: over the masks' tile ranges (extents that depend
+    on the block) TVM's pipeline guards its prologue and epilogue with conditions, and its
+    barrier planner cannot place the copies' barriers inside them."""
+    # TVM's lowering lifts thread-bound loops before it pipelines: the statements of a
+    # thread-bound child loop become children of their own.
+    count = sum(
+        len(child.body.seq)
+        if isinstance(child, tvm.tirx.For) and child.thread_binding is not None and isinstance(child.body, tvm.tirx.SeqStmt)
+        else 1
+        for child in sch.get(loop).body.seq
+    )
+    stages = [0, 0] + [1] * (count - 2)
+    sch.annotate(loop, "software_pipeline_stage", stages)
+    sch.annotate(loop, "software_pipeline_order", list(range(count)))
+    sch.annotate(loop, "software_pipeline_async_stages", [0])
 
 
 def _head_dim(sch):

@@ -33,7 +33,7 @@ def build(mod, target):
     """
     if not _has_warp_buffers(mod):
         return tvm.compile(mod, target=target)
-    with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True}):
+    with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True, "tirx.use_async_copy": True}):
         return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
 
 
