@@ -357,7 +357,7 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
             with T.sblock("init"):
                 ...
             t_outer: T.let[T.int32] = T.max(T.min(2, (i - 3) // 4 + 1), 0)
-            for t, r in T.grid(t_outer, 4):
+            for t, r in T.grid(T.max(T.min(2, (i - 3) // 4 + 1), 0), 4):
                 with T.sblock("masked_max_inner"):
                     vi = T.axis.spatial(8, i)
                     vj = T.axis.reduce(8, t * 4 + r)
@@ -432,11 +432,12 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
     zero = tvm.tirx.const(0, dtype_of(t))
     pieces = []
 
-    def tile_loop(first, last, body):
+    def tile_loop(first, last, body, extent=None):
         # Tiles first .. last - 1 as t = first + t' for t' from zero.
         var = tvm.tirx.Var(t.name, dtype_of(t))
+        extent = analyzer.simplify(last - first) if extent is None else extent
         return tvm.tirx.For(
-            var, zero, analyzer.simplify(last - first), node.kind, substitute(body, {t: var + first}),
+            var, zero, extent, node.kind, substitute(body, {t: var + first}),
             node.thread_binding, node.annotations, node.step,
         )
 
@@ -465,7 +466,13 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
     # The original blocks compute the last boundary tiles.
     if head:
         pieces.append(tile_loop(start, first, copy("head", unmask=False) if tail else node.body))
-    pieces.append(tile_loop(first, last, copy("inner", unmask=True)))
+    # The inner loop's extent as an expression, not through the bound variables: what
+    # it is a multiple of stays visible (a causal block's inner tiles come in whole
+    # blocks of rows, which a schedule can split off without a predicate).
+    inner_extent = analyzer.simplify(
+        (last_value if tail else end) - (first_value if head else start)
+    )
+    pieces.append(tile_loop(first, last, copy("inner", unmask=True), inner_extent))
     if tail:
         pieces.append(tile_loop(last, end, node.body))
     _replace_stmt(self, root_sref, node, ir.seq(pieces), copies)

@@ -6,12 +6,12 @@ Built from the traced ``rolling_update`` and the tile rewrites of
 the epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
-  by all threads of the block); without a mask the key loop is software-pipelined, the
-  next tile's K and V copied by ``cp.async`` into double-buffered shared memory while
-  this tile computes;
+  by all threads of the block); the key loop is software-pipelined, the next tile's K
+  and V copied by ``cp.async`` into double-buffered shared memory while this tile
+  computes (with a mask: a causal mask's inner tiles, in runs of a block's rows);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores go to
-  shared memory (rows padded by one word);
+  static shared memory (rows padded by one word);
 * one thread per row applies the score modification and mask (inlined ``score``),
   keeps the running max and sum, writes the tile's exps as fp16 for the second GEMM
   and the row's repair factor ``exp(m_prev - m)`` (``pv_scale``),
@@ -32,6 +32,8 @@ others, and the schedule inlines its pad blocks into the copies to shared memory
 from dataclasses import dataclass
 
 import tvm
+import tvm_ffi
+from tvm.s_tir.stmt import SBlock
 
 from ..primitives.tiles import mask_condition
 from .padding import inline_padding
@@ -43,10 +45,12 @@ WARP = 32
 MMA = 16  # the m16n16k16 tile the TVM mma intrinsics cover
 VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
-# The row statistics and the exps live in static shared memory: TVM's barrier planner
-# sees all of dynamic shared memory as one buffer, so a thread writing its own row there
-# would conflict with every other dynamic buffer read in the same loop and get a barrier
-# per iteration.
+# The scores, the row statistics and the exps live in static shared memory: TVM's
+# barrier planner sees all of dynamic shared memory as one buffer, so a thread writing
+# its own row there would conflict with every other dynamic buffer read in the same loop
+# and get a barrier per iteration; and TVM's storage planner would give a later key-tile
+# loop's fp16 K or V tile the place of an earlier loop's fp32 scores, which the ldmatrix
+# address lowering rejects.
 ROW_SHARED = "shared"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
@@ -148,7 +152,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     out = sch.get_sblock("out")
     sch.reverse_compute_at(out, ty)
 
-    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True, out_scope=SHARED)
+    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True, out_scope=ROW_SHARED)
 
     # One thread per row for the row statistics and the exps.
     sch.bind(stats_row, "threadIdx.x")
@@ -192,8 +196,38 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
+        _pipeline_inner_tiles(sch, rows // (keys if isinstance(keys, int) else int(sch.get(keys))))
     else:
         _pipeline_copies(sch, j0)
+
+
+def _pipeline_inner_tiles(sch, group):
+    """Pipeline a mask's inner tiles in runs of ``group`` (a block's rows in tiles): their
+    loop's extent depends on the block, which TVM cannot pipeline (see
+    :func:`_pipeline_copies`), but where it is a multiple of ``group`` for every block
+    (a causal mask's inner tiles end at the block's first row) the loop splits without
+    a predicate into runs of constant extent, each pipelined."""
+    if not _has_block(sch, "max_update_inner"):
+        return
+    loops = sch.get_loops(sch.get_sblock("max_update_inner"))
+    analyzer = tvm.sym.Analyzer()
+    for above in loops[:2]:
+        node = sch.get(above)
+        analyzer.bind(node.loop_var, tvm.ir.Range.from_min_extent(node.min, node.extent))
+    if group > 1 and analyzer.can_prove(tvm.tirx.floormod(sch.get(loops[2]).extent, group) == 0):
+        # (A run is never one tile, so its loop stays a loop without KEEP_LOOP.)
+        sch.unannotate(loops[2], KEEP_LOOP)
+        _, run = sch.split(loops[2], [None, group])
+        _pipeline_copies(sch, run)
+
+
+def _has_block(sch, name):
+    found = []
+    tvm_ffi.structural_walk(
+        sch.mod["main"].body,
+        lambda node: found.append(node) if isinstance(node, SBlock) and node.name_hint == name else None,
+    )
+    return bool(found)
 
 
 def _pipeline_copies(sch, loop):
@@ -201,8 +235,9 @@ def _pipeline_copies(sch, loop):
     load the next tile (cp.async, double-buffered) while the rest computes this one.
 
     Only for a loop of constant extent: over the masks' tile ranges (extents that depend
-    on the block) TVM's pipeline guards its prologue and epilogue with conditions, and its
-    barrier planner cannot place the copies' barriers inside them."""
+    on the block) TVM's pipeline guards its prologue and epilogue with conditions, where
+    its barrier planner cannot place the copies' barriers, and its ``cp.async`` wait
+    counts would depend on the extent, which its PTX codegen rejects."""
     # TVM's lowering lifts thread-bound loops before it pipelines: the statements of a
     # thread-bound child loop become children of their own.
     count = sum(
@@ -293,7 +328,8 @@ def _gemm(sch, block, a_at, j0, warps, transposed_b, out_scope):
     )
     sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
     if out_scope != "warp":
-        sch.tensorize(_tile(sch, c_warp), intrin.MMA_store_16x16_f32_shared_dyn_INTRIN)
+        store = intrin.MMA_store_16x16_f32_shared_dyn_INTRIN if out_scope == SHARED else tensor_cores.MMA_STORE_F32_SHARED
+        sch.tensorize(_tile(sch, c_warp), store)
         # On the tensorized block: tensorize drops the annotations of the block it replaces.
         sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
 
