@@ -308,6 +308,7 @@ def test_plot(tmp_path):
         ["benchmarks.sweep_decode", "decode-gqa-b8-kv4096", "--grid", '{"pv_keys": [4, 8]}'],
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
+        ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
     ],
 )
 def test_cli_without_gpu_skips(command):
@@ -333,29 +334,56 @@ def test_cli_without_gpu_skips(command):
     assert "skipping" in proc.stdout
 
 
-def test_profile_cli_rejects_unknown_configurations():
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.profile", "decode-gqa-b8-kv1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_compare_trees_builds_each_tree_in_its_own_process(tmp_path, monkeypatch):
+    """The build half of ``benchmarks.compare_trees`` (the timing needs a GPU): a kernel
+    per tree and configuration, exported, and a tree whose build fails left out."""
+    import tvm
+    from benchmarks import compare_trees
+
+    monkeypatch.chdir(REPO)
+    broken = tmp_path / "broken" / "tvm_cascade"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('a broken tree')\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    built = compare_trees._build_all(
+        [REPO / "python", broken.parent], ["decode-gqa-b8-kv4096"], out, 2, target
     )
-    assert proc.returncode == 2
-    assert "unknown configurations ['decode-gqa-b8-kv1']" in proc.stderr
+    assert list(built) == [(REPO / "python", "decode-gqa-b8-kv4096")]
+    assert all(path.stat().st_size > 0 for path in built.values())
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "module, args, message",
     [
-        (["decode-gqa-b8-kv1", "--grid", "{}"], "unknown configuration 'decode-gqa-b8-kv1'"),
-        (["decode-gqa-b8-kv4096", "--grid", '{"pv_rows": [4]}'], "['pv_rows'] are not DecodeConfig fields"),
-        (["decode-gqa-b8-kv4096", "--grid", '{"pv_keys": 4}'], "--grid must map DecodeConfig fields to lists"),
+        ("profile", ["decode-gqa-b8-kv1"], "unknown configurations ['decode-gqa-b8-kv1']"),
+        ("sweep_decode", ["decode-gqa-b8-kv1", "--grid", "{}"], "unknown configuration 'decode-gqa-b8-kv1'"),
+        (
+            "sweep_decode",
+            ["decode-gqa-b8-kv4096", "--grid", '{"pv_rows": [4]}'],
+            "['pv_rows'] are not DecodeConfig fields",
+        ),
+        (
+            "sweep_decode",
+            ["decode-gqa-b8-kv4096", "--grid", '{"pv_keys": 4}'],
+            "--grid must map DecodeConfig fields to lists",
+        ),
+        (
+            "compare_trees",
+            ["python", "--only", "prefill-global-b8-s1"],
+            "unknown configurations ['prefill-global-b8-s1']",
+        ),
+        (
+            "compare_trees",
+            ["benchmarks", "--only", "prefill-global-b8-s1024"],
+            "no tvm_cascade package in ['benchmarks']",
+        ),
     ],
 )
-def test_sweep_cli_rejects_unknown_configurations_and_fields(args, message):
+def test_cli_rejects_unknown_configurations_and_arguments(module, args, message):
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sweep_decode", *args],
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
