@@ -158,6 +158,7 @@ def _softmax_pv_tiles(S: T.Buffer((4, 32), "float32"), V: T.Buffer((32, 8), "flo
         for ax0, j_1 in T.grid(8, 16):
             with T.sblock("pv_tile"):
                 vi, vd, v_t, v_r = T.axis.remap("SSSR", [i, ax0, j_0, j_1])
+                T.sblock_attr({"tvm_cascade.tile_iterators": [2]})
                 with T.init():
                     O_tile[v_t, vi, vd] = T.float32(0)
                 O_tile[v_t, vi, vd] = O_tile[v_t, vi, vd] + e[vi, v_t * 16 + v_r] * V[v_t * 16 + v_r, vd]
@@ -188,13 +189,106 @@ def test_split_tile_accumulation_exact_ir_and_numerics():
     np.testing.assert_allclose(out, p @ v, rtol=1e-5, atol=1e-5)
 
 
-def test_split_tile_accumulation_needs_a_rolled_sum():
+@T.prim_func(s_tir=True)
+def _softmax_pv_max_tiles(S: T.Buffer((4, 32), "float32"), V: T.Buffer((32, 8), "float32"), O: T.Buffer((4, 8), "float32")):
+    m = T.sblock_alloc_buffer((4,))
+    e = T.sblock_alloc_buffer((4, 32))
+    m_prev = T.sblock_alloc_buffer((4,))
+    m_tile = T.sblock_alloc_buffer((2, 4))
+    for i, j_0 in T.grid(4, 2):
+        for j_1 in range(16):
+            with T.sblock("max_tile"):
+                vi, v_t, v_r = T.axis.remap("SSR", [i, j_0, j_1])
+                T.sblock_attr({"tvm_cascade.tile_iterators": [1]})
+                T.reads(S[vi, v_t * 16 + v_r])
+                T.writes(m_tile[v_t, vi])
+                with T.init():
+                    m_tile[v_t, vi] = T.min_value("float32")
+                m_tile[v_t, vi] = T.max(m_tile[v_t, vi], S[vi, v_t * 16 + v_r])
+        with T.sblock("max"):
+            vi, v_t = T.axis.remap("SR", [i, j_0])
+            T.reads(m_tile[v_t, vi])
+            T.writes(m[vi], m_prev[vi])
+            with T.init():
+                m[vi] = T.min_value("float32")
+            m_prev[vi] = m[vi]
+            m[vi] = T.max(m[vi], m_tile[v_t, vi])
+        for j_1 in range(16):
+            with T.sblock("exp"):
+                vi = T.axis.spatial(4, i)
+                vj = T.axis.spatial(32, j_0 * 16 + j_1)
+                e[vi, vj] = T.exp(S[vi, vj] - m[vi])
+        for ax0, j_1 in T.grid(8, 16):
+            with T.sblock("pv"):
+                vi, vd = T.axis.remap("SS", [i, ax0])
+                vj = T.axis.reduce(32, j_0 * 16 + j_1)
+                T.reads(m_prev[vi], m[vi], e[vi, vj], V[vj, vd])
+                T.writes(O[vi, vd])
+                with T.init():
+                    O[vi, vd] = T.float32(0)
+                O[vi, vd] = T.if_then_else(
+                    0 < vj and vj % 16 == 0, O[vi, vd] * T.exp(m_prev[vi] - m[vi]), O[vi, vd]
+                ) + e[vi, vj] * V[vj, vd]
+
+
+def _softmax_pv_reference(s, v):
+    p = np.exp(s.astype("float64") - s.max(axis=1, keepdims=True))
+    return p @ v
+
+
+def test_split_tile_accumulation_of_a_max_keeps_the_saved_value():
+    """A max needs no repair; the value ``rolling_update`` saves at a tile's first key is
+    saved once per tile, before the tile's max folds in."""
+    sch = tvm.s_tir.Schedule(_softmax_pv)
+    j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[1], [None, 16])
+    sch.rolling_update(sch.get_sblock("pv"), j0)
+    sch.split_tile_accumulation(sch.get_sblock("max"), j0)
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"), _softmax_pv_max_tiles.without_attr("global_symbol")
+    )
+    rng = np.random.default_rng(4)
+    s = (rng.standard_normal((4, 32)) * 6).astype("float32")
+    v = rng.standard_normal((32, 8)).astype("float32")
+    out, = run_prim_func(_softmax_pv_max_tiles, [s, v])
+    np.testing.assert_allclose(out, _softmax_pv_reference(s, v), rtol=1e-5, atol=1e-5)
+
+
+def test_split_tile_accumulation_groups_by_a_strided_loop():
+    """Without a repair the groups need not be contiguous: the keys of each lane of an mma
+    fragment (``(key % 8) // 2``) reduce apart, the four partials after them (with the
+    reduction's loop distributed, each group its own copy)."""
+    sch = tvm.s_tir.Schedule(_softmax_pv)
+    i, j = sch.get_loops(sch.get_sblock("max"))
+    column, lane, pair = sch.split(j, [None, 4, 2])
+    sch.reorder(lane, column)
+    sch.split_tile_accumulation(sch.get_sblock("max"), lane)
+    sch.distribute(lane)
+    partial = sch.get(sch.get_sblock("max_tile"))
+    assert [int(iv.dom.extent) for iv in partial.iter_vars] == [4, 4, 4, 2]
+    lanes = [sch.get(l) for l in (sch.get_loops(sch.get_sblock("max_tile"))[1], sch.get_loops(sch.get_sblock("max"))[1])]
+    assert not lanes[0].same_as(lanes[1])
+    rng = np.random.default_rng(5)
+    s = (rng.standard_normal((4, 32)) * 6).astype("float32")
+    v = rng.standard_normal((32, 8)).astype("float32")
+    out, = run_prim_func(sch.mod["main"], [s, v])
+    np.testing.assert_allclose(out, _softmax_pv_reference(s, v), rtol=1e-5, atol=1e-5)
+
+
+def test_split_tile_accumulation_refuses_what_it_cannot_split():
     func = ops.attention(1, 1, 1, 32, 32, 16, dtype="float32", variant=VARIANTS["causal"])
     sch = tvm.s_tir.Schedule(func)
     j0, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, 16])
     sch.rolling_update(sch.get_sblock("sum"), j0)
-    with pytest.raises(FusionError, match="'max' is not a rolled sum"):
-        sch.split_tile_accumulation(sch.get_sblock("max"), j0)
+    before = sch.mod
+    with pytest.raises(FusionError, match="'exp' is not a sum, max or min"):
+        sch.split_tile_accumulation(sch.get_sblock("exp"), j0)
+    assert tvm_ffi.structural_equal(sch.mod, before)
+    # The groups must be the loop's iterations over all the loops above it.
+    _, inner = sch.split(sch.get_loops(sch.get_sblock("sum"))[-1], [2, None])
+    before = sch.mod
+    with pytest.raises(FusionError, match="'rj_0' above 'rj_1_1' iterates the reduced axis of 'sum' too"):
+        sch.split_tile_accumulation(sch.get_sblock("sum"), inner)
+    assert tvm_ffi.structural_equal(sch.mod, before)
 
 
 def test_distribute_groups_consecutive_statements():

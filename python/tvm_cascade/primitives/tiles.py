@@ -22,7 +22,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from .._core import refresh_sblock_flags
-from ..algebra.reducers import SUM, match_reducer
+from ..algebra.reducers import MAX, MIN, SUM, match_reducer
 from ..analysis.chain import substitute
 from ..analysis.scope import REDUCE, buffer_accesses, buffer_params, collect_sites, dtype_of, uses_var
 from ..errors import FusionError
@@ -32,6 +32,9 @@ from . import ir
 from .rolling_update import scope_of
 
 SPATIAL = 0  # IterVar.iter_type of a spatial iterator
+#: Block annotation of ``split_tile_accumulation``'s per-tile block: the positions of its
+#: iterators that number groups (tiles) of the reduced axis.
+TILE_ITERATORS = "tvm_cascade.tile_iterators"
 
 
 def distribute(self: Schedule, loop, sizes=None) -> None:
@@ -40,10 +43,11 @@ def distribute(self: Schedule, loop, sizes=None) -> None:
 
     ``loop``'s body must be a sequence of statements; ``sizes`` (default: all ones)
     must add up to its length. The rewrite is legal when one iteration of ``loop`` only
-    touches its own slice of every buffer written below it: each block below binds
+    touches its own slice of every buffer that groups share: each block below binds
     exactly one iterator to ``loop`` (as ``c + loop``, the same ``c`` for all), and every
-    access to a buffer written below ``loop`` indexes one common dimension with that
-    iterator. Otherwise :class:`tvm_cascade.FusionError` is raised and the schedule is
+    access to a buffer written below ``loop`` and accessed by more than one group indexes
+    one common dimension with that iterator (a buffer of one group keeps the order of its
+    accesses, as a reduction over ``loop`` needs). Otherwise :class:`tvm_cascade.FusionError` is raised and the schedule is
     left unchanged.
 
     Block random variables stay valid; ``loop`` and the loops around the moved
@@ -60,12 +64,14 @@ def distribute(self: Schedule, loop, sizes=None) -> None:
             f"distribute: group sizes {sizes} do not split the {len(children)} statements of "
             f"loop '{node.loop_var.name}'"
         )
-    _check_row_slices(node)
-    copies, start = [], 0
-    for k, size in enumerate(sizes):
-        var = tvm.tirx.Var(f"{node.loop_var.name}_{k}", dtype_of(node.loop_var))
-        group = children[start] if size == 1 else tvm.tirx.SeqStmt(children[start:start + size])
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(children[start] if size == 1 else tvm.tirx.SeqStmt(children[start:start + size]))
         start += size
+    _check_row_slices(node, groups)
+    copies = []
+    for k, group in enumerate(groups):
+        var = tvm.tirx.Var(f"{node.loop_var.name}_{k}", dtype_of(node.loop_var))
         copies.append(
             tvm.tirx.For(
                 var, node.min, node.extent, node.kind, substitute(group, {node.loop_var: var}),
@@ -77,18 +83,22 @@ def distribute(self: Schedule, loop, sizes=None) -> None:
 
 
 def split_tile_accumulation(self: Schedule, block, loop) -> None:
-    """Split the rolled sum ``block`` under the key-tile ``loop`` into a per-tile sum
-    and a repair.
+    """Split the reduction ``block`` over the key-tile ``loop`` into a per-tile
+    reduction and the update that folds each tile's result into the running value.
 
-    ``block`` must be the target of an earlier ``rolling_update`` over ``loop``: its
-    update is ``X = (0 < j and j % T == 0 ? h(X) : X) + term(j)`` where ``j = t * T + r``
-    (``t`` the iteration of ``loop``, ``r`` the loops below it). It becomes
+    ``block`` reduces ``X = f(X', term(j))`` with ``f`` a sum, max or min over one
+    reduced iterator ``j = t * T + r`` (``t`` the iteration of ``loop``, ``r`` the loops
+    below it), where ``X'`` is ``X`` itself or, after ``rolling_update`` over ``loop``
+    (sums only), the rolled repair ``(0 < j and j % T == 0 ? h(X) : X)``. Statements
+    before the update that save the running value at a tile's first element
+    (``if j % T == 0: X_prev = X``, which ``rolling_update`` adds to the reduction its
+    repair reads) are kept. It becomes
 
-    * ``<block>_tile``: ``X_tile[t, ...] = sum_r term(t * T + r)`` (a plain
-      reduction over the tile, zero at its start), in place of ``block``;
-    * ``block``: ``X = (0 < t ? h(X) : X) + X_tile[t, ...]``, reducing over ``t``,
-      placed right after it under ``loop`` with copies of the loops of ``block``'s other
-      iterators;
+    * ``<block>_tile``: ``X_tile[t, ...] = f_r term(t * T + r)`` (a plain reduction over
+      the tile, from ``f``'s identity), in place of ``block``;
+    * ``block``: the saves, then ``X = f(X', X_tile[t, ...])`` with the repair applied at
+      ``t`` (``0 < t ? h(X) : X``), reducing over ``t``, placed right after it under
+      ``loop`` with copies of the loops of ``block``'s other iterators;
     * for a scaling repair ``h(X) = X * c`` (attention's ``exp(m_prev - m)``), in place
       of the branch: ``<block>_scale``, ``X_scale[t, ...] = (0 < t ? c : 1)`` over only
       the iterators ``c`` uses (a row), right before ``<block>_tile`` (it reads what
@@ -104,84 +114,111 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
     func, root_sref = scope_of(self, block)
     site = _site_under(root_sref.stmt, target, node)
     reduce_ivs = [iv for iv in target.iter_vars if iv.iter_type == REDUCE]
-    store = target.body
-    matched = match_reducer(store) if isinstance(store, tvm.tirx.BufferStore) else None
-    if len(reduce_ivs) != 1 or matched is None or matched[0] is not SUM:
+    saves, store = _saves_and_update(target)
+    matched = match_reducer(store) if store is not None else None
+    if len(reduce_ivs) != 1 or matched is None or matched[0] not in (SUM, MAX, MIN):
         raise FusionError(
-            f"split_tile_accumulation: block '{target.name_hint}' is not a rolled sum over "
-            "one reduced axis"
+            f"split_tile_accumulation: block '{target.name_hint}' is not a sum, max or min "
+            "over one reduced axis"
         )
+    reducer, term = matched
     axis = reduce_ivs[0]
+    binding = site.binding(axis)
+    if not uses_var(binding, node.loop_var):
+        raise FusionError(
+            f"split_tile_accumulation: loop '{node.loop_var.name}' does not iterate the reduced "
+            f"axis of '{target.name_hint}'"
+        )
     inner = site.loops_below(node)
-    tile = 1
-    for l in inner:
-        if uses_var(site.binding(axis), l.loop_var):
-            tile *= int(l.extent)
+    reduced = [l for l in inner if uses_var(binding, l.loop_var)]
+    outer = [l for l in site.loops_above(node) if uses_var(binding, l.loop_var)]
+    if outer:
+        raise FusionError(
+            f"split_tile_accumulation: loop '{outer[0].loop_var.name}' above '{node.loop_var.name}' "
+            f"iterates the reduced axis of '{target.name_hint}' too"
+        )
+    tile = int(np.prod([int(l.extent) for l in reduced]))
     tiles = int(node.extent)
     analyzer = tvm.sym.Analyzer()
-    offset = analyzer.simplify(site.binding(axis) - node.loop_var * tile)
-    if uses_var(offset, node.loop_var):
+    repaired = store.value.b if store.value.a.same_as(term) else store.value.a
+    rolled = _is_if_then_else(repaired)
+    if rolled and reducer is not SUM:
+        raise FusionError(
+            f"split_tile_accumulation: block '{target.name_hint}' repairs a {reducer} "
+            "(only a sum's repair is supported)"
+        )
+    # A repair applies at a tile's first element: the tiles must be contiguous.
+    if (rolled or saves) and uses_var(analyzer.simplify(binding - node.loop_var * tile), node.loop_var):
         raise FusionError(
             f"split_tile_accumulation: '{node.loop_var.name}' is not the tile loop of "
             f"'{target.name_hint}'"
         )
-    term = matched[1]
-    repaired = store.value.b if store.value.a.same_as(term) else store.value.a
-    _entering_condition(repaired)
 
     acc = store.buffer
     spatial = [iv for iv in target.iter_vars if iv.iter_type != REDUCE]
     x_tile = ir.like_buffer(acc, f"{acc.name}_tile", shape=[tiles] + list(acc.shape))
     t_var = tvm.tirx.Var("v_t", dtype_of(axis.var))
-    r_var = tvm.tirx.Var("v_r", dtype_of(axis.var))
+    # One reduced iterator per loop below the tile loop that iterates the axis.
+    r_vars = [
+        tvm.tirx.Var("v_r" if len(reduced) == 1 else f"v_r{k}", dtype_of(axis.var))
+        for k in range(len(reduced))
+    ]
+    element = substitute(binding, {node.loop_var: t_var, **{l.loop_var: v for l, v in zip(reduced, r_vars)}})
     tile_index = [t_var] + list(store.indices)
     buffers = buffer_params(func) + list(root_sref.stmt.alloc_buffers) + [x_tile]
 
+    # The tile iterators of a per-tile block group the reduced axis: its mask analysis
+    # (skip_masked_tiles) counts them as parts of the key.
+    groups = [int(k) for k in target.annotations.get(TILE_ITERATORS, [])] + [len(spatial)]
     per_tile = ir.copy_block(
         target,
         name_hint=f"{target.name_hint}_tile",
+        annotations={**target.annotations, TILE_ITERATORS: groups},
         iter_vars=spatial
-        + [
-            tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, SPATIAL),
-            tvm.tirx.IterVar(tvm.ir.Range(0, tile), r_var, REDUCE),
-        ],
-        init=tvm.tirx.BufferStore(x_tile, tvm.tirx.const(0, acc.dtype), tile_index),
+        + [tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, SPATIAL)]
+        + [tvm.tirx.IterVar(tvm.ir.Range(0, l.extent), v, REDUCE) for l, v in zip(reduced, r_vars)],
+        init=tvm.tirx.BufferStore(x_tile, _identity(reducer, acc.dtype), tile_index),
         body=tvm.tirx.BufferStore(
             x_tile,
-            tvm.tirx.BufferLoad(x_tile, tile_index) + substitute(term, {axis.var: t_var * tile + r_var}),
+            reducer.tir_combine(
+                tvm.tirx.BufferLoad(x_tile, tile_index), substitute(term, {axis.var: analyzer.simplify(element)})
+            ),
             tile_index,
         ),
     )
     per_tile = ir.with_regions(per_tile, buffers)
     spatial_values = [site.binding(iv) for iv in spatial]
     per_tile_realize = SBlockRealize(
-        spatial_values + [node.loop_var, offset], site.realize.predicate, per_tile
+        spatial_values + [node.loop_var] + [l.loop_var for l in reduced], site.realize.predicate, per_tile
     )
 
-    # The repair of the first element of tile t, applied once per tile.
+    # The repair and the saves of the first element of tile t, applied once per tile.
     first = {axis.var: t_var * tile}
-    entering = analyzer.simplify(substitute(_entering_condition(repaired), first))
-    repair = substitute(repaired.args[1], first)
     acc_load = tvm.tirx.BufferLoad(acc, store.indices)
     # The combine keeps the loops of block's other iterators, with fresh variables.
-    kept = [l for l in inner if not uses_var(site.binding(axis), l.loop_var)]
+    kept = [l for l in inner if not uses_var(binding, l.loop_var)]
     fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in kept}
     stages, new_buffers = [], [x_tile]
-    factor = _scaling_factor(repair, acc_load)
-    if factor is None:
-        repaired_acc = tvm.tirx.if_then_else(entering, repair, acc_load)
+    factor = _scaling_factor(substitute(repaired.args[1], first), acc_load) if rolled else None
+    if not rolled:
+        repaired_acc = acc_load
+    elif factor is None:
+        entering = analyzer.simplify(substitute(repaired.args[0], first))
+        repaired_acc = tvm.tirx.if_then_else(entering, substitute(repaired.args[1], first), acc_load)
     else:
+        entering = analyzer.simplify(substitute(repaired.args[0], first))
         scale = _ScaleStage(target, site, t_var, tiles, factor, entering, buffers)
         new_buffers.append(scale.buffer)
         buffers.append(scale.buffer)
         stages.append(scale.nest(kept, fresh, node.loop_var))
         repaired_acc = acc_load * scale.load()
+    update = tvm.tirx.BufferStore(
+        acc, reducer.tir_combine(repaired_acc, tvm.tirx.BufferLoad(x_tile, tile_index)), store.indices
+    )
     combine = ir.copy_block(
         target,
         iter_vars=spatial + [tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, REDUCE)],
-        body=tvm.tirx.BufferStore(
-            acc, repaired_acc + tvm.tirx.BufferLoad(x_tile, tile_index), store.indices
-        ),
+        body=ir.seq([_at_tile_start(save, first, analyzer) for save in saves] + [update]),
     )
     combine = ir.with_regions(ir.with_fresh_iter_vars(combine), buffers)
     combine_realize = SBlockRealize(
@@ -196,6 +233,45 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
         reuse={target: per_tile},
     )
     append_instruction(self, "SplitTileAccumulation", [block, loop])
+
+
+def _saves_and_update(block):
+    """``(saves, update)`` of a reduction block whose body is the update, optionally
+    after statements ``if cond: Y = X`` that save its accumulator; ``(None, None)`` for
+    any other body."""
+    body = list(block.body) if isinstance(block.body, tvm.tirx.SeqStmt) else [block.body]
+    *saves, update = body
+    if not isinstance(update, tvm.tirx.BufferStore):
+        return None, None
+    for save in saves:
+        inner = save.then_case if isinstance(save, tvm.tirx.IfThenElse) and save.else_case is None else None
+        if not (
+            isinstance(inner, tvm.tirx.BufferStore)
+            and isinstance(inner.value, ir_expr.TensorLoad)
+            and inner.value.source.same_as(update.buffer)
+        ):
+            return None, None
+    return saves, update
+
+
+def _at_tile_start(save, first, analyzer):
+    """A save ``if cond: Y = X`` at a tile's first element: the plain store where
+    ``cond`` holds there, else the save with its condition there."""
+    cond = analyzer.simplify(substitute(save.condition, first))
+    then = substitute(save.then_case, first)
+    if analyzer.can_prove(cond):
+        return then
+    return tvm.tirx.IfThenElse(cond, then, None)
+
+
+def _identity(reducer, dtype):
+    if reducer is SUM:
+        return tvm.tirx.const(0, dtype)
+    return tvm.tirx.min_value(dtype) if reducer is MAX else tvm.tirx.max_value(dtype)
+
+
+def _is_if_then_else(expr):
+    return isinstance(expr, ir_expr.Call) and expr.op.name.endswith(".if_then_else")
 
 
 def _scaling_factor(repair, acc_load):
@@ -664,24 +740,33 @@ def _evaluate(expr, values):
 
 
 def _check_every_row_sees_a_key(block, mask):
-    """Raise unless ``mask``, evaluated on ``block``'s domain, leaves every row a key."""
-    used = [iv for iv in block.iter_vars if uses_var(mask, iv.var)]
-    keys = [iv for iv in used if iv.iter_type == REDUCE]
-    rows = [iv for iv in used if iv.iter_type != REDUCE]
-    if len(keys) != 1 or len(rows) > 1:
+    """Raise unless ``mask``, evaluated on ``block``'s domain, leaves every row a key (the
+    key: the reduced iterators and the tile iterators of a per-tile block, which together
+    number the keys; the row: the one other iterator the mask uses, if any)."""
+    tiles = [int(k) for k in block.annotations.get(TILE_ITERATORS, [])]
+    used = [(k, iv) for k, iv in enumerate(block.iter_vars) if uses_var(mask, iv.var)]
+    keys = [iv for k, iv in used if iv.iter_type == REDUCE or k in tiles]
+    rows = [iv for k, iv in used if not (iv.iter_type == REDUCE or k in tiles)]
+    if not keys or len(rows) > 1:
         raise FusionError(
             f"skip_masked_tiles: the mask of block '{block.name_hint}' must depend on the key "
             "and at most one other iterator"
         )
-    key = np.arange(int(keys[0].dom.min), int(keys[0].dom.min + keys[0].dom.extent), dtype=np.int64)
+    # Each key iterator on an axis of its own, the rows on the first.
+    values = {
+        iv.var: np.arange(int(iv.dom.min), int(iv.dom.min + iv.dom.extent), dtype=np.int64).reshape(
+            (1,) + (1,) * k + (-1,) + (1,) * (len(keys) - k - 1)
+        )
+        for k, iv in enumerate(keys)
+    }
+    key_shape = tuple(int(iv.dom.extent) for iv in keys)
     row_min, row_end = (int(rows[0].dom.min), int(rows[0].dom.min + rows[0].dom.extent)) if rows else (0, 1)
     for start in range(row_min, row_end, _ROW_CHUNK):
         stop = min(start + _ROW_CHUNK, row_end)
-        values = {keys[0].var: key[None, :]}
         if rows:
-            values[rows[0].var] = np.arange(start, stop, dtype=np.int64)[:, None]
-        visible = np.broadcast_to(_evaluate(mask, values), (stop - start, key.size))
-        if not np.all(np.any(visible, axis=1)):
+            values[rows[0].var] = np.arange(start, stop, dtype=np.int64).reshape((-1,) + (1,) * len(keys))
+        visible = np.broadcast_to(_evaluate(mask, values), (stop - start,) + key_shape)
+        if not np.all(visible.reshape(stop - start, -1).any(axis=1)):
             raise FusionError(
                 f"skip_masked_tiles: some row of block '{block.name_hint}' sees no key; its "
                 "result depends on the masked tiles"
@@ -689,13 +774,6 @@ def _check_every_row_sees_a_key(block, mask):
 
 
 _ROW_CHUNK = 512
-
-
-def _entering_condition(repaired):
-    """The condition of ``if_then_else(cond, h, X)``, the rolled repair's form."""
-    if not (isinstance(repaired, ir_expr.Call) and repaired.op.name.endswith(".if_then_else")):
-        raise FusionError("split_tile_accumulation: the update has no rolled repair")
-    return repaired.args[0]
 
 
 def _rebuild_nest(stmt, old_realize, new_realize):
@@ -743,9 +821,10 @@ def _any_block_under(sch, node):
     return sch.get_sblock(found.block.name_hint)
 
 
-def _check_row_slices(node):
+def _check_row_slices(node, groups):
     """Raise unless every iteration of ``node`` touches only its own slice of the buffers
-    written below it (see :func:`distribute`)."""
+    written below it that more than one of ``groups`` accesses (see :func:`distribute`);
+    a buffer only one group accesses keeps its order of accesses."""
     var = node.loop_var
     sites = list(_realizes(node.body))
     analyzer = tvm.sym.Analyzer()
@@ -773,13 +852,21 @@ def _check_row_slices(node):
     for realize in sites:
         for region in realize.block.writes:
             written.add(region.source)
+    accessed_by = {}
+    for k, group in enumerate(groups):
+        for realize in _realizes(group):
+            stmts = [realize.block.body] + ([realize.block.init] if realize.block.init is not None else [])
+            for stmt in stmts:
+                for buf, _ in buffer_accesses(stmt):
+                    accessed_by.setdefault(buf, set()).add(k)
+    shared = [buf for buf, ks in accessed_by.items() if len(ks) > 1]
     dims = {}
     for realize in sites:
         row = row_of[realize.block]
         stmts = [realize.block.body] + ([realize.block.init] if realize.block.init is not None else [])
         for stmt in stmts:
             for buf, indices in buffer_accesses(stmt):
-                if not any(buf.same_as(w) for w in written):
+                if not any(buf.same_as(w) for w in written) or not any(buf.same_as(b) for b in shared):
                     continue
                 at = {k for k, index in enumerate(indices) if index.same_as(row)}
                 key = next((w for w in dims if w.same_as(buf)), buf)

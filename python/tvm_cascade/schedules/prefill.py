@@ -10,12 +10,15 @@ the epilogue, and walks the keys in tiles of ``keys``:
   and V copied by ``cp.async`` into double-buffered shared memory while this tile
   computes (with a mask: a causal mask's inner tiles, in runs of a block's rows);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
-  ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores go to
-  static shared memory (rows padded by one word);
-* one thread per row applies the score modification and mask (inlined ``score``),
-  keeps the running max and sum, writes the tile's exps as fp16 for the second GEMM
-  and the row's repair factor ``exp(m_prev - m)`` (``pv_scale``),
-  all in one loop nest over static shared memory (no barrier inside it);
+  ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores stay in
+  the accumulators (registers);
+* the per-tile max and sum (``split_tile_accumulation`` of the rolled ``max`` and
+  ``sum``) are split again by the lanes that hold a row's keys: each lane reduces its
+  own elements of a row in registers and stores one partial to shared memory, one
+  thread per row folds the four partials into the row's running max (saving the old
+  one) and sum and computes the repair factors ``exp(m_prev - m)``; each lane computes
+  its exps from its scores and the row's max straight into fp16 fragments in the mma
+  operand layout, the A operand of the second GEMM (the exps never leave registers);
 * the running output lives in the warp's mma accumulators (registers): per pass over
   ``1 / pv_split`` of the head dimension, ``pv_tile`` (the tile's exps · V) runs on
   tensor cores into accumulators of its own, and each lane repairs and advances its
@@ -115,18 +118,20 @@ def prefill_design_space(rows=PrefillConfig().rows):
     return space
 
 
-def row_tiles(sch, rows, keys, warps=1):
-    """The FlashAttention form of ``ops.attention`` with ``keys`` keys per tile, P·V split
-    into a per-tile GEMM and its repair, and a tile of ``rows`` query rows in ``warps``
-    slices, each slice's rows moved below the key loop; returns the loops (batch, head,
-    row tile, slice, key tile, row in slice)."""
+def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",)):
+    """The FlashAttention form of ``ops.attention`` with ``keys`` keys per tile, the
+    reductions ``per_tile`` split into a per-tile reduction and the update that folds it
+    into the running value, and a tile of ``rows`` query rows in ``warps`` slices, each
+    slice's rows moved below the key loop; returns the loops (batch, head, row tile,
+    slice, key tile, row in slice)."""
     b, h, i, j = sch.get_loops(sch.get_sblock("max"))
     j0, _ = sch.split(j, [None, keys])
     sch.rolling_update(sch.get_sblock("sum"), j0)
     sch.rolling_update(sch.get_sblock("pv"), j0)
     sch.compute_at(sch.get_sblock("score"), j0)
     sch.compute_at(sch.get_sblock("qk"), j0)
-    sch.split_tile_accumulation(sch.get_sblock("pv"), j0)
+    for name in per_tile:
+        sch.split_tile_accumulation(sch.get_sblock(name), j0)
     i0, iw, i1 = sch.split(i, [None, warps, rows // warps])
     sch.reorder(j0, i1)
     return b, h, i0, iw, j0, i1
@@ -136,45 +141,51 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys`` and
     ``pv_split`` are ints or sampled ``ExprRV``s."""
     warps = rows // WARP
-    # FlashAttention form, each warp's rows below the key loop, one loop nest per stage.
-    b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps)
-    # Stages qk, score, then max, exp, sum and pv_scale in one row loop (each thread reads
-    # only the statistics it wrote: no barrier between them), then pv_tile, pv.
-    sch.distribute(i1, [1, 1, 4, 1, 1])
+    # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
+    # qk, score, max_tile, max, exp, sum_scale, sum_tile, sum, pv_scale, pv_tile, pv.
+    b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps, per_tile=("pv", "max", "sum"))
+    sch.distribute(i1)
     sch.compute_inline(sch.get_sblock("score"))
-    max_block, exp, sum_block, pv_scale = (sch.get_sblock(n) for n in ("max", "exp", "sum", "pv_scale"))
-    stats_row = sch.get_loops(max_block)[-2]
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
-    # Each warp owns its rows from the first key tile to the epilogue: their running
-    # output stays in its registers.
+    # Each warp owns its rows from the first key tile to the epilogue: their scores,
+    # exps and running output stay in its registers.
     sch.bind(ty, "threadIdx.y")
     out = sch.get_sblock("out")
     sch.reverse_compute_at(out, ty)
 
-    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True, out_scope=ROW_SHARED)
-
-    # One thread per row for the row statistics and the exps.
-    sch.bind(stats_row, "threadIdx.x")
-    sch.set_scope(max_block, 0, ROW_SHARED)
-    sch.set_scope(max_block, 1, ROW_SHARED)
-    sch.set_scope(sum_block, 0, ROW_SHARED)
-    sch.set_scope(exp, 0, ROW_SHARED)
-    sch.set_scope(pv_scale, 0, ROW_SHARED)
-    # Padded rows: ldmatrix's eight row addresses hit distinct banks.
-    sch.storage_align(exp, 0, axis=-2, factor=MMA, offset=VECTOR)
+    # The scores stay in the accumulators of Q·Kᵀ; each lane reduces its own elements
+    # of a row (the keys of one column class of the fragment layout) to a partial max
+    # and sum in shared memory, and one thread per row folds the four partials into the
+    # row's statistics.
+    max_row = _lane_partials(sch, "max_tile")
+    sch.reverse_compute_at(sch.get_sblock("max"), max_row)
+    _lane_partials(sch, "sum_tile")
+    for name in ("sum_scale", "pv_scale", "sum"):
+        sch.bind(sch.get_loops(sch.get_sblock(name))[-1], "threadIdx.x")
+    exp = sch.get_sblock("exp")
+    sch.set_scope(exp, 0, "warp")
     sch.unsafe_set_dtype(exp, 0, "float16")
+    sch.transform_layout(exp, ("write", 0), _fragment)
+    _bind_fragment_lanes(sch, exp)
+    for name, scope in (("max", ROW_SHARED), ("sum_scale", "local"), ("sum", ROW_SHARED), ("pv_scale", ROW_SHARED)):
+        sch.set_scope(sch.get_sblock(name), 0, scope)
+    sch.set_scope(sch.get_sblock("max"), 1, ROW_SHARED)
+    # (After the stages above: a GEMM's initial values make a second writer of its
+    # accumulator, and compute-at primitives want one writer per buffer.)
+    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
 
     # The running output in the mma accumulator layout, in registers: per pass over a
-    # slice of the head dimension, the tile's P·V (accumulated in registers too) and its
-    # repair, O * factor + P·V, element by element on the fragments.
+    # slice of the head dimension, the tile's P·V (the exps straight from registers as
+    # the A operand, accumulated in registers too) and its repair, O * factor + P·V,
+    # element by element on the fragments.
     pv = sch.get_sblock("pv")
     row, dim = sch.get_loops(pv)[-2:]
     passes, dim = sch.split(dim, [pv_split, None])
     sch.reorder(passes, row)
     sch.annotate(passes, tensor_cores.UNROLL, 1)
     sch.compute_at(sch.get_sblock("pv_tile"), passes)
-    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False, out_scope="warp")
+    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False)
     sch.set_scope(pv, 0, "warp")
     sch.transform_layout(pv, ("write", 0), _fragment)
     _bind_fragment_lanes(sch, pv)
@@ -193,12 +204,45 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
         sch.decompose_reduction(sch.get_sblock(name), j0)
     # Causal and window masks: each thread block walks only the key tiles its rows see,
     # and only the tiles its rows see in part compute the mask.
+    max_block = sch.get_sblock("max_tile_tile")
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
         _pipeline_inner_tiles(sch, rows // (keys if isinstance(keys, int) else int(sch.get(keys))))
     else:
         _pipeline_copies(sch, j0)
+
+
+def _lane_partials(sch, name):
+    """Split the per-tile row reduction ``name`` (loops rows x keys over a fragment) by
+    the lanes that hold its keys: ``<name>_tile`` reduces each lane's keys of a row
+    (lane ``4 * (row % 8) + (key % 8) // 2``, from registers into shared memory), and
+    ``name`` the row's four partials, one thread per row; returns that thread's row
+    loop."""
+    block = sch.get_sblock(name)
+    rows, keys = sch.get_loops(block)[-2:]
+    column, lane, pair = sch.split(keys, [None, 4, 2])
+    sch.reorder(lane, column)
+    sch.split_tile_accumulation(block, lane)
+    sch.distribute(lane)
+    sch.distribute(rows)
+    partial = sch.get_sblock(f"{name}_tile")
+    sch.set_scope(partial, 0, ROW_SHARED)
+    rows, lane = sch.get_loops(partial)[-4:-2]
+    row_half, row = sch.split(rows, [None, 8])
+    sch.reorder(row, lane, row_half)
+    lanes = sch.fuse(row, lane)
+    sch.bind(lanes, "threadIdx.x")
+    for loop in sch.get_loops(partial)[-3:]:
+        sch.annotate(loop, tensor_cores.UNROLL, 1)
+    # Each lane reduces in registers and stores each partial once.
+    store = sch.cache_write(partial, 0, "local")
+    sch.reverse_compute_at(store, sch.get_loops(partial)[-3])
+    combine = sch.get_sblock(name)
+    sch.set_scope(combine, 0, "local")
+    row = sch.get_loops(combine)[-2]
+    sch.bind(row, "threadIdx.x")
+    return row
 
 
 def _pipeline_inner_tiles(sch, group):
@@ -282,14 +326,12 @@ def _bind_fragment_lanes(sch, block):
         sch.annotate(loop, tensor_cores.UNROLL, 1)
 
 
-def _gemm(sch, block, a_at, j0, warps, transposed_b, out_scope):
+def _gemm(sch, block, a_at, j0, warps, transposed_b):
     """Tensor-core GEMM of one warp's ``block`` (loops rows x cols x depth last): A
-    copied to dynamic shared memory at ``a_at`` (None: A already is in static shared
-    memory, as the exps are), B at ``j0``, both by all ``warps`` warps and through
-    ldmatrix into warp fragments, fp32 accumulators. ``out_scope`` "warp" keeps the
-    result in the accumulators (the block's buffer takes the fragment layout); else it
-    is stored to shared memory with rows padded by one word (its readers take one row
-    per thread)."""
+    copied to dynamic shared memory at ``a_at`` (None: A already is a warp fragment in
+    the mma operand layout, as the exps are), B at ``j0``, both by all ``warps`` warps and through
+    ldmatrix into warp fragments, fp32 accumulators that stay in registers (the block's
+    buffer takes the fragment layout)."""
     intrin = cuda_intrinsics()
     i, n, k = sch.get_loops(block)[-3:]
     mi, i16 = sch.split(i, [None, MMA])
@@ -302,36 +344,23 @@ def _gemm(sch, block, a_at, j0, warps, transposed_b, out_scope):
     if a_at is not None:
         _operand_to_shared(sch, block, a_index, a_at, warps)
     _operand_to_shared(sch, block, b_index, j0, warps)
-    a_warp = sch.cache_read(block, a_index, "warp", consumer_blocks=[block])
     b_warp = sch.cache_read(block, b_index, "warp", consumer_blocks=[block])
-    sch.compute_at(a_warp, ko)
     sch.compute_at(b_warp, ko)
-    if out_scope == "warp":
-        sch.set_scope(block, 0, "warp")
-        sch.transform_layout(block, ("write", 0), _fragment)
-    else:
-        # (Stored once the tile is complete: after the GEMM's loops, where cache_write puts it.)
-        c_warp = sch.cache_write(block, 0, "warp")
-        store_name = sch.get(c_warp).name_hint
-        sch.set_scope(c_warp, 0, out_scope)
-        sch.transform_layout(c_warp, ("read", 0), _fragment)
+    caches = [(b_warp, intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed_b else intrin.LDMATRIX_f16_B_DYN_INTRIN)]
+    if a_at is not None:
+        a_warp = sch.cache_read(block, a_index, "warp", consumer_blocks=[block])
+        sch.compute_at(a_warp, ko)
+        caches.append((a_warp, intrin.LDMATRIX_f16_A_DYN_INTRIN))
+    sch.set_scope(block, 0, "warp")
+    sch.transform_layout(block, ("write", 0), _fragment)
     init = sch.decompose_reduction(block, ko)
-    sch.transform_layout(a_warp, ("write", 0), _fragment)
-    sch.transform_layout(b_warp, ("write", 0), _fragment)
-
-    b_load = intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed_b else intrin.LDMATRIX_f16_B_DYN_INTRIN
-    a_load = intrin.LDMATRIX_f16_A_DYN_INTRIN if a_at is not None else intrin.LDMATRIX_f16_A_INTRIN
-    for cache, name in ((a_warp, a_load), (b_warp, b_load)):
-        sch.tensorize(_tile(sch, cache), name)
+    for cache, load in caches:
+        sch.transform_layout(cache, ("write", 0), _fragment)
+        sch.tensorize(_tile(sch, cache), load)
     sch.tensorize(
         i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed_b else intrin.MMA_f16f16f32_INTRIN
     )
     sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
-    if out_scope != "warp":
-        store = intrin.MMA_store_16x16_f32_shared_dyn_INTRIN if out_scope == SHARED else tensor_cores.MMA_STORE_F32_SHARED
-        sch.tensorize(_tile(sch, c_warp), store)
-        # On the tensorized block: tensorize drops the annotations of the block it replaces.
-        sch.storage_align(sch.get_sblock(f"{store_name}_o"), 0, axis=-2, factor=WARP, offset=1)
 
 
 def _tile(sch, block):

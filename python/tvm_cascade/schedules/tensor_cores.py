@@ -6,23 +6,12 @@ from tvm.s_tir.stmt import SBlock
 
 
 def cuda_intrinsics():
-    """TVM's CUDA tensor intrinsics module, registered on first use (it takes half a
+    """TVM's CUDA tensor intrinsics module, registered on first import (it takes half a
     minute): the prefill schedule tensorizes with them, the CUDA codegen reads their index
     maps, and tuning records name them."""
     from tvm.s_tir.tensor_intrin import cuda
 
-    if not _registered:
-        tvm.s_tir.TensorIntrin.register(
-            MMA_STORE_F32_SHARED, *cuda.get_mma_store_intrin("float32", 8, "shared", True), override=True
-        )
-        _registered.append(MMA_STORE_F32_SHARED)
     return cuda
-
-
-#: TVM registers the accumulator store to dynamic shared memory only; this one stores to
-#: static shared memory.
-MMA_STORE_F32_SHARED = "tvm_cascade.mma_store_16x16_f32_shared"
-_registered = []
 
 
 def build(mod, target):
