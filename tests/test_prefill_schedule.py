@@ -587,6 +587,7 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     sch = prefill.schedule_prefill(func)
     trace = str(sch.trace)
     assert trace.count("sch.rolling_update(") == 2 and "sch.split_tile_accumulation(" in trace
+    assert _key_tile(sch) == 32  # causal: prefill.default_keys
     source = _source(sch.mod)
     assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
     # Q·Kᵀ (K read as the transposed operand) and P·V on m16n8k16 mma.sync; Q, K and P
@@ -623,12 +624,13 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     issued before this tile's GEMMs, which wait for the previous group only."""
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["global"])
     sch = prefill.schedule_prefill(func)
+    assert _key_tile(sch) == 64  # no mask: prefill.default_keys
     loops = [l for l in _loops(sch.mod["main"]) if "software_pipeline_stage" in l.annotations]
     assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
     stages = list(loops[0].annotations["software_pipeline_stage"])
     assert stages[:2] == [0, 0] and set(stages[2:]) == {1}
     source = _source(sch.mod)
-    # 16-byte copies: 128 threads x 8 halves, 4 rounds each for K and V (32 keys x 128).
+    # 16-byte copies: 128 threads x 8 halves, 8 rounds each for K and V (64 keys x 128).
     assert source.count("cp.async.cg.shared.global [%0], [%1], %2;") >= 1
     assert len(re.findall(r"ptx_cp_async\w*\(", source)) >= 8
     assert "cp.async.wait_group 1;" in source and "cp.async.commit_group;" in source
@@ -688,6 +690,23 @@ def _barrier_depths(source):
         if body.startswith("__syncthreads", k):
             depths.append(depth)
     return depths
+
+
+@pytest.mark.parametrize(
+    "variant, keys", [("global", 64), ("softcap", 64), ("window", 64), ("causal", 32), ("alibi", 32), ("gqa", 32)]
+)
+def test_default_key_tile_follows_the_mask(variant, keys):
+    """32-key tiles under a causal mask (its inner tiles are pipelined in runs of a
+    block's rows), 64 otherwise, also with padded keys (the schedule's use of them:
+    :func:`_key_tile`)."""
+    for pad in (None, (128, 64)):
+        func = ops.attention(1, 2, 2, 250, 250, 64, dtype="float16", variant=VARIANTS[variant], pad_to=pad)
+        assert prefill.default_keys(func) == keys
+
+
+def _key_tile(sch):
+    """The key tile of the prefill schedule ``sch`` (its first split: the key loop's)."""
+    return int(re.search(r"sch\.split\(loop=\w+, factors=\[None, (\d+)\]", str(sch.trace)).group(1))
 
 
 def test_schedule_refuses_shapes_off_the_tiles():

@@ -599,7 +599,7 @@ def _tile_inequalities(analyzer, site, loop, mask, extreme):
     below = {
         l.loop_var: tvm.sym.IntervalSet(l.min, l.min + l.extent - 1) for l in threads + site.loops_below(loop)
     }
-    for difference, strict in _linear_conjuncts(mask):
+    for difference, strict in linear_conjuncts(mask):
         bound = getattr(analyzer.int_set(substitute(difference, bindings), below), extreme)
         slope, at_zero = _slope(analyzer, bound, loop.loop_var)
         yield slope, (None if slope is None else -at_zero - int(strict))
@@ -702,12 +702,12 @@ _COMPARISONS = {
 }
 
 
-def _linear_conjuncts(cond):
+def linear_conjuncts(cond):
     """``(lhs - rhs, strict)`` (or ``rhs - lhs`` for ``>=``/``>``) of each comparison
     conjunct of ``cond``, such that it holds iff the difference is <= 0 (< 0 if strict)."""
     if isinstance(cond, tvm.tirx.And):
-        yield from _linear_conjuncts(cond.a)
-        yield from _linear_conjuncts(cond.b)
+        yield from linear_conjuncts(cond.a)
+        yield from linear_conjuncts(cond.b)
         return
     for kind, (strict, sign) in _COMPARISONS.items():
         if isinstance(cond, kind) and str(cond.a.ty.dtype).startswith("int"):
