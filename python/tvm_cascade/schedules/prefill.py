@@ -50,12 +50,12 @@ WARP = 32
 MMA = 16  # the m16n16k16 tile the TVM mma intrinsics cover
 VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
-# The scores, the row statistics and the exps live in static shared memory: TVM's
+# The row statistics and the lanes' partials live in static shared memory: TVM's
 # barrier planner sees all of dynamic shared memory as one buffer, so a thread writing
 # its own row there would conflict with every other dynamic buffer read in the same loop
 # and get a barrier per iteration; and TVM's storage planner would give a later key-tile
-# loop's fp16 K or V tile the place of an earlier loop's fp32 scores, which the ldmatrix
-# address lowering rejects.
+# loop's fp16 K or V tile the place of an earlier loop's fp32 buffers, which the
+# ldmatrix address lowering rejects.
 ROW_SHARED = "shared"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
@@ -269,7 +269,8 @@ def _lane_partials(sch, name):
     sch.bind(lanes, "threadIdx.x")
     for loop in sch.get_loops(partial)[-3:]:
         sch.annotate(loop, tensor_cores.UNROLL, 1)
-    # Each lane reduces in registers and stores each partial once.
+    # Each lane reduces in registers and stores each partial once (placed per row half:
+    # at the lane loop, TVM would relax the four rows' stores to one 25-element range).
     store = sch.cache_write(partial, 0, "local")
     sch.reverse_compute_at(store, sch.get_loops(partial)[-3])
     combine = sch.get_sblock(name)
