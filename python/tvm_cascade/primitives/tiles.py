@@ -47,8 +47,8 @@ def distribute(self: Schedule, loop, sizes=None) -> None:
     exactly one iterator to ``loop`` (as ``c + loop``, the same ``c`` for all), and every
     access to a buffer written below ``loop`` and accessed by more than one group indexes
     one common dimension with that iterator (a buffer of one group keeps the order of its
-    accesses, as a reduction over ``loop`` needs). Otherwise :class:`tvm_cascade.FusionError` is raised and the schedule is
-    left unchanged.
+    accesses, as a reduction over ``loop`` needs). Otherwise
+    :class:`tvm_cascade.FusionError` is raised and the schedule is left unchanged.
 
     Block random variables stay valid; ``loop`` and the loops around the moved
     statements keep their objects except the copies of ``loop``, which are new.
@@ -108,6 +108,13 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
 
     ``X_tile`` has ``X``'s shape behind a leading tile dimension, so that the tile's
     rows and columns stay its last two dimensions, as matrix instructions want them.
+
+    Without a repair or saves the groups need not be contiguous: ``loop`` may be any
+    loop of the reduced axis that no loop above it shares (the lane class
+    ``(j % 8) // 2`` of an mma fragment, split out and reordered outward), and
+    ``<block>_tile`` reduces the elements of each of its iterations, one reduced
+    iterator per loop below it. The per-tile block records its tile iterators in the
+    annotation ``TILE_ITERATORS`` (``skip_masked_tiles`` counts them as parts of the key).
     """
     target = self.get(block)
     node = self.get(loop)
@@ -200,13 +207,12 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
     fresh = {l.loop_var: tvm.tirx.Var(l.loop_var.name, dtype_of(l.loop_var)) for l in kept}
     stages, new_buffers = [], [x_tile]
     factor = _scaling_factor(substitute(repaired.args[1], first), acc_load) if rolled else None
+    entering = analyzer.simplify(substitute(repaired.args[0], first)) if rolled else None
     if not rolled:
         repaired_acc = acc_load
     elif factor is None:
-        entering = analyzer.simplify(substitute(repaired.args[0], first))
         repaired_acc = tvm.tirx.if_then_else(entering, substitute(repaired.args[1], first), acc_load)
     else:
-        entering = analyzer.simplify(substitute(repaired.args[0], first))
         scale = _ScaleStage(target, site, t_var, tiles, factor, entering, buffers)
         new_buffers.append(scale.buffer)
         buffers.append(scale.buffer)
