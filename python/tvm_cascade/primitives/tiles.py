@@ -580,7 +580,7 @@ def _analyzer_above(site, loop):
     return analyzer
 
 
-def _slope(analyzer, expr, var):
+def linear_slope(analyzer, expr, var):
     """``(slope, value at var = 0)`` of ``expr`` if it is ``slope * var + c`` with a
     constant integer slope, else ``(None, None)``."""
     at = [analyzer.simplify(substitute(expr, {var: tvm.tirx.const(k, dtype_of(var))})) for k in range(2)]
@@ -607,7 +607,7 @@ def _tile_inequalities(analyzer, site, loop, mask, extreme):
     }
     for difference, strict in linear_conjuncts(mask):
         bound = getattr(analyzer.int_set(substitute(difference, bindings), below), extreme)
-        slope, at_zero = _slope(analyzer, bound, loop.loop_var)
+        slope, at_zero = linear_slope(analyzer, bound, loop.loop_var)
         yield slope, (None if slope is None else -at_zero - int(strict))
 
 
@@ -858,30 +858,27 @@ def _check_row_slices(node, groups):
     for realize in sites:
         for region in realize.block.writes:
             written.add(region.source)
+    accesses = {realize.block: buffer_accesses(_statements(realize.block)) for realize in sites}
+    group_of = {realize.block: k for k, group in enumerate(groups) for realize in _realizes(group)}
     accessed_by = {}
-    for k, group in enumerate(groups):
-        for realize in _realizes(group):
-            stmts = [realize.block.body] + ([realize.block.init] if realize.block.init is not None else [])
-            for stmt in stmts:
-                for buf, _ in buffer_accesses(stmt):
-                    accessed_by.setdefault(buf, set()).add(k)
+    for block, found in accesses.items():
+        for buf, _ in found:
+            accessed_by.setdefault(buf, set()).add(group_of[block])
     shared = [buf for buf, ks in accessed_by.items() if len(ks) > 1]
     dims = {}
     for realize in sites:
         row = row_of[realize.block]
-        stmts = [realize.block.body] + ([realize.block.init] if realize.block.init is not None else [])
-        for stmt in stmts:
-            for buf, indices in buffer_accesses(stmt):
-                if not any(buf.same_as(w) for w in written) or not any(buf.same_as(b) for b in shared):
-                    continue
-                at = {k for k, index in enumerate(indices) if index.same_as(row)}
-                key = next((w for w in dims if w.same_as(buf)), buf)
-                dims[key] = dims.get(key, at) & at
-                if not dims[key]:
-                    raise FusionError(
-                        f"distribute: buffer '{buf.name}' is not indexed by the row of loop "
-                        f"'{var.name}' in one common dimension, so iterations would share it"
-                    )
+        for buf, indices in accesses[realize.block]:
+            if not any(buf.same_as(w) for w in written) or not any(buf.same_as(b) for b in shared):
+                continue
+            at = {k for k, index in enumerate(indices) if index.same_as(row)}
+            key = next((w for w in dims if w.same_as(buf)), buf)
+            dims[key] = dims.get(key, at) & at
+            if not dims[key]:
+                raise FusionError(
+                    f"distribute: buffer '{buf.name}' is not indexed by the row of loop "
+                    f"'{var.name}' in one common dimension, so iterations would share it"
+                )
 
 
 def _replace_stmt(sch, root_sref, old, new, new_buffers, reuse=None):

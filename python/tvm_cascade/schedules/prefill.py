@@ -39,8 +39,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.chain import substitute
-from ..primitives.tiles import linear_conjuncts, mask_condition
+from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .padding import inline_padding
 from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
@@ -88,17 +87,13 @@ def default_keys(func):
         return 64
     _, _, row, key = (iv.var for iv in block.iter_vars)
     analyzer = tvm.sym.Analyzer()
-
-    def slope(expr, var):
-        return analyzer.simplify(substitute(expr, {var: var + 1}) - expr)
-
     rising_upper = rising_lower = False
     for difference, _ in linear_conjuncts(mask):
-        along_key, along_row = slope(difference, key), slope(difference, row)
-        if not (isinstance(along_key, tvm.tirx.IntImm) and isinstance(along_row, tvm.tirx.IntImm)):
+        (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
+        if along_key is None or along_row is None:
             continue
-        rising_upper |= along_key.value > 0 and along_row.value < 0
-        rising_lower |= along_key.value < 0 and along_row.value > 0
+        rising_upper |= along_key > 0 and along_row < 0
+        rising_lower |= along_key < 0 and along_row > 0
     return 32 if rising_upper and not rising_lower else 64
 
 
