@@ -594,12 +594,19 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert fragments.pop("pv_warp_ptr") == "128"
     assert all(int(size) <= 32 for size in fragments.values()), fragments
     assert "pv_shared" not in source and "pv_tile_shared" not in source
-    assert re.search(r"out_ptr\[.*\] = \(\(half\)\(pv_warp_ptr\[0\] / sum_shared_ptr", source)
+    assert re.search(r"out_ptr\[.*\] = \(\(half\)\(pv_warp_ptr\[0\] / sum_warp_ptr\[0\]\)\)", source)
     assert "*(uint4*)(K_ptr" in source and "*(uint4*)(V_ptr" in source
-    # Barriers only between the stages of a key tile (in the kernel's body or a key-tile
-    # loop, at most two deep: a run of inner tiles in its group), none inside the per-row
-    # loops: the row statistics sit in static shared memory (the barrier planner sees all
-    # dynamic shared memory as one buffer).
+    # The row statistics are registers, replicated in the four lanes of a row: only the
+    # lanes' partial max and sum cross lanes, by shuffles within the quad; nothing lives
+    # in static shared memory.
+    shuffled = re.findall(r"__shfl_sync\(__activemask\(\), (\w+)\[\d+\], (.*?), 32\)", source)
+    assert {re.sub("_inner", "", name) for name, _ in shuffled} == {"max_tile_tile_warp_ptr", "sum_tile_tile_warp_ptr"}
+    lanes = {lane for _, lane in shuffled}
+    assert lanes == {"((((int)threadIdx.x) >> 2) * 4)"} | {f"(((((int)threadIdx.x) >> 2) * 4) + {c})" for c in (1, 2, 3)}
+    assert not re.search(r"(?<!extern )__shared__ ", source)
+    # Barriers only for the K and V tiles between the stages of a key tile (in the
+    # kernel's body or a key-tile loop, at most two deep: a run of inner tiles in its
+    # group).
     assert max(_barrier_depths(source)) <= 3
     # The causal mask bounds the key tiles by the block's last row, the same for all its
     # warps: its first row sees the 4 tiles of 32 keys per 128 rows before the block's

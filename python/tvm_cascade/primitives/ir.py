@@ -25,6 +25,11 @@ def copy_block(block: SBlock, **changes) -> SBlock:
     return SBlock(**fields)
 
 
+def body_and_init(block: SBlock):
+    """``block``'s body and init, as one statement."""
+    return block.body if block.init is None else tvm.tirx.SeqStmt([block.init, block.body])
+
+
 def with_regions(block: SBlock, buffers) -> SBlock:
     """``block`` with read/write regions detected from its body, as TVMScript would."""
     reads, writes = get_sblock_read_write_region(block, {b: b for b in buffers})

@@ -690,17 +690,12 @@ def mask_condition(block):
         if _is_masked_read(node):
             found.append(node.condition)
 
-    tvm_ffi.structural_walk(_statements(block), visit)
+    tvm_ffi.structural_walk(ir.body_and_init(block), visit)
     if not found:
         return None
     if any(not tvm_ffi.structural_equal(c, found[0]) for c in found[1:]):
         raise FusionError(f"block '{block.name_hint}' reads scores under different masks")
     return found[0]
-
-
-def _statements(block):
-    """``block``'s body and init, as one statement."""
-    return block.body if block.init is None else tvm.tirx.SeqStmt([block.init, block.body])
 
 
 _COMPARISONS = {
@@ -858,7 +853,7 @@ def _check_row_slices(node, groups):
     for realize in sites:
         for region in realize.block.writes:
             written.add(region.source)
-    accesses = {realize.block: buffer_accesses(_statements(realize.block)) for realize in sites}
+    accesses = {realize.block: buffer_accesses(ir.body_and_init(realize.block)) for realize in sites}
     group_of = {realize.block: k for k, group in enumerate(groups) for realize in _realizes(group)}
     accessed_by = {}
     for block, found in accesses.items():

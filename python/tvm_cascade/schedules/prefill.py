@@ -14,11 +14,13 @@ the epilogue, and walks the keys in tiles of ``keys``:
   the accumulators (registers);
 * the per-tile max and sum (``split_tile_accumulation`` of the rolled ``max`` and
   ``sum``) are split again by the lanes that hold a row's keys: each lane reduces its
-  own elements of a row in registers and stores one partial to shared memory, one
-  thread per row folds the four partials into the row's running max (saving the old
-  one) and sum and computes the repair factors ``exp(m_prev - m)``; each lane computes
-  its exps from its scores and the row's max straight into fp16 fragments in the mma
-  operand layout, the A operand of the second GEMM (the exps never leave registers);
+  own elements of a row in registers to one partial; the row statistics (the tile's
+  max and sum, the running ones, the repair factors ``exp(m_prev - m)``) are
+  ``replicate``-d in the four lanes that share a row, so each lane folds the quad's
+  partials by warp shuffles and keeps its own copy of its rows' statistics in
+  registers: no shared memory and no barrier; each lane computes its exps from its
+  scores and its copy of the row's max straight into fp16 fragments in the mma operand
+  layout, the A operand of the second GEMM (the exps never leave registers);
 * the running output lives in the warp's mma accumulators (registers): per pass over
   ``1 / pv_split`` of the head dimension, ``pv_tile`` (the tile's exps · V) runs on
   tensor cores into accumulators of its own, and each lane repairs and advances its
@@ -47,15 +49,9 @@ from .tensor_cores import cuda_intrinsics
 
 WARP = 32
 MMA = 16  # the m16n16k16 tile the TVM mma intrinsics cover
+QUAD = 4  # lanes of an mma fragment that share a row
 VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
-# The row statistics and the lanes' partials live in static shared memory: TVM's
-# barrier planner sees all of dynamic shared memory as one buffer, so a thread writing
-# its own row there would conflict with every other dynamic buffer read in the same loop
-# and get a barrier per iteration; and TVM's storage planner would give a later key-tile
-# loop's fp16 K or V tile the place of an earlier loop's fp32 buffers, which the
-# ldmatrix address lowering rejects.
-ROW_SHARED = "shared"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
 
@@ -185,21 +181,21 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
 
     # The scores stay in the accumulators of Q·Kᵀ; each lane reduces its own elements
     # of a row (the keys of one column class of the fragment layout) to a partial max
-    # and sum in shared memory, and one thread per row folds the four partials into the
-    # row's statistics.
-    max_row = _lane_partials(sch, "max_tile")
-    sch.reverse_compute_at(sch.get_sblock("max"), max_row)
+    # and sum, and the row statistics are replicated in the four lanes that share the
+    # row: each folds the quad's partials (shuffles) and keeps its own copy of the row's
+    # max, sum and repair factors in registers.
+    _lane_partials(sch, "max_tile")
     _lane_partials(sch, "sum_tile")
-    for name in ("sum_scale", "pv_scale", "sum"):
-        sch.bind(sch.get_loops(sch.get_sblock(name))[-1], "threadIdx.x")
+    row_statistics = ("max_tile", "max", "sum_scale", "sum_tile", "sum", "pv_scale")
+    for name in row_statistics:
+        sch.replicate(sch.get_sblock(name), QUAD, 2)
+    for name in row_statistics:
+        _quad_rows(sch, name, j0)
     exp = sch.get_sblock("exp")
     sch.set_scope(exp, 0, "warp")
     sch.unsafe_set_dtype(exp, 0, "float16")
     sch.transform_layout(exp, ("write", 0), _fragment)
     _bind_fragment_lanes(sch, exp)
-    for name, scope in (("max", ROW_SHARED), ("sum_scale", "local"), ("sum", ROW_SHARED), ("pv_scale", ROW_SHARED)):
-        sch.set_scope(sch.get_sblock(name), 0, scope)
-    sch.set_scope(sch.get_sblock("max"), 1, ROW_SHARED)
     # (After the stages above: a GEMM's initial values make a second writer of its
     # accumulator, and compute-at primitives want one writer per buffer.)
     _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
@@ -245,18 +241,18 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
 def _lane_partials(sch, name):
     """Split the per-tile row reduction ``name`` (loops rows x keys over a fragment) by
     the lanes that hold its keys: ``<name>_tile`` reduces each lane's keys of a row
-    (lane ``4 * (row % 8) + (key % 8) // 2``, from registers into shared memory), and
-    ``name`` the row's four partials, one thread per row; returns that thread's row
-    loop."""
+    (lane ``4 * (row % 8) + (key % 8) // 2``) in registers into warp memory, and
+    ``name`` the row's four partials."""
     block = sch.get_sblock(name)
     rows, keys = sch.get_loops(block)[-2:]
-    column, lane, pair = sch.split(keys, [None, 4, 2])
+    column, lane, pair = sch.split(keys, [None, QUAD, 2])
     sch.reorder(lane, column)
     sch.split_tile_accumulation(block, lane)
     sch.distribute(lane)
     sch.distribute(rows)
     partial = sch.get_sblock(f"{name}_tile")
-    sch.set_scope(partial, 0, ROW_SHARED)
+    sch.set_scope(partial, 0, "warp")
+    sch.transform_layout(partial, ("write", 0), lambda lane, *index: (*index[:-1], *_quad(index[-1], lane)))
     rows, lane = sch.get_loops(partial)[-4:-2]
     row_half, row = sch.split(rows, [None, 8])
     sch.reorder(row, lane, row_half)
@@ -268,11 +264,31 @@ def _lane_partials(sch, name):
     # at the lane loop, TVM would relax the four rows' stores to one 25-element range).
     store = sch.cache_write(partial, 0, "local")
     sch.reverse_compute_at(store, sch.get_loops(partial)[-3])
-    combine = sch.get_sblock(name)
-    sch.set_scope(combine, 0, "local")
-    row = sch.get_loops(combine)[-2]
-    sch.bind(row, "threadIdx.x")
-    return row
+
+
+def _quad_rows(sch, name, j0):
+    """Bind the row block ``name``, replicated ``QUAD`` times (loops below ``j0``: rows,
+    the lanes it reduces if it folds partials, replicas), to the four lanes of a quad:
+    replica ``c`` of row ``r`` lives in lane ``4 * (r % 8) + c`` (warp memory, registers),
+    the lane that holds the row's keys and output columns ``(col % 8) // 2`` in the mma
+    layout."""
+    block = sch.get_sblock(name)
+    loops = sch.get_loops(block)
+    below = loops[[sch.get(l).same_as(sch.get(j0)) for l in loops].index(True) + 1:]
+    rows, replica = below[0], below[-1]
+    row_half, row = sch.split(rows, [None, 8])
+    sch.reorder(*below[1:-1], row, replica)
+    sch.bind(sch.fuse(row, replica), "threadIdx.x")
+    for loop in sch.get_loops(block)[len(loops) - len(below):-1]:
+        sch.annotate(loop, tensor_cores.UNROLL, 1)
+    for index in range(len(sch.get(block).writes)):
+        sch.set_scope(block, index, "warp")
+        sch.transform_layout(block, ("write", index), lambda *index: (*index[:-2], *_quad(*index[-2:])))
+
+
+def _quad(row, replica):
+    """(row // 8, lane) of replica ``replica`` of ``row`` in warp memory."""
+    return row // 8, QUAD * (row % 8) + replica
 
 
 def _pipeline_inner_tiles(sch, group):
