@@ -4,6 +4,7 @@ from tvm.s_tir import Schedule
 from ..trace import append_instruction
 from . import rolling_update as _rolling
 from . import split_k_update as _split_k
+from . import in_place as _in_place
 from . import replicas as _replicas
 from . import tiles as _tiles
 
@@ -273,3 +274,4 @@ def install() -> None:
     Schedule.skip_masked_tiles = _tiles.skip_masked_tiles
     Schedule.unmask_inner_tiles = _tiles.unmask_inner_tiles
     Schedule.replicate = _replicas.replicate
+    Schedule.accumulate_in_place = _in_place.accumulate_in_place

@@ -5,6 +5,7 @@ from tvm.ir import expr as ir_expr
 from tvm.s_tir.analysis import get_sblock_read_write_region
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
+from .._core import refresh_sblock_flags
 from ..analysis.chain import substitute
 from ..analysis.scope import dtype_of
 
@@ -23,6 +24,20 @@ def copy_block(block: SBlock, **changes) -> SBlock:
     )
     fields.update(changes)
     return SBlock(**fields)
+
+
+def replace_root(sch, root_sref, new_root, reuse):
+    """Replace the root block at ``root_sref`` by ``new_root``; ``reuse`` maps the old
+    blocks that keep their random variables to their new versions."""
+    sch.state.replace(root_sref, new_root, {**reuse, root_sref.stmt: new_root})
+    refresh_sblock_flags(sch.state)
+
+
+def blocks_in(root: SBlock) -> list:
+    """Every block below ``root``."""
+    found = []
+    tvm_ffi.structural_walk(root.body, lambda node: found.append(node) if isinstance(node, SBlock) else None)
+    return found
 
 
 def body_and_init(block: SBlock):

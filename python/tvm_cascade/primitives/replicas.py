@@ -12,9 +12,8 @@ import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir import Schedule
-from tvm.s_tir.stmt import SBlock, SBlockRealize
+from tvm.s_tir.stmt import SBlockRealize
 
-from .._core import refresh_sblock_flags
 from ..analysis.scope import buffer_accesses, buffer_params, dtype_of
 from ..errors import FusionError
 from ..trace import append_instruction
@@ -119,7 +118,7 @@ def replicate(self: Schedule, block, factor, stride=1) -> None:
             f"replicate: block '{name}' writes {', '.join(outside)}, which the root block does "
             "not allocate (a function parameter keeps its shape)"
         )
-    for other in _blocks(root):
+    for other in ir.blocks_in(root):
         if not other.same_as(target) and any(r.source.same_as(b) for r in other.writes for b in written):
             raise FusionError(
                 f"replicate: block '{other.name_hint}' also writes a buffer of block '{name}', "
@@ -128,7 +127,7 @@ def replicate(self: Schedule, block, factor, stride=1) -> None:
     # Buffers of replicated blocks, with their replica counts.
     replicated = {
         region.source: int(other.annotations[REPLICAS])
-        for other in _blocks(root)
+        for other in ir.blocks_in(root)
         if REPLICAS in other.annotations
         for region in other.writes
     }
@@ -166,10 +165,7 @@ def replicate(self: Schedule, block, factor, stride=1) -> None:
 
     body = tvm_ffi.structural_map(root.body, (SBlockRealize, rewrite))
     alloc = [grown.get(b, b) for b in root.alloc_buffers]
-    new_root = ir.copy_block(root, body=body, alloc_buffers=alloc)
-    reuse[root] = new_root
-    self.state.replace(root_sref, new_root, reuse)
-    refresh_sblock_flags(self.state)
+    ir.replace_root(self, root_sref, ir.copy_block(root, body=body, alloc_buffers=alloc), reuse)
     append_instruction(self, "Replicate", [block], [factor, stride])
 
 
@@ -239,12 +235,6 @@ def _is_selector(index, factor):
     if isinstance(picked, tvm.tirx.FloorDiv) and isinstance(picked.b, tvm.tirx.IntImm):
         picked = picked.a
     return isinstance(picked, tvm.tirx.Var)
-
-
-def _blocks(root):
-    found = []
-    tvm_ffi.structural_walk(root.body, lambda node: found.append(node) if isinstance(node, SBlock) else None)
-    return found
 
 
 def _reads(block, buffer):

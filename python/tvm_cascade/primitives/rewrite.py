@@ -1,6 +1,5 @@
 """The scope-level bookkeeping both fusion primitives share: new and dead buffers,
 replaced and moved blocks, sref reuse, and the final ``ScheduleState.replace``."""
-from .._core import refresh_sblock_flags
 from . import ir
 from .placement import Placement
 
@@ -86,6 +85,4 @@ class ScopeRewrite:
         body = ir.rebuild_scope(root.body, self.replaced, self.chain.loop, self.appended, self.after)
         allocs = [b for b in root.alloc_buffers if not any(b.same_as(d) for d in self.dead_buffers)]
         new_root = ir.copy_block(root, body=body, alloc_buffers=allocs + self.new_buffers)
-        self.reuse[root] = new_root
-        sch.state.replace(root_sref, new_root, self.reuse)
-        refresh_sblock_flags(sch.state)
+        ir.replace_root(sch, root_sref, new_root, self.reuse)

@@ -21,7 +21,6 @@ from tvm.ir import expr as ir_expr
 from tvm.s_tir import Schedule
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
-from .._core import refresh_sblock_flags
 from ..algebra.reducers import MAX, MIN, SUM, match_reducer
 from ..analysis.chain import substitute
 from ..analysis.scope import REDUCE, buffer_accesses, buffer_params, collect_sites, dtype_of, uses_var
@@ -184,7 +183,7 @@ def split_tile_accumulation(self: Schedule, block, loop) -> None:
         iter_vars=spatial
         + [tvm.tirx.IterVar(tvm.ir.Range(0, tiles), t_var, SPATIAL)]
         + [tvm.tirx.IterVar(tvm.ir.Range(0, l.extent), v, REDUCE) for l, v in zip(reduced, r_vars)],
-        init=tvm.tirx.BufferStore(x_tile, _identity(reducer, acc.dtype), tile_index),
+        init=tvm.tirx.BufferStore(x_tile, identity_of(reducer, acc.dtype), tile_index),
         body=tvm.tirx.BufferStore(
             x_tile,
             reducer.tir_combine(
@@ -270,7 +269,8 @@ def _at_tile_start(save, first, analyzer):
     return tvm.tirx.IfThenElse(cond, then, None)
 
 
-def _identity(reducer, dtype):
+def identity_of(reducer, dtype):
+    """The value ``reducer`` starts from, of type ``dtype``."""
     if reducer is SUM:
         return tvm.tirx.const(0, dtype)
     return tvm.tirx.min_value(dtype) if reducer is MAX else tvm.tirx.max_value(dtype)
@@ -900,10 +900,7 @@ def _replace_stmt(sch, root_sref, old, new, new_buffers, reuse=None):
 
     body = go(root.body)
     new_root = ir.copy_block(root, body=body, alloc_buffers=list(root.alloc_buffers) + list(new_buffers))
-    block_reuse = dict(reuse or {})
-    block_reuse[root] = new_root
-    sch.state.replace(root_sref, new_root, block_reuse)
-    refresh_sblock_flags(sch.state)
+    ir.replace_root(sch, root_sref, new_root, reuse or {})
 
 
 register_kind("Distribute", "distribute", ("loop",), ("sizes",))

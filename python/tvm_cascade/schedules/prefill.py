@@ -210,22 +210,32 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.reorder(passes, row)
     sch.annotate(passes, tensor_cores.UNROLL, 1)
     sch.compute_at(sch.get_sblock("pv_tile"), passes)
-    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False)
     sch.set_scope(pv, 0, "warp")
     sch.transform_layout(pv, ("write", 0), _fragment)
     _bind_fragment_lanes(sch, pv)
+    # FlashAttention's order: the tile's P·V accumulates onto the repaired output (no
+    # second set of accumulators, no zero fill), and the fold is a copy.
+    sch.decompose_reduction(pv, j0)
+
+    def seed(init):
+        # Once every block is placed and every copy to shared memory exists: the seeded
+        # tile reads the output the fold then writes, a write-after-read that TVM's
+        # compute-at and compute-inline refuse. First, lengths padded to whole tiles
+        # (``ops.attention(pad_to=...)``): the copies read the inputs, with zeros past
+        # their ends.
+        inline_padding(sch)
+        sch.accumulate_in_place(pv, init)
+
+    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False, seed=seed)
     # The epilogue normalises each lane's elements of the output.
     _bind_fragment_lanes(sch, out)
-    # Lengths padded to whole tiles (``ops.attention(pad_to=...)``): the shared-memory
-    # copies read the inputs, with zeros past their ends.
-    inline_padding(sch)
     # The key loops stay loops even over one tile (64 keys or fewer, or the last tile of
     # padded keys that unmask_inner_tiles splits off): without its loop, TVM's storage
     # planner puts that tile's fp16 buffers in the place of fp32 ones, which the ldmatrix
     # address lowering rejects.
     sch.annotate(j0, KEEP_LOOP, 1)
     # Initial values once before the key loop, not as a branch in every tile.
-    for name in ("max", "sum", "pv"):
+    for name in ("max", "sum"):
         sch.decompose_reduction(sch.get_sblock(name), j0)
     # Causal and window masks: each thread block walks only the key tiles its rows see,
     # and only the tiles its rows see in part compute the mask.
@@ -372,12 +382,13 @@ def _bind_fragment_lanes(sch, block):
         sch.annotate(loop, tensor_cores.UNROLL, 1)
 
 
-def _gemm(sch, block, a_at, j0, warps, transposed_b):
+def _gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
     """Tensor-core GEMM of one warp's ``block`` (loops rows x cols x depth last): A
     copied to dynamic shared memory at ``a_at`` (None: A already is a warp fragment in
     the mma operand layout, as the exps are), B at ``j0``, both by all ``warps`` warps and through
     ldmatrix into warp fragments, fp32 accumulators that stay in registers (the block's
-    buffer takes the fragment layout)."""
+    buffer takes the fragment layout) and start from zero, or from what ``seed(init)``
+    makes the initial-value block ``init`` store, element by element."""
     intrin = cuda_intrinsics()
     i, n, k = sch.get_loops(block)[-3:]
     mi, i16 = sch.split(i, [None, MMA])
@@ -397,16 +408,23 @@ def _gemm(sch, block, a_at, j0, warps, transposed_b):
         a_warp = sch.cache_read(block, a_index, "warp", consumer_blocks=[block])
         sch.compute_at(a_warp, ko)
         caches.append((a_warp, intrin.LDMATRIX_f16_A_DYN_INTRIN))
+    init = sch.decompose_reduction(block, ko)
+    if seed is not None:
+        seed(init)
     sch.set_scope(block, 0, "warp")
     sch.transform_layout(block, ("write", 0), _fragment)
-    init = sch.decompose_reduction(block, ko)
     for cache, load in caches:
         sch.transform_layout(cache, ("write", 0), _fragment)
         sch.tensorize(_tile(sch, cache), load)
     sch.tensorize(
         i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed_b else intrin.MMA_f16f16f32_INTRIN
     )
-    sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
+    if seed is not None:
+        _bind_fragment_lanes(sch, init)
+        for loop in sch.get_loops(init)[-9:-7]:
+            sch.annotate(loop, tensor_cores.UNROLL, 1)
+    else:
+        sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
 
 
 def _tile(sch, block):
