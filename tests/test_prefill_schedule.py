@@ -6,6 +6,7 @@ benchmarks/RESULTS.md."""
 import functools
 import itertools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -576,10 +577,10 @@ def _source(mod):
 
 def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     func = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
-    sch = prefill.schedule_prefill(func)
+    sch = prefill.schedule_prefill(func, prefill.PrefillConfig(keys=32))
     trace = str(sch.trace)
     assert trace.count("sch.rolling_update(") == 2 and "sch.split_tile_accumulation(" in trace
-    assert _key_tile(sch) == 32  # causal: prefill.default_keys
+    assert _key_tile(sch) == 32
     source = _source(sch.mod)
     assert len(re.findall(r'extern "C" __global__ void __launch_bounds__\(128\) \w+\(.*\{', source)) == 1
     # Q·Kᵀ (K read as the transposed operand) and P·V on m16n8k16 mma.sync; Q, K and P
@@ -692,12 +693,11 @@ def _barrier_depths(source):
 
 
 @pytest.mark.parametrize(
-    "variant, keys", [("global", 64), ("softcap", 64), ("window", 64), ("causal", 32), ("alibi", 32), ("gqa", 32)]
+    "variant, keys", [("global", 64), ("softcap", 64), ("window", 64), ("causal", 64), ("alibi", 32), ("gqa", 64)]
 )
-def test_default_key_tile_follows_the_mask(variant, keys):
-    """32-key tiles under a causal mask (its inner tiles are pipelined in runs of a
-    block's rows), 64 otherwise, also with padded keys (the schedule's use of them:
-    :func:`_key_tile`)."""
+def test_default_key_tile_follows_the_score(variant, keys):
+    """32-key tiles where the score adds a bias from the key's position (ALiBi), 64
+    otherwise, also with padded keys (the schedule's use of them: :func:`_key_tile`)."""
     for pad in (None, (128, 64)):
         func = ops.attention(1, 2, 2, 250, 250, 64, dtype="float16", variant=VARIANTS[variant], pad_to=pad)
         assert prefill.default_keys(func) == keys
@@ -769,3 +769,20 @@ def test_tuning_builder_processes_build_design_space_samples():
     result, = builder.build([ms.builder.BuilderInput(sch.mod, CUDA)])
     assert result.error_msg is None, result.error_msg
     assert Path(result.artifact_path).stat().st_size > 0
+
+
+def test_prefill_kernels_compile_at_their_register_usage_level(monkeypatch):
+    """``prefill.build`` compiles with ``TVM_CUDA_PTXAS_REG_LEVEL`` (which TVM's CUDA
+    compile callback passes to ptxas) at ``REGISTER_USAGE_LEVEL``, restored afterwards,
+    unless the user chose a level."""
+    levels = []
+    monkeypatch.setattr(tvm, "compile", lambda *args, **kwargs: levels.append(os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL")))
+    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
+    module = tvm.IRModule({"main": ops.attention(1, 1, 1, 128, 64, 16, dtype="float16")})
+    prefill.build(module, CUDA)
+    assert levels == [str(prefill.REGISTER_USAGE_LEVEL)] and "TVM_CUDA_PTXAS_REG_LEVEL" not in os.environ
+    tensor_cores.build(module, CUDA)
+    assert levels[-1] is None
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "7")
+    prefill.build(module, CUDA)
+    assert levels[-1] == "7"

@@ -106,7 +106,7 @@ def compile_attention(
     if tune_trials:
         tune(func, target, records, tune_trials)
     sch = schedule(func, target, records) if config is None else heuristic_schedule(func, config)
-    return tensor_cores.build(sch.mod, target)
+    return prefill.build(sch.mod, target) if kind == "prefill" else tensor_cores.build(sch.mod, target)
 
 
 def schedule(func, target, records):
@@ -161,7 +161,9 @@ def tune(func, target, records, trials):
             sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
         )
     builder = ms.builder.LocalBuilder(
-        f_build=tensor_cores.BUILD_FUNC, initializer=functools.partial(builder_init, kind), timeout_sec=120
+        f_build=prefill.BUILD_FUNC if kind == "prefill" else tensor_cores.BUILD_FUNC,
+        initializer=functools.partial(builder_init, kind),
+        timeout_sec=120,
     )
     records = Path(records)
     records.mkdir(parents=True, exist_ok=True)

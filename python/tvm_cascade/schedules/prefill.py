@@ -39,9 +39,11 @@ from typing import Optional
 
 import tvm
 import tvm_ffi
+from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
+from ..analysis.scope import uses_var
+from ..primitives.tiles import mask_condition
 from .padding import inline_padding
 from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
@@ -54,6 +56,14 @@ VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
+#: ptxas's ``--register-usage-level`` for these kernels: its own default, not TVM's 10.
+#: Measured side by side on an H200 (ms, 10 against 5, 64-key tiles): causal b8 s4096
+#: 4.45/4.01, ALiBi b8 s1024 0.475/0.455, global b8 s1024 0.553/0.546; only a window
+#: lost (b8 s1024 0.265/0.276).
+REGISTER_USAGE_LEVEL = 5
+#: :func:`build` as a global function returning the runtime module, for MetaSchedule's
+#: builder processes.
+BUILD_FUNC = "tvm_cascade.build_prefill"
 
 
 @dataclass(frozen=True)
@@ -69,28 +79,30 @@ class PrefillConfig:
 
 
 def default_keys(func):
-    """Keys per tile for ``ops.attention`` function ``func``: 64, or 32 under a causal
-    mask (a bound on the key that rises with the query row, with no lower bound that
-    rises with it, as a window has). A causal mask's inner tiles are pipelined in runs
-    of a block's rows (4 tiles of 32 keys, 2 of 64), too short at 64 keys. Measured
-    side by side on an H200 (ms, 32 against 64 keys): global b8 s1024 0.639/0.595,
-    softcap 0.729/0.634, window 0.301/0.270, causal b8 s4096 4.97/5.41, ALiBi b8 s1024
-    0.474/0.637."""
+    """Keys per tile for ``ops.attention`` function ``func``: 64, or 32 where the score
+    adds a bias computed from the key's position (ALiBi), whose per-element index
+    arithmetic spills registers at 64 keys. Measured side by side on an H200 (ms, 32
+    against 64 keys, ptxas at :data:`REGISTER_USAGE_LEVEL`): causal b8 s4096 4.39/4.06,
+    causal b8 s1024 0.395/0.376, GQA b8 s1024 0.390/0.369, ALiBi b8 s1024 0.425/0.460;
+    earlier (ptxas level 10, statistics in shared memory) global b8 s1024 0.639/0.595,
+    softcap 0.729/0.634, window 0.301/0.270."""
     sch = tvm.s_tir.Schedule(func)
     block = sch.get(sch.get_sblock("score"))
-    mask = mask_condition(block)
-    if mask is None:
-        return 64
-    _, _, row, key = (iv.var for iv in block.iter_vars)
-    analyzer = tvm.sym.Analyzer()
-    rising_upper = rising_lower = False
-    for difference, _ in linear_conjuncts(mask):
-        (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
-        if along_key is None or along_row is None:
-            continue
-        rising_upper |= along_key > 0 and along_row < 0
-        rising_lower |= along_key < 0 and along_row > 0
-    return 32 if rising_upper and not rising_lower else 64
+    score = block.body.value
+    if mask_condition(block) is not None:
+        score = score.true_value
+    # The key's position, not the product it indexes.
+    positions = tvm_ffi.structural_map(score, (ir_expr.TensorLoad, lambda load: tvm.tirx.const(0, load.source.dtype)))
+    return 32 if uses_var(positions, block.iter_vars[-1].var) else 64
+
+
+def build(mod, target):
+    """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build` at
+    :data:`REGISTER_USAGE_LEVEL`)."""
+    return tensor_cores.build(mod, target, register_usage_level=REGISTER_USAGE_LEVEL)
+
+
+tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)
 
 
 def check_shape(seq_q, seq_kv, head_dim, config):

@@ -1,5 +1,8 @@
 """Building schedules that run on tensor cores: TVM's CUDA tensor intrinsics, registered
 on first use, and ``tvm.compile`` with every warp fragment lowered to registers."""
+import contextlib
+import os
+
 import tvm
 import tvm_ffi
 from tvm.s_tir.stmt import SBlock
@@ -14,10 +17,12 @@ def cuda_intrinsics():
     return cuda
 
 
-def build(mod, target):
+def build(mod, target, register_usage_level=None):
     """``tvm.compile``; a module with warp-scope buffers (tensor-core fragments) gets TVM's
     default pipeline except that every warp-scope buffer is lowered to registers and
-    the small loops over fragments are unrolled afterwards.
+    the small loops over fragments are unrolled afterwards. ``register_usage_level``, if
+    given, is ptxas's ``--register-usage-level`` for the kernels (TVM passes 10, or
+    ``TVM_CUDA_PTXAS_REG_LEVEL``, which a user's setting keeps precedence over).
 
     TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
     sequence per run (it rewrites the rest of the sequence for that buffer and stops);
@@ -31,10 +36,27 @@ def build(mod, target):
     ``LowerWarpMemory`` (unrolled earlier, constant offsets hide the lane term from it
     too).
     """
-    if not _has_warp_buffers(mod):
-        return tvm.compile(mod, target=target)
-    with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True, "tirx.use_async_copy": True}):
-        return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
+    with _register_usage_level(register_usage_level):
+        if not _has_warp_buffers(mod):
+            return tvm.compile(mod, target=target)
+        with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True, "tirx.use_async_copy": True}):
+            return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
+
+
+@contextlib.contextmanager
+def _register_usage_level(level):
+    """TVM's CUDA compile callback reads the ptxas level from the environment."""
+    if level is None or _REGISTER_LEVEL_ENV in os.environ:
+        yield
+        return
+    os.environ[_REGISTER_LEVEL_ENV] = str(level)
+    try:
+        yield
+    finally:
+        del os.environ[_REGISTER_LEVEL_ENV]
+
+
+_REGISTER_LEVEL_ENV = "TVM_CUDA_PTXAS_REG_LEVEL"
 
 
 _PIPELINE = "tvm_cascade_warp_lowered"
