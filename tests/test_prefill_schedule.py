@@ -693,14 +693,17 @@ def _barrier_depths(source):
 
 
 @pytest.mark.parametrize(
-    "variant, keys", [("global", 64), ("softcap", 64), ("window", 64), ("causal", 64), ("alibi", 32), ("gqa", 64)]
+    "variant, keys, level",
+    [("global", 64, 5), ("softcap", 64, 5), ("window", 64, 10), ("causal", 64, 5), ("alibi", 32, 5), ("gqa", 64, 5)],
 )
-def test_default_key_tile_follows_the_score(variant, keys):
+def test_default_key_tile_and_register_level_follow_the_score(variant, keys, level):
     """32-key tiles where the score adds a bias from the key's position (ALiBi), 64
-    otherwise, also with padded keys (the schedule's use of them: :func:`_key_tile`)."""
+    otherwise, also with padded keys (the schedule's use of them: :func:`_key_tile`);
+    ptxas at register usage level 10 under a window mask, 5 otherwise."""
     for pad in (None, (128, 64)):
         func = ops.attention(1, 2, 2, 250, 250, 64, dtype="float16", variant=VARIANTS[variant], pad_to=pad)
         assert prefill.default_keys(func) == keys
+        assert prefill.default_register_usage_level(func) == level
 
 
 def _key_tile(sch):
@@ -719,16 +722,19 @@ def test_design_space_replays_under_every_decision_and_through_json():
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
-    assert [len(i.attrs[0]) for i in samples] == [len(prefill.KEY_TILES), len(prefill.PV_SPLITS)]
+    choices = [prefill.KEY_TILES, prefill.PV_SPLITS, prefill.REGISTER_USAGE_LEVELS]
+    assert [len(i.attrs[0]) for i in samples] == [len(c) for c in choices]
+    # Every key tile and P·V split, each register level once (an annotation for the build).
     for decisions in itertools.product(range(len(prefill.KEY_TILES)), range(len(prefill.PV_SPLITS))):
+        decisions += (sum(decisions) % len(prefill.REGISTER_USAGE_LEVELS),)
         trace = sch.trace
         for inst, decision in zip(samples, decisions):
             trace = trace.with_decision(inst, decision, remove_postproc=True)
         replayed = tvm.s_tir.Schedule(func)
         trace.apply_to_schedule(replayed, remove_postproc=True)
         direct = tvm.s_tir.Schedule(func)
-        keys, passes = prefill.KEY_TILES[decisions[0]], prefill.PV_SPLITS[decisions[1]]
-        prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, keys, passes)
+        values = [c[d] for c, d in zip(choices, decisions)]
+        prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, *values)
         assert tvm_ffi.structural_equal(replayed.mod, direct.mod), decisions
     as_json = json.loads(json.dumps(cascade_trace.trace_to_json(trace, remove_postproc=True)))
     reloaded = tvm.s_tir.Schedule(func)
@@ -771,18 +777,18 @@ def test_tuning_builder_processes_build_design_space_samples():
     assert Path(result.artifact_path).stat().st_size > 0
 
 
-def test_prefill_kernels_compile_at_their_register_usage_level(monkeypatch):
+def test_prefill_kernels_compile_at_the_register_usage_level_of_their_schedule(monkeypatch):
     """``prefill.build`` compiles with ``TVM_CUDA_PTXAS_REG_LEVEL`` (which TVM's CUDA
-    compile callback passes to ptxas) at ``REGISTER_USAGE_LEVEL``, restored afterwards,
-    unless the user chose a level."""
+    compile callback passes to ptxas) at the level the schedule annotated, restored
+    afterwards, unless the user chose a level; without an annotation, TVM's own."""
     levels = []
     monkeypatch.setattr(tvm, "compile", lambda *args, **kwargs: levels.append(os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL")))
     monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
-    module = tvm.IRModule({"main": ops.attention(1, 1, 1, 128, 64, 16, dtype="float16")})
-    prefill.build(module, CUDA)
-    assert levels == [str(prefill.REGISTER_USAGE_LEVEL)] and "TVM_CUDA_PTXAS_REG_LEVEL" not in os.environ
-    tensor_cores.build(module, CUDA)
-    assert levels[-1] is None
-    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "7")
-    prefill.build(module, CUDA)
-    assert levels[-1] == "7"
+    sch = tvm.s_tir.Schedule(ops.attention(1, 1, 1, 128, 64, 16, dtype="float16"))
+    prefill.build(sch.mod, CUDA)
+    sch.annotate(sch.get_loops(sch.get_sblock("max"))[0], prefill.REGISTER_USAGE_LEVEL, 7)
+    prefill.build(sch.mod, CUDA)
+    assert levels == [None, "7"] and "TVM_CUDA_PTXAS_REG_LEVEL" not in os.environ
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "3")
+    prefill.build(sch.mod, CUDA)
+    assert levels[-1] == "3"

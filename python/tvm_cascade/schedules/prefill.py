@@ -43,7 +43,7 @@ from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
 from ..analysis.scope import uses_var
-from ..primitives.tiles import mask_condition
+from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .padding import inline_padding
 from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
@@ -56,11 +56,11 @@ VECTOR = 8  # fp16 elements in a 128-bit copy
 SHARED = "shared.dyn"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
-#: ptxas's ``--register-usage-level`` for these kernels: its own default, not TVM's 10.
-#: Measured side by side on an H200 (ms, 10 against 5, 64-key tiles): causal b8 s4096
-#: 4.45/4.01, ALiBi b8 s1024 0.475/0.455, global b8 s1024 0.553/0.546; only a window
-#: lost (b8 s1024 0.265/0.276).
-REGISTER_USAGE_LEVEL = 5
+#: The ptxas ``--register-usage-level`` a schedule chose: an annotation of the kernel's
+#: thread-block loop, which :func:`build` reads. (Not of the root block: once that is
+#: annotated, TVM 0.27's later schedule primitives rewrite the scheduled function in
+#: place.)
+REGISTER_USAGE_LEVEL = "tvm_cascade.ptxas_register_usage_level"
 #: :func:`build` as a global function returning the runtime module, for MetaSchedule's
 #: builder processes.
 BUILD_FUNC = "tvm_cascade.build_prefill"
@@ -76,6 +76,8 @@ class PrefillConfig:
     rows: int = 128
     keys: Optional[int] = None  # keys per tile; None: :func:`default_keys`
     pv_split: int = 4  # passes over the head dimension in the P·V GEMM (register pressure)
+    # ptxas's --register-usage-level (0-10); None: :func:`default_register_usage_level`
+    register_usage_level: Optional[int] = None
 
 
 def default_keys(func):
@@ -96,10 +98,40 @@ def default_keys(func):
     return 32 if uses_var(positions, block.iter_vars[-1].var) else 64
 
 
+def default_register_usage_level(func):
+    """ptxas's ``--register-usage-level`` for ``ops.attention`` function ``func``: its own
+    default 5 rather than the 10 TVM passes, except under a window mask (a lower bound on
+    the key that rises with the query row). Measured side by side on an H200 (ms, level
+    10 against 5, 64-key tiles): causal b8 s4096 4.45/4.01, ALiBi b8 s1024 0.475/0.455,
+    global b8 s1024 0.553/0.546, but window b8 s1024 0.265/0.276, b8 s4096
+    1.053/1.101."""
+    sch = tvm.s_tir.Schedule(func)
+    block = sch.get(sch.get_sblock("score"))
+    mask = mask_condition(block)
+    row, key = (iv.var for iv in block.iter_vars[-2:])
+    analyzer = tvm.sym.Analyzer()
+    for difference, _ in linear_conjuncts(mask) if mask is not None else ():
+        (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
+        if along_key is not None and along_row is not None and along_key < 0 < along_row:
+            return 10
+    return 5
+
+
 def build(mod, target):
-    """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build` at
-    :data:`REGISTER_USAGE_LEVEL`)."""
-    return tensor_cores.build(mod, target, register_usage_level=REGISTER_USAGE_LEVEL)
+    """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build`) at
+    the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`)."""
+    levels = set()
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.For) and REGISTER_USAGE_LEVEL in node.annotations:
+            levels.add(int(node.annotations[REGISTER_USAGE_LEVEL]))
+
+    for func in mod.functions.values():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, visit)
+    if len(levels) > 1:
+        raise ValueError(f"the module's functions ask ptxas for different register usage levels {sorted(levels)}")
+    return tensor_cores.build(mod, target, register_usage_level=levels.pop() if levels else None)
 
 
 tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)
@@ -122,23 +154,27 @@ def schedule_prefill(func, config=PrefillConfig()):
     schedule."""
     if config.keys is None:
         config = replace(config, keys=default_keys(func))
+    if config.register_usage_level is None:
+        config = replace(config, register_usage_level=default_register_usage_level(func))
     sch = tvm.s_tir.Schedule(func, seed=1)
     _, _, seq_q, seq_kv = _shape(sch)
     check_shape(seq_q, seq_kv, _head_dim(sch), config)
-    apply_prefill_schedule(sch, config.rows, config.keys, config.pv_split)
+    apply_prefill_schedule(sch, config.rows, config.keys, config.pv_split, config.register_usage_level)
     return sch
 
 
-#: The design space's choices: keys per tile, passes over the head dimension in P·V.
+#: The design space's choices: keys per tile, passes over the head dimension in P·V,
+#: ptxas's register usage level.
 KEY_TILES = (32, 64)
 PV_SPLITS = (1, 2, 4)
+REGISTER_USAGE_LEVELS = (5, 10)
 
 
 def prefill_design_space(rows=PrefillConfig().rows):
-    """A MetaSchedule design space (``fn(sch)``) over the prefill schedule: the key tile
-    and the P·V passes are ``sample_categorical`` decisions (only the key tiles that
-    divide the key length), applied through the traced ``rolling_update`` and tile
-    rewrites."""
+    """A MetaSchedule design space (``fn(sch)``) over the prefill schedule: the key tile,
+    the P·V passes and ptxas's register usage level are ``sample_categorical`` decisions
+    (only the key tiles that divide the key length), applied through the traced
+    ``rolling_update`` and tile rewrites."""
 
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
@@ -150,7 +186,7 @@ def prefill_design_space(rows=PrefillConfig().rows):
         def sample(options):
             return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
 
-        apply_prefill_schedule(sch, rows, sample(keys), sample(PV_SPLITS))
+        apply_prefill_schedule(sch, rows, sample(keys), sample(PV_SPLITS), sample(REGISTER_USAGE_LEVELS))
 
     return space
 
@@ -174,9 +210,10 @@ def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",)):
     return b, h, i0, iw, j0, i1
 
 
-def apply_prefill_schedule(sch, rows, keys, pv_split):
-    """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys`` and
-    ``pv_split`` are ints or sampled ``ExprRV``s."""
+def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
+    """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys``,
+    ``pv_split`` and ``register_usage_level`` (ptxas's, for :func:`build`) are ints or
+    sampled ``ExprRV``s."""
     warps = rows // WARP
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
     # qk, score, max_tile, max, exp, sum_scale, sum_tile, sum, pv_scale, pv_tile, pv.
@@ -185,6 +222,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split):
     sch.compute_inline(sch.get_sblock("score"))
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
+    sch.annotate(bx, REGISTER_USAGE_LEVEL, register_usage_level)
     # Each warp owns its rows from the first key tile to the epilogue: their scores,
     # exps and running output stay in its registers.
     sch.bind(ty, "threadIdx.y")
