@@ -22,10 +22,10 @@ the epilogue, and walks the keys in tiles of ``keys``:
   scores and its copy of the row's max straight into fp16 fragments in the mma operand
   layout, the A operand of the second GEMM (the exps never leave registers);
 * the running output lives in the warp's mma accumulators (registers): per pass over
-  ``1 / pv_split`` of the head dimension, ``pv_tile`` (the tile's exps · V) runs on
-  tensor cores into accumulators of its own, and each lane repairs and advances its
-  elements of the output (``O * factor + P·V``); the epilogue normalises them
-  by the sum and stores them;
+  ``1 / pv_split`` of the head dimension, each lane repairs its elements of the output
+  (``O * factor``) and the tile's exps · V accumulates onto them on tensor cores
+  (``accumulate_in_place``: no second set of accumulators); the epilogue normalises
+  them by the sum and stores them;
 * the reductions' initial values sit before the key loop, and with a causal or window
   mask ``skip_masked_tiles`` bounds the key loop to the tiles the block's rows see and
   ``unmask_inner_tiles`` splits it into the tiles every row sees in full, computed
@@ -251,9 +251,9 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
     _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
 
     # The running output in the mma accumulator layout, in registers: per pass over a
-    # slice of the head dimension, the tile's P·V (the exps straight from registers as
-    # the A operand, accumulated in registers too) and its repair, O * factor + P·V,
-    # element by element on the fragments.
+    # slice of the head dimension, each lane repairs its elements (O * factor) and the
+    # tile's P·V (the exps straight from registers as the A operand) accumulates onto
+    # them.
     pv = sch.get_sblock("pv")
     row, dim = sch.get_loops(pv)[-2:]
     passes, dim = sch.split(dim, [pv_split, None])
