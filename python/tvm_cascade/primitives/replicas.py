@@ -118,7 +118,8 @@ def replicate(self: Schedule, block, factor, stride=1) -> None:
             f"replicate: block '{name}' writes {', '.join(outside)}, which the root block does "
             "not allocate (a function parameter keeps its shape)"
         )
-    for other in ir.blocks_in(root):
+    blocks = ir.blocks_in(root)
+    for other in blocks:
         if not other.same_as(target) and any(r.source.same_as(b) for r in other.writes for b in written):
             raise FusionError(
                 f"replicate: block '{other.name_hint}' also writes a buffer of block '{name}', "
@@ -127,7 +128,7 @@ def replicate(self: Schedule, block, factor, stride=1) -> None:
     # Buffers of replicated blocks, with their replica counts.
     replicated = {
         region.source: int(other.annotations[REPLICAS])
-        for other in ir.blocks_in(root)
+        for other in blocks
         if REPLICAS in other.annotations
         for region in other.writes
     }
@@ -189,15 +190,9 @@ def _replicated(realize, grown, replicated, factor):
             return tvm.tirx.BufferLoad(l.source, list(l.indices)[:-1] + [var])
         return l
 
-    callbacks = [(ir_expr.TensorLoad, load), (tvm.tirx.BufferStore, store)]
-    annotations = dict(block.annotations)
-    annotations[REPLICAS] = factor
-    new = ir.copy_block(
-        block,
-        iter_vars=list(block.iter_vars) + [iv],
-        body=tvm_ffi.structural_map(block.body, callbacks),
-        init=None if block.init is None else tvm_ffi.structural_map(block.init, callbacks),
-        annotations=annotations,
+    new = _mapped(
+        block, [(ir_expr.TensorLoad, load), (tvm.tirx.BufferStore, store)],
+        iter_vars=list(block.iter_vars) + [iv], annotations={**block.annotations, REPLICAS: factor},
     )
     return new, loop_var
 
@@ -209,11 +204,14 @@ def _with_reads(block, grown, replica):
         new = grown.get(l.source)
         return l if new is None else tvm.tirx.BufferLoad(new, list(l.indices) + [replica])
 
-    return ir.copy_block(
-        block,
-        body=tvm_ffi.structural_map(block.body, (ir_expr.TensorLoad, load)),
-        init=None if block.init is None else tvm_ffi.structural_map(block.init, (ir_expr.TensorLoad, load)),
-    )
+    return _mapped(block, (ir_expr.TensorLoad, load))
+
+
+def _mapped(block, callbacks, **changes):
+    """``block`` with ``callbacks`` (``tvm_ffi.structural_map``'s) applied to its body and
+    init, and ``changes`` to its other fields."""
+    init = None if block.init is None else tvm_ffi.structural_map(block.init, callbacks)
+    return ir.copy_block(block, body=tvm_ffi.structural_map(block.body, callbacks), init=init, **changes)
 
 
 def _selector(block, factor, stride):

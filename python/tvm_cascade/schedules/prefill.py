@@ -40,9 +40,9 @@ from typing import Optional
 import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
-from tvm.s_tir.stmt import SBlock
 
 from ..analysis.scope import uses_var
+from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .padding import inline_padding
 from . import tensor_cores
@@ -84,15 +84,12 @@ def default_keys(func):
     """Keys per tile for ``ops.attention`` function ``func``: 64, or 32 where the score
     adds a bias computed from the key's position (ALiBi), whose per-element index
     arithmetic spills registers at 64 keys. Measured side by side on an H200 (ms, 32
-    against 64 keys, ptxas at :data:`REGISTER_USAGE_LEVEL`): causal b8 s4096 4.39/4.06,
+    against 64 keys, ptxas at register usage level 5): causal b8 s4096 4.39/4.06,
     causal b8 s1024 0.395/0.376, GQA b8 s1024 0.390/0.369, ALiBi b8 s1024 0.425/0.460;
     earlier (ptxas level 10, statistics in shared memory) global b8 s1024 0.639/0.595,
     softcap 0.729/0.634, window 0.301/0.270."""
-    sch = tvm.s_tir.Schedule(func)
-    block = sch.get(sch.get_sblock("score"))
-    score = block.body.value
-    if mask_condition(block) is not None:
-        score = score.true_value
+    block, mask = _score(func)
+    score = block.body.value if mask is None else block.body.value.true_value
     # The key's position, not the product it indexes.
     positions = tvm_ffi.structural_map(score, (ir_expr.TensorLoad, lambda load: tvm.tirx.const(0, load.source.dtype)))
     return 32 if uses_var(positions, block.iter_vars[-1].var) else 64
@@ -105,9 +102,7 @@ def default_register_usage_level(func):
     10 against 5, 64-key tiles): causal b8 s4096 4.45/4.01, ALiBi b8 s1024 0.475/0.455,
     global b8 s1024 0.553/0.546, but window b8 s1024 0.265/0.276, b8 s4096
     1.053/1.101."""
-    sch = tvm.s_tir.Schedule(func)
-    block = sch.get(sch.get_sblock("score"))
-    mask = mask_condition(block)
+    block, mask = _score(func)
     row, key = (iv.var for iv in block.iter_vars[-2:])
     analyzer = tvm.sym.Analyzer()
     for difference, _ in linear_conjuncts(mask) if mask is not None else ():
@@ -115,6 +110,13 @@ def default_register_usage_level(func):
         if along_key is not None and along_row is not None and along_key < 0 < along_row:
             return 10
     return 5
+
+
+def _score(func):
+    """(the ``score`` block of ``ops.attention`` function ``func``, its mask or None)."""
+    sch = tvm.s_tir.Schedule(func)
+    block = sch.get(sch.get_sblock("score"))
+    return block, mask_condition(block)
 
 
 def build(mod, target):
@@ -357,7 +359,7 @@ def _pipeline_inner_tiles(sch, group):
     :func:`_pipeline_copies`), but where it is a multiple of ``group`` for every block
     (a causal mask's inner tiles end at the block's first row) the loop splits without
     a predicate into runs of constant extent, each pipelined."""
-    if not _has_block(sch, "max_update_inner"):
+    if not any(b.name_hint == "max_update_inner" for b in ir.blocks_in(sch.mod["main"].body.block)):
         return
     loops = sch.get_loops(sch.get_sblock("max_update_inner"))
     analyzer = tvm.sym.Analyzer()
@@ -369,15 +371,6 @@ def _pipeline_inner_tiles(sch, group):
         sch.unannotate(loops[2], KEEP_LOOP)
         _, run = sch.split(loops[2], [None, group])
         _pipeline_copies(sch, run)
-
-
-def _has_block(sch, name):
-    found = []
-    tvm_ffi.structural_walk(
-        sch.mod["main"].body,
-        lambda node: found.append(node) if isinstance(node, SBlock) and node.name_hint == name else None,
-    )
-    return bool(found)
 
 
 def _pipeline_copies(sch, loop):
