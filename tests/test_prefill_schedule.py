@@ -572,7 +572,7 @@ def test_unmask_inner_tiles_refuses_a_loop_without_masked_scores():
 
 
 def _source(mod):
-    return tensor_cores.build(mod, CUDA).mod.imports[0].inspect_source()
+    return prefill.build(mod, CUDA).mod.imports[0].inspect_source()
 
 
 def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
@@ -611,10 +611,10 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert max(_barrier_depths(source)) <= 3
     # The causal mask bounds the key tiles by the block's last row, the same for all its
     # warps: its first row sees the 4 tiles of 32 keys per 128 rows before the block's
-    # diagonal tiles in full, a whole number of runs of 4 tiles, each software-pipelined
-    # (the first tile's copies before the run's loop, the last tile's compute after it).
-    assert re.search(r"for \(int rj_0_0 = 0; rj_0_0 < \(\(\(int\)blockIdx.x\) & 1\); \+\+rj_0_0\)", source)
-    assert re.search(r"for \(int rj_0_1 = 0; rj_0_1 < 3; \+\+rj_0_1\)", source)
+    # diagonal tiles in full, in runs of 2 tiles (a block's rows in the largest key tile
+    # of the design space), each software-pipelined (the second tile's copies in flight
+    # while the first computes).
+    assert re.search(r"for \(int rj_0_0 = 0; rj_0_0 < \(\(\(\(int\)blockIdx.x\) & 1\) \* 2\); \+\+rj_0_0\)", source)
     assert "cp.async.wait_group 1;" in source
 
 
@@ -718,7 +718,8 @@ def test_schedule_refuses_shapes_off_the_tiles():
 
 
 def test_design_space_replays_under_every_decision_and_through_json():
-    func = ops.attention(1, 2, 2, 128, 128, 128, dtype="float16", variant=VARIANTS["alibi"])
+    # Two row tiles: the second block has inner tiles, which run in pipelined groups.
+    func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["alibi"])
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
@@ -757,6 +758,24 @@ def test_tuned_records_reload_into_prefill_schedules(tmp_path):
     assert tvm_ffi.structural_equal(
         kernels.schedule(other, CUDA, tmp_path).mod, prefill.schedule_prefill(other).mod
     )
+
+
+@pytest.mark.parametrize(
+    "variant, keys",
+    [("causal", 64), ("alibi", 32)],
+)
+def test_checked_in_records_replay_into_prefill_schedules(monkeypatch, variant, keys):
+    """The records under ``benchmarks/tuned/prefill`` (batch 8, 32 heads, 1024 rows; tuned
+    on an H200) replay with today's schedule into the heuristic schedule of the choices
+    they name: P·V in one pass at ptxas level 5, 64-key tiles for causal, 32 for ALiBi."""
+    monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
+    func = ops.attention(
+        8, 32, 32, 1024, 1024, 128, dtype="float16", variant=VARIANTS[variant], pad_to=kernels.PAD_TO["prefill"]
+    )
+    sch = kernels.tuned_schedule(func, CUDA, kernels.default_records("prefill"))
+    assert sch is not None
+    expected = prefill.schedule_prefill(func, prefill.PrefillConfig(keys=keys, pv_split=1, register_usage_level=5))
+    assert tvm_ffi.structural_equal(sch.mod, expected.mod)
 
 
 def test_tuning_builder_processes_build_design_space_samples():

@@ -295,7 +295,9 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
     if mask_condition(sch.get(max_block)) is not None:
         sch.skip_masked_tiles(max_block, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
-        _pipeline_inner_tiles(sch, rows // (keys if isinstance(keys, int) else int(sch.get(keys))))
+        # Runs as long as a block's rows in the largest key tile: a literal in the trace,
+        # it has to divide the inner tiles for whichever key tile a replay samples.
+        _pipeline_inner_tiles(sch, rows // max(KEY_TILES))
     else:
         _pipeline_copies(sch, j0)
 
@@ -354,11 +356,11 @@ def _quad(row, replica):
 
 
 def _pipeline_inner_tiles(sch, group):
-    """Pipeline a mask's inner tiles in runs of ``group`` (a block's rows in tiles): their
-    loop's extent depends on the block, which TVM cannot pipeline (see
-    :func:`_pipeline_copies`), but where it is a multiple of ``group`` for every block
-    (a causal mask's inner tiles end at the block's first row) the loop splits without
-    a predicate into runs of constant extent, each pipelined."""
+    """Pipeline a mask's inner tiles in runs of ``group`` tiles: their loop's extent
+    depends on the block, which TVM cannot pipeline (see :func:`_pipeline_copies`), but
+    where it is a multiple of ``group`` for every block (a causal mask's inner tiles end
+    at the block's first row) the loop splits without a predicate into runs of constant
+    extent, each pipelined."""
     if not any(b.name_hint == "max_update_inner" for b in ir.blocks_in(sch.mod["main"].body.block)):
         return
     loops = sch.get_loops(sch.get_sblock("max_update_inner"))
