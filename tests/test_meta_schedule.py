@@ -33,15 +33,18 @@ def test_tune_tir_with_xgboost_and_reload(tmp_path):
         func,
         target=TARGET,
         work_dir=work_dir,
-        max_trials_global=8,
+        # One round of measurements: each starts builder and runner processes (~40 s on
+        # 2 cores).
+        max_trials_global=4,
         num_trials_per_iter=4,
         space=ms.space_generator.ScheduleFn(
             attention_space, sch_rules=[], postprocs=[], mutator_probs={}
         ),
-        strategy="evolutionary",
+        # A small population: the design space has 7 points (key tiles of 64), and
+        # sampling MetaSchedule's default 512 takes minutes on 2 cores.
+        strategy=ms.search_strategy.EvolutionarySearch(population_size=16, init_min_unmeasured=8),
         cost_model="xgb",
         num_tuning_cores=1,
-        # Builder and runner workers take ~40 s to start on 2 cores.
         builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300),
         runner=ms.runner.LocalRunner(timeout_sec=300),
         seed=0,
