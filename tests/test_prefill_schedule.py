@@ -23,6 +23,7 @@ from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
+from tvm_cascade.primitives import ir
 from tvm_cascade.primitives.tiles import _is_masked_read
 from tvm_cascade.schedules import prefill, tensor_cores
 from tvm_cascade.schedules.padding import padded_inputs
@@ -61,21 +62,13 @@ def test_tile_rewrites_keep_attention_exact(variant, heads_q, heads_kv):
         var = type(var)("window", causal=True, window=40)  # a few tiles inside the window
     func = ops.attention(1, heads_q, heads_kv, seq, seq, dim, dtype="float32", variant=var)
     sch = _fused_row_tiles(func, keys=32, rows=48)
-    names = [b.name_hint for b in _blocks(sch.mod["main"])]
+    names = [b.name_hint for b in ir.blocks_in(sch.mod["main"].body.block)]
     assert names.count("pv_tile") == 1 and names.index("pv_tile") < names.index("pv")
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, heads_q, seq, dim)).astype("float32")
     k, v = (rng.standard_normal((1, heads_kv, seq, dim)).astype("float32") for _ in range(2))
     out, = run_prim_func(sch.mod["main"], [q, k, v])
     np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
-
-
-def _blocks(func):
-    found = []
-    tvm_ffi.structural_walk(
-        func.body, lambda n: found.append(n) if isinstance(n, tvm.s_tir.stmt.SBlock) else None
-    )
-    return found
 
 
 def test_distribute_gives_each_stage_its_row_loop():
