@@ -46,10 +46,10 @@ PAD_TO = {
 }
 #: Candidates MetaSchedule measures per search round.
 _TRIALS_PER_ROUND = {"decode": 16, "prefill": 8}
-#: Schedules the evolutionary search samples into its population. Prefill's design space
-#: has a dozen points and a schedule of it takes most of a second to replay, so
-#: MetaSchedule's default of 512 would spend minutes sampling the same few points over.
-_POPULATION = {"decode": 512, "prefill": 32}
+#: MetaSchedule's evolutionary search, per kind (decode: its defaults). Prefill's design
+#: space has a dozen points and a schedule of it takes most of a second to replay, so the
+#: default population of 512 would spend minutes sampling the same few points over.
+_SEARCH = {"decode": {}, "prefill": {"population_size": 32, "init_min_unmeasured": 16}}
 
 
 def kind_of(seq_q):
@@ -180,9 +180,7 @@ def tune(func, target, records, trials):
         num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
         space=space,
         builder=builder,
-        strategy=ms.search_strategy.EvolutionarySearch(
-            population_size=_POPULATION[kind], init_min_unmeasured=min(50, _POPULATION[kind] // 2)
-        ),
+        strategy=ms.search_strategy.EvolutionarySearch(**_SEARCH[kind]),
         cost_model="xgb",
         database=database,
     )
