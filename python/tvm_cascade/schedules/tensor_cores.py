@@ -7,6 +7,8 @@ import tvm
 import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
+from .cast_offsets import hoist_cast_offsets
+
 
 def cuda_intrinsics():
     """TVM's CUDA tensor intrinsics module, registered on first import (it takes half a
@@ -134,7 +136,9 @@ def _pipeline_factory():
     pipeline, finalize_host, finalize_device = default_s_tir_pipeline()
 
     def finalize():
-        return tvm.transform.Sequential([_lower_all_warp_memory, _unroll_fragment_loops, finalize_device()])
+        return tvm.transform.Sequential(
+            [_lower_all_warp_memory, _unroll_fragment_loops, hoist_cast_offsets, finalize_device()]
+        )
 
     return pipeline, finalize_host, finalize
 
