@@ -109,7 +109,7 @@ def _time_trees(cfg, libraries, name, rounds):
     for _ in range(rounds):
         for tree, (run, _) in runs.items():
             times[tree].append(bench(run))
-    return [f"{tree}: {min(ms):.3f} ms{'' if runs[tree][1] else ' WRONG'}" for tree, ms in times.items()]
+    return [f"{tree}: {min(ms):.4f} ms{'' if runs[tree][1] else ' WRONG'}" for tree, ms in times.items()]
 
 
 if __name__ == "__main__":

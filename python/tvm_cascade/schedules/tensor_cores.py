@@ -7,6 +7,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
+from . import dependent_launch
 from .cast_offsets import hoist_cast_offsets
 
 
@@ -37,12 +38,29 @@ def build(mod, target, register_usage_level=None):
     ``UNROLL_STEPS`` steps and loops annotated with ``UNROLL`` are unrolled, after
     ``LowerWarpMemory`` (unrolled earlier, constant offsets hide the lane term from it
     too).
+
+    On sm_90 and later, a function of several kernels has them launched as programmatic
+    dependents (:mod:`.dependent_launch`).
     """
+    target = tvm.target.Target(target)
+    if dependent_launch.supported(target):
+        mod = _launch_dependently(mod)
     with _register_usage_level(register_usage_level):
         if not _has_warp_buffers(mod):
-            return tvm.compile(mod, target=target)
+            return tvm.compile(mod, target=target, tir_pipeline=_PLAIN_PIPELINE)
         with tvm.transform.PassContext(opt_level=3, config={"tirx.disable_cse_tir": True, "tirx.use_async_copy": True}):
             return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
+
+
+def _launch_dependently(mod):
+    """Functions of several kernels launched as programmatic dependents
+    (:mod:`.dependent_launch`): the combine of a split-k decode starts as the chunks end."""
+    functions = {
+        gvar: dependent_launch.enable(func)
+        if isinstance(func, tvm.tirx.PrimFunc) and dependent_launch.kernel_count(func) > 1 else func
+        for gvar, func in mod.functions.items()
+    }
+    return tvm.IRModule(functions, attrs=mod.attrs)
 
 
 @contextlib.contextmanager
@@ -62,6 +80,8 @@ _REGISTER_LEVEL_ENV = "TVM_CUDA_PTXAS_REG_LEVEL"
 
 
 _PIPELINE = "tvm_cascade_warp_lowered"
+#: TVM's default pipeline, and the waits of kernels launched as programmatic dependents.
+_PLAIN_PIPELINE = "tvm_cascade_s_tir"
 UNROLL_STEPS = 128
 #: A loop annotation: unroll the loop in full once fragments are in registers (a loop
 #: too long for ``UNROLL_STEPS`` whose iterations index fragments, e.g. passes over an
@@ -137,11 +157,19 @@ def _pipeline_factory():
 
     def finalize():
         return tvm.transform.Sequential(
-            [_lower_all_warp_memory, _unroll_fragment_loops, hoist_cast_offsets, finalize_device()]
+            [_lower_all_warp_memory, _unroll_fragment_loops, hoist_cast_offsets, finalize_device(), dependent_launch.wait_first]
         )
 
     return pipeline, finalize_host, finalize
 
 
+def _plain_pipeline_factory():
+    from tvm.s_tir.pipeline import default_s_tir_pipeline
+
+    pipeline, finalize_host, finalize_device = default_s_tir_pipeline()
+    return pipeline, finalize_host, lambda: tvm.transform.Sequential([finalize_device(), dependent_launch.wait_first])
+
+
 tvm.tirx.compilation_pipeline.register_tir_pipeline(_PIPELINE, _pipeline_factory)
+tvm.tirx.compilation_pipeline.register_tir_pipeline(_PLAIN_PIPELINE, _plain_pipeline_factory)
 tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)

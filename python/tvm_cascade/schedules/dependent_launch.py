@@ -1,0 +1,75 @@
+"""Programmatic dependent launch (Hopper) for functions of several kernels.
+
+A split-k decode function launches its chunk kernel, then a short combine kernel. In
+order, the combine's launch and ramp (2-4 µs) follow the chunks' last block. With
+programmatic dependent launch a kernel may be launched while the kernel before it in the
+stream still runs: its blocks take SMs as the earlier kernel's blocks leave and wait at
+``griddepcontrol.wait`` until that kernel has completed and its writes are visible.
+
+TVM 0.27 launches a kernel so (``cuLaunchKernelEx`` with programmatic stream
+serialization) when its PrimFunc's ``tirx.kernel_launch_params`` names
+:data:`LAUNCH_TAG`, which ``SplitHostDevice`` passes on to every kernel of the function.
+Every such kernel, the first included (it may start before whatever kernel wrote its
+inputs), must therefore wait before it touches global memory: :func:`wait_first` puts
+``griddepcontrol.wait`` first in each kernel, then ``griddepcontrol.launch_dependents``,
+which lets the next kernel launch once every block of this one has started; by then no
+block of this kernel still needs an SM, so the next kernel's waiting blocks delay none.
+"""
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+#: TVM 0.27's launch parameter for programmatic dependent launch (its spelling).
+LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
+LAUNCH_PARAMS = "tirx.kernel_launch_params"
+#: The first compute capability with ``griddepcontrol``.
+MIN_ARCH = 90
+
+
+def supported(target):
+    """Whether ``target`` is a CUDA target of compute capability 9.0 or later."""
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= MIN_ARCH
+
+
+def kernel_count(func):
+    """The kernels ``func`` launches: its outermost ``blockIdx``-bound loops."""
+    def bound(node):
+        return (
+            isinstance(node, tirx.For) and node.thread_binding is not None
+            and node.thread_binding.thread_tag.startswith("blockIdx")
+        )
+
+    grids, nested = [], []
+    tvm_ffi.structural_walk(func.body, lambda node: grids.append(node) if bound(node) else None)
+    for grid in grids:
+        tvm_ffi.structural_walk(grid.body, lambda node: nested.append(node) if bound(node) else None)
+    return len(grids) - len(nested)
+
+
+def enable(func):
+    """``func`` with its kernels launched as programmatic dependents."""
+    params = list(func.attrs.get(LAUNCH_PARAMS, [])) if func.attrs is not None else []
+    return func if LAUNCH_TAG in params else func.with_attr(LAUNCH_PARAMS, params + [LAUNCH_TAG])
+
+
+def _launched_dependently(func):
+    return func.attrs is not None and LAUNCH_TAG in list(func.attrs.get(LAUNCH_PARAMS, []))
+
+
+def _griddepcontrol(action):
+    return tirx.Evaluate(tirx.call_intrin("", "tirx.ptx.griddepcontrol", action, ""))
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.WaitFirst")
+def wait_first(mod, _ctx):
+    """Prefix each kernel launched as a programmatic dependent with
+    ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``; other functions
+    unchanged. Runs on device functions (after ``SplitHostDevice``)."""
+    prefix = [_griddepcontrol("wait"), _griddepcontrol("launch_dependents")]
+    functions = {
+        gvar: func.with_body(tirx.SeqStmt(prefix + [func.body]))
+        if isinstance(func, tirx.PrimFunc) and _launched_dependently(func) else func
+        for gvar, func in mod.functions.items()
+    }
+    return tvm.IRModule(functions, attrs=mod.attrs)
