@@ -85,6 +85,13 @@ class DecodeConfig:
     mma_warps: int = 8  # tensor cores: warps per chunk (at most head_dim / 16)
     mma_pv_keys: int = 128  # tensor cores: V rows staged in shared memory at once (at least v_tiles' first)
     mma_score_bytes: int = 16384  # tensor cores: shared memory for a chunk's scores (float32) at most
+    # Tensor cores: threads to aim for per SM and the combine's slices (as threads_per_sm
+    # and combine_slices). Swept on an H200 (benchmarks.sweep_decode, against 2048 and 2):
+    # GQA kv4096 0.0490 -> 0.0467 ms, kv32768 0.2807 -> 0.2733, 8 queries: causal
+    # kv32768 1.062 -> 1.042, GQA kv32768 0.887 -> 0.825; one slice is what counts but
+    # at GQA kv4096 (1024 threads: 0.0467, 2048: 0.0484).
+    mma_threads_per_sm: int = 1024
+    mma_combine_slices: int = 1
     tile_threads: int = 64  # kernel 1 (tiled): threads per block
     tile_keys: int = 4  # kernel 1 (tiled): consecutive keys per thread
     tile_stages: int = 2  # kernel 1 (tiled): slices of the head dimension staged in turn
@@ -214,7 +221,8 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         # of every choice, and whose scores fit their share of shared memory.
         chunk_rows, chunk_keys, granularity = 1, mma16x8.WARP, PAD_KEYS
         chunk_config = dataclasses.replace(
-            config, rows=1, heads_per_thread=rows // warps, exp_bytes=score_bytes(rows, config)
+            config, rows=1, heads_per_thread=rows // warps, exp_bytes=score_bytes(rows, config),
+            threads_per_sm=config.mma_threads_per_sm,
         )
     # Query rows that are not packed are rows of thread blocks of their own.
     chunks = choose_chunks(
@@ -239,7 +247,7 @@ def schedule_decode(func, heads_q, heads_kv, head_dim, multiprocessors=132, conf
         lanes=lanes,
         pv_keys=pv_keys,
         packed=packed,
-        combine_slices=config.combine_slices,
+        combine_slices=config.mma_combine_slices if form == "mma" else config.combine_slices,
     )
     return sch
 
