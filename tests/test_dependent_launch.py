@@ -79,6 +79,7 @@ def test_dependent_kernels_wait_first_and_others_are_unchanged():
 def test_supported_from_sm_90():
     assert dependent_launch.supported(HOPPER)
     assert dependent_launch.supported(tvm.target.Target("nvidia/nvidia-h100"))
+    assert dependent_launch.supported(tvm.target.Target({"kind": "cuda", "arch": "sm_100f"}))
     assert not dependent_launch.supported(AMPERE)
     assert not dependent_launch.supported(tvm.target.Target("llvm"))
 

@@ -15,6 +15,8 @@ inputs), must therefore wait before it touches global memory: :func:`wait_first`
 which lets the next kernel launch once every block of this one has started; by then no
 block of this kernel still needs an SM, so the next kernel's waiting blocks delay none.
 """
+import re
+
 import tvm
 import tvm_ffi
 from tvm import tirx
@@ -28,8 +30,8 @@ MIN_ARCH = 90
 
 def supported(target):
     """Whether ``target`` is a CUDA target of compute capability 9.0 or later."""
-    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
-    return arch.startswith("sm_") and int(arch[3:].rstrip("a")) >= MIN_ARCH
+    arch = re.fullmatch(r"sm_(\d+)[a-z]?", str(target.attrs.get("arch", ""))) if target.kind.name == "cuda" else None
+    return arch is not None and int(arch.group(1)) >= MIN_ARCH
 
 
 def kernel_count(func):
