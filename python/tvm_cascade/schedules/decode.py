@@ -88,8 +88,8 @@ class DecodeConfig:
     # Tensor cores: threads to aim for per SM and the combine's slices (as threads_per_sm
     # and combine_slices). Swept on an H200 (benchmarks.sweep_decode, against 2048 and 2):
     # GQA kv4096 0.0490 -> 0.0467 ms, kv32768 0.2807 -> 0.2733, 8 queries: causal
-    # kv32768 1.062 -> 1.042, GQA kv32768 0.887 -> 0.825; one slice is what counts but
-    # at GQA kv4096 (1024 threads: 0.0467, 2048: 0.0484).
+    # kv32768 1.062 -> 1.042, GQA kv32768 0.887 -> 0.825; the single slice makes the
+    # difference except at GQA kv4096, where 1024 threads do too (0.0467; 2048: 0.0484).
     mma_threads_per_sm: int = 1024
     mma_combine_slices: int = 1
     tile_threads: int = 64  # kernel 1 (tiled): threads per block
