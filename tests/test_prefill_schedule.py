@@ -754,20 +754,21 @@ def test_tuned_records_reload_into_prefill_schedules(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant, keys",
-    [("causal", 64), ("alibi", 32)],
+    "variant, keys, pv_split",
+    [("causal", 64, 4), ("alibi", 32, 1)],
 )
-def test_checked_in_records_replay_into_prefill_schedules(monkeypatch, variant, keys):
+def test_checked_in_records_replay_into_prefill_schedules(monkeypatch, variant, keys, pv_split):
     """The records under ``benchmarks/tuned/prefill`` (batch 8, 32 heads, 1024 rows; tuned
     on an H200) replay with today's schedule into the heuristic schedule of the choices
-    they name: P·V in one pass at ptxas level 5, 64-key tiles for causal, 32 for ALiBi."""
+    they name, at ptxas level 5: causal 64-key tiles and P·V in 4 passes, ALiBi 32-key
+    tiles and one pass."""
     monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
     func = ops.attention(
         8, 32, 32, 1024, 1024, 128, dtype="float16", variant=VARIANTS[variant], pad_to=kernels.PAD_TO["prefill"]
     )
     sch = kernels.tuned_schedule(func, CUDA, kernels.default_records("prefill"))
     assert sch is not None
-    expected = prefill.schedule_prefill(func, prefill.PrefillConfig(keys=keys, pv_split=1, register_usage_level=5))
+    expected = prefill.schedule_prefill(func, prefill.PrefillConfig(keys=keys, pv_split=pv_split, register_usage_level=5))
     assert tvm_ffi.structural_equal(sch.mod, expected.mod)
 
 

@@ -137,9 +137,15 @@ def tuned_schedule(func, target, records):
     records = Path(records)
     if not (records / "database_tuning_record.json").exists():
         return None
-    _register_intrinsics(kind_of(_dims(func)[2]))  # the records' tensorize instructions name them
-    database = JSONDatabase(work_dir=str(records), allow_missing=False)
+    database = _database(records, kind_of(_dims(func)[2]), allow_missing=False)
     return database.query_schedule(tvm.IRModule({"main": func}), target, "main")
+
+
+def _database(records, kind, allow_missing=True):
+    """The JSON database at ``records`` of ``kind`` kernels, read once the tensor
+    intrinsics its records' tensorize instructions name are registered."""
+    _register_intrinsics(kind)
+    return JSONDatabase(work_dir=str(records), allow_missing=allow_missing)
 
 
 def tune(func, target, records, trials):
@@ -171,7 +177,7 @@ def tune(func, target, records, trials):
     )
     records = Path(records)
     records.mkdir(parents=True, exist_ok=True)
-    database = JSONDatabase(work_dir=str(records))
+    database = _database(records, kind)
     ms.tune_tir(
         func,
         target=target,
