@@ -611,6 +611,18 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert "cp.async.wait_group 1;" in source
 
 
+@pytest.mark.parametrize("variant, float32_sum", [("global", True), ("alibi", False)])
+def test_row_sum_adds_float32_exps_unless_the_score_has_a_position_bias(variant, float32_sum):
+    """The row sum adds each exp in float32 and P·V's operand holds it in fp16; under
+    ALiBi the sum reads the fp16 operand back instead."""
+    func = ops.attention(1, 1, 1, 128, 128, 64, dtype="float16", variant=VARIANTS[variant])
+    assert prefill.position_bias(func) is not float32_sum
+    source = _source(prefill.schedule_prefill(func).mod)
+    sums = re.findall(r"sum_tile_tile_warp_local_ptr\[0\] = \(sum_tile_tile_warp_local_ptr\[0\] \+ (.*?)\);\n", source)
+    assert sums and all(term.startswith("expf(" if float32_sum else "((float)exp_warp_ptr[") for term in sums), sums[:2]
+    assert re.search(r"exp_warp_ptr\[\d+\] = \(\(half\)expf\(", source)
+
+
 def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     """Without a mask the key-tile loop is software-pipelined: the K and V copies of the
     next tile are cp.async copies into the other half of double-buffered shared memory,
