@@ -51,12 +51,8 @@ def _rewrite(func):
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.Cast, split)))
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.HoistCastOffsets")
-def hoist_cast_offsets(mod, _ctx):
+@tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.HoistCastOffsets")
+def hoist_cast_offsets(func, _mod, _ctx):
     """Rewrite ``float32(x + c)`` (``x`` an int expression, ``c`` a constant) as
     ``float32(x) + float32(c)`` where both are exact (see the module's docstring)."""
-    functions = {
-        gvar: _rewrite(func) if isinstance(func, tirx.PrimFunc) else func
-        for gvar, func in mod.functions.items()
-    }
-    return tvm.IRModule(functions, attrs=mod.attrs)
+    return _rewrite(func)

@@ -17,7 +17,6 @@ block of this kernel still needs an SM, so the next kernel's waiting blocks dela
 """
 import re
 
-import tvm
 import tvm_ffi
 from tvm import tirx
 
@@ -51,27 +50,23 @@ def kernel_count(func):
 
 def enable(func):
     """``func`` with its kernels launched as programmatic dependents."""
-    params = list(func.attrs.get(LAUNCH_PARAMS, [])) if func.attrs is not None else []
+    params = _launch_params(func)
     return func if LAUNCH_TAG in params else func.with_attr(LAUNCH_PARAMS, params + [LAUNCH_TAG])
 
 
-def _launched_dependently(func):
-    return func.attrs is not None and LAUNCH_TAG in list(func.attrs.get(LAUNCH_PARAMS, []))
+def _launch_params(func):
+    return list(func.attrs.get(LAUNCH_PARAMS, [])) if func.attrs is not None else []
 
 
 def _griddepcontrol(action):
     return tirx.Evaluate(tirx.call_intrin("", "tirx.ptx.griddepcontrol", action, ""))
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.WaitFirst")
-def wait_first(mod, _ctx):
+@tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.WaitFirst")
+def wait_first(func, _mod, _ctx):
     """Prefix each kernel launched as a programmatic dependent with
     ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``; other functions
     unchanged. Runs on device functions (after ``SplitHostDevice``)."""
-    prefix = [_griddepcontrol("wait"), _griddepcontrol("launch_dependents")]
-    functions = {
-        gvar: func.with_body(tirx.SeqStmt(prefix + [func.body]))
-        if isinstance(func, tirx.PrimFunc) and _launched_dependently(func) else func
-        for gvar, func in mod.functions.items()
-    }
-    return tvm.IRModule(functions, attrs=mod.attrs)
+    if LAUNCH_TAG not in _launch_params(func):
+        return func
+    return func.with_body(tirx.SeqStmt([_griddepcontrol("wait"), _griddepcontrol("launch_dependents"), func.body]))

@@ -52,15 +52,11 @@ def build(mod, target, register_usage_level=None):
             return tvm.compile(mod, target=target, tir_pipeline=_PIPELINE)
 
 
-def _launch_dependently(mod):
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.LaunchDependently")
+def _launch_dependently(func, _mod, _ctx):
     """Functions of several kernels launched as programmatic dependents
     (:mod:`.dependent_launch`): the combine of a split-k decode starts as the chunks end."""
-    functions = {
-        gvar: dependent_launch.enable(func)
-        if isinstance(func, tvm.tirx.PrimFunc) and dependent_launch.kernel_count(func) > 1 else func
-        for gvar, func in mod.functions.items()
-    }
-    return tvm.IRModule(functions, attrs=mod.attrs)
+    return dependent_launch.enable(func) if dependent_launch.kernel_count(func) > 1 else func
 
 
 @contextlib.contextmanager
