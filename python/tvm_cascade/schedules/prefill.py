@@ -294,11 +294,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
     # 10-17% of a 1024-key kernel (H200, b8 s1024: global 0.530 -> 0.473 ms, causal
     # 0.359 -> 0.304, window 0.251 -> 0.193).
     _bind_fragment_lanes(sch, out, column_pairs=True)
-    sch.storage_align(out, 0, axis=-2, factor=MMA, offset=VECTOR)
-    fused = sch.fuse(*sch.get_loops(out_copy)[-2:])
-    _, tx, vec = sch.split(fused, [None, WARP, VECTOR])
-    sch.bind(tx, "threadIdx.x")
-    sch.vectorize(vec)
+    _copy_in_words(sch, out_copy, out)
     # The key loops stay loops even over one tile (64 keys or fewer, or the last tile of
     # padded keys that unmask_inner_tiles splits off): without its loop, TVM's storage
     # planner puts that tile's fp16 buffers in the place of fp32 ones, which the ldmatrix
@@ -462,13 +458,15 @@ def _bind_fragment_lanes(sch, block, column_pairs=False):
     rows, cols = sch.get_loops(block)[-2:]
     row_tile, row_half, row = sch.split(rows, [None, 2, 8])
     col_tile, col_half, col_pair, col = sch.split(cols, [None, 2, 4, 2])
+    unrolled = [row_tile, col_tile, row_half, col_half]
     if column_pairs:
-        sch.reorder(row_tile, col_tile, row_half, col_half, row, col_pair, col)
+        sch.reorder(*unrolled, row, col_pair, col)
         sch.vectorize(col)
     else:
-        sch.reorder(row_tile, col_tile, row_half, col_half, col, row, col_pair)
+        sch.reorder(*unrolled, col, row, col_pair)
+        unrolled.append(col)
     sch.bind(sch.fuse(row, col_pair), "threadIdx.x")
-    for loop in (row_tile, col_tile, row_half, col_half) + (() if column_pairs else (col,)):
+    for loop in unrolled:
         sch.annotate(loop, tensor_cores.UNROLL, 1)
 
 
@@ -534,10 +532,20 @@ def _operand_to_shared(sch, block, index, at, warps):
     # buffer lives beside the fp32 ones, never in place of one (the storage planner would
     # otherwise alias them across types, which the ldmatrix address lowering rejects).
     sch.compute_at(cache, at, index=0)
-    fused = sch.fuse(*sch.get_loops(cache)[-2:])
-    _, ty, tx, vec = sch.split(fused, [None, warps, WARP, VECTOR])
-    sch.bind(ty, "threadIdx.y")
+    _copy_in_words(sch, cache, cache, warps)
+
+
+def _copy_in_words(sch, copy, writer, warps=None):
+    """Block ``copy`` (loops rows x cols last) in 128-bit words by the lanes of ``warps``
+    warps (None: of the warp whose loop already holds it), the rows of the shared buffer
+    that block ``writer`` writes padded by one word: the eight row addresses of an
+    ldmatrix, or the eight rows of a fragment's lanes, hit distinct banks."""
+    fused = sch.fuse(*sch.get_loops(copy)[-2:])
+    if warps is None:
+        _, tx, vec = sch.split(fused, [None, WARP, VECTOR])
+    else:
+        _, ty, tx, vec = sch.split(fused, [None, warps, WARP, VECTOR])
+        sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(vec)
-    # Rows padded by one 128-bit word: ldmatrix's eight row addresses hit distinct banks.
-    sch.storage_align(cache, 0, axis=-2, factor=MMA, offset=VECTOR)
+    sch.storage_align(writer, 0, axis=-2, factor=MMA, offset=VECTOR)
