@@ -345,25 +345,30 @@ def _lane_partials(sch, name):
     ``name`` the row's four partials."""
     block = sch.get_sblock(name)
     rows, keys = sch.get_loops(block)[-2:]
-    column, lane, pair = sch.split(keys, [None, QUAD, 2])
-    sch.reorder(lane, column)
+    # The 16-key tile and the half of it as loops of their own (not one column loop
+    # split by division): under a mask's condition TVM's simplifier would fold the
+    # division's quotient into the element offset (where the mask bounds the column,
+    # e.g. to 0 in the last tile of 200 keys), and LowerWarpMemory could no longer
+    # separate the lane from the element.
+    tile, half, lane, pair = sch.split(keys, [None, 2, QUAD, 2])
+    sch.reorder(lane, tile, half)
     sch.split_tile_accumulation(block, lane)
     sch.distribute(lane)
     sch.distribute(rows)
     partial = sch.get_sblock(f"{name}_tile")
     sch.set_scope(partial, 0, "warp")
     sch.transform_layout(partial, ("write", 0), lambda lane, *index: (*index[:-1], *_quad(index[-1], lane)))
-    rows, lane = sch.get_loops(partial)[-4:-2]
+    rows, lane = sch.get_loops(partial)[-5:-3]
     row_half, row = sch.split(rows, [None, 8])
     sch.reorder(row, lane, row_half)
     lanes = sch.fuse(row, lane)
     sch.bind(lanes, "threadIdx.x")
-    for loop in sch.get_loops(partial)[-3:]:
+    for loop in sch.get_loops(partial)[-4:]:
         sch.annotate(loop, tensor_cores.UNROLL, 1)
     # Each lane reduces in registers and stores each partial once (placed per row half:
     # at the lane loop, TVM would relax the four rows' stores to one 25-element range).
     store = sch.cache_write(partial, 0, "local")
-    sch.reverse_compute_at(store, sch.get_loops(partial)[-3])
+    sch.reverse_compute_at(store, sch.get_loops(partial)[-4])
 
 
 def _quad_rows(sch, name, j0):
