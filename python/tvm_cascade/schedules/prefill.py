@@ -46,6 +46,7 @@ from tvm.ir import expr as ir_expr
 from ..analysis.scope import uses_var
 from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
+from .async_prologue import async_prologue_copies
 from .padding import inline_padding
 from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
@@ -141,6 +142,7 @@ def build(mod, target):
             tvm_ffi.structural_walk(func.body, visit)
     if len(levels) > 1:
         raise ValueError(f"the module's functions ask ptxas for different register usage levels {sorted(levels)}")
+    mod = async_prologue_copies(mod)
     return tensor_cores.build(mod, target, register_usage_level=levels.pop() if levels else None)
 
 

@@ -1,0 +1,64 @@
+"""``async_prologue_copies``: the prefill kernel's Q copy becomes a ``cp.async`` group of
+its own where the pipelined key loop's first wait covers it, and stays as it is where the
+first reader of Q may be a synchronous key loop (a mask's). Numerics on the GPU:
+``tests/test_kernels.py`` (unmasked and padded prefill configurations)."""
+import re
+
+import tvm
+import tvm_ffi
+import tvm_cascade  # noqa: F401
+
+from tvm_cascade import ops
+from tvm_cascade.bench import VARIANTS
+from tvm_cascade.schedules import prefill
+from tvm_cascade.schedules.async_prologue import async_prologue_copies
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
+def _kernel_body(func):
+    found = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.For) and node.thread_binding is not None and node.thread_binding.thread_tag == "blockIdx.x":
+            found.append(node.body)
+
+    tvm_ffi.structural_walk(func.body, visit)
+    (body,) = found
+    return list(body.seq)
+
+
+def _scheduled(variant):
+    func = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS[variant])
+    return prefill.schedule_prefill(func).mod
+
+
+def test_q_copy_is_one_commit_group_before_a_pipelined_key_loop():
+    mod = _scheduled("global")
+    before = _kernel_body(mod["main"])
+    after = _kernel_body(async_prologue_copies(mod)["main"])
+    # The Q copy, unchanged, inside async_scope inside a commit group; the rest as it was.
+    assert len(after) == len(before) == 2
+    group = after[0]
+    assert (group.attr_key, int(group.value)) == ("async_commit_queue_scope", 0)
+    assert (group.body.attr_key, int(group.body.value)) == ("async_scope", 1)
+    assert tvm_ffi.structural_equal(group.body.body, before[0])
+    assert tvm_ffi.structural_equal(after[1], before[1])
+
+
+def test_q_copy_stays_where_a_mask_may_read_q_in_a_synchronous_loop():
+    mod = _scheduled("causal")
+    assert tvm_ffi.structural_equal(async_prologue_copies(mod), mod)
+
+
+def test_q_is_loaded_by_cp_async_and_committed_before_the_first_k_and_v_tiles():
+    source = prefill.build(_scheduled("global"), CUDA).mod.imports[0].inspect_source()
+    body = source[source.index("main_kernel(half* __restrict__ K_ptr"):]
+    q_copies = [m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*Q_ptr", body)]
+    assert len(q_copies) == 16 and "*(uint4*)(Q_ptr" not in body
+    commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", body)]
+    first_kv = min(m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*[KV]_ptr", body))
+    # Q's own group, then the first K/V tile's; the loop's first wait (one group in
+    # flight) leaves both complete.
+    assert max(q_copies) < commits[0] < first_kv < commits[1]
+    assert "cp.async.wait_group 1" in source
