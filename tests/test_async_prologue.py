@@ -1,9 +1,8 @@
 """``async_prologue_copies``: the prefill kernel's Q copy becomes a ``cp.async`` group of
 its own where the pipelined key loop's first wait covers it, and stays as it is where the
-first reader of Q may be a synchronous key loop (a mask's). Numerics on the GPU:
-``tests/test_kernels.py`` (unmasked and padded prefill configurations)."""
-import re
-
+first reader of Q may be a synchronous key loop (a mask's). The CUDA it becomes:
+``test_prefill_schedule.test_lengths_that_are_not_whole_tiles_are_padded``; numerics on
+the GPU: ``tests/test_kernels.py`` (unmasked and padded prefill configurations)."""
 import tvm
 import tvm_ffi
 import tvm_cascade  # noqa: F401
@@ -12,8 +11,6 @@ from tvm_cascade import ops
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.schedules import prefill
 from tvm_cascade.schedules.async_prologue import async_prologue_copies
-
-CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
 
 def _kernel_body(func):
@@ -49,16 +46,3 @@ def test_q_copy_is_one_commit_group_before_a_pipelined_key_loop():
 def test_q_copy_stays_where_a_mask_may_read_q_in_a_synchronous_loop():
     mod = _scheduled("causal")
     assert tvm_ffi.structural_equal(async_prologue_copies(mod), mod)
-
-
-def test_q_is_loaded_by_cp_async_and_committed_before_the_first_k_and_v_tiles():
-    source = prefill.build(_scheduled("global"), CUDA).mod.imports[0].inspect_source()
-    body = source[source.index("main_kernel(half* __restrict__ K_ptr"):]
-    q_copies = [m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*Q_ptr", body)]
-    assert len(q_copies) == 16 and "*(uint4*)(Q_ptr" not in body
-    commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", body)]
-    first_kv = min(m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*[KV]_ptr", body))
-    # Q's own group, then the first K/V tile's; the loop's first wait (one group in
-    # flight) leaves both complete.
-    assert max(q_copies) < commits[0] < first_kv < commits[1]
-    assert "cp.async.wait_group 1" in source
