@@ -6,7 +6,8 @@ Built from the traced ``rolling_update`` and the tile rewrites of
 the epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
-  by all threads of the block); the key loop is software-pipelined, the next tile's K
+  by all threads of the block; Q's by ``cp.async`` where the pipelined key loop waits
+  for it, see :func:`build`); the key loop is software-pipelined, the next tile's K
   and V copied by ``cp.async`` into double-buffered shared memory while this tile
   computes (with a mask: a causal mask's inner tiles, in runs of a block's rows);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
@@ -130,7 +131,9 @@ def _score(func):
 
 def build(mod, target):
     """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build`) at
-    the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`)."""
+    the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`),
+    the Q tile's copy issued asynchronously where the pipeline covers it
+    (:func:`~.async_prologue.async_prologue_copies`)."""
     levels = set()
 
     def visit(node):
