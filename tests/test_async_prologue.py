@@ -1,8 +1,9 @@
 """``async_prologue_copies``: the prefill kernel's Q copy becomes a ``cp.async`` group of
 its own where the pipelined key loop's first wait covers it, and stays as it is where the
-first reader of Q may be a synchronous key loop (a mask's). The CUDA it becomes:
-``test_prefill_schedule.test_lengths_that_are_not_whole_tiles_are_padded``; numerics on
-the GPU: ``tests/test_kernels.py`` (unmasked and padded prefill configurations)."""
+first reader of Q may be a synchronous key loop (a mask's, or padded keys'). The CUDA it
+becomes: ``test_prefill_schedule.test_unmasked_key_loop_prefetches_the_next_tile_asynchronously``;
+numerics on the GPU: ``tests/test_kernels.py`` (the unmasked softcap configuration of
+whole tiles)."""
 import tvm
 import tvm_ffi
 import tvm_cascade  # noqa: F401

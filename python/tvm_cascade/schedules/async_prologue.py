@@ -85,9 +85,10 @@ def _pipelined(stmt):
     return isinstance(stmt, tirx.For) and STAGES in stmt.annotations
 
 
-def _pipeline_statements(loop):
-    """The statements of pipelined ``loop`` that its stage annotation numbers: TVM lifts
-    thread-bound loops first, so a thread-bound child's statements count one by one."""
+def pipeline_statements(loop):
+    """The statements of ``loop`` that a software pipeline's stage annotation numbers:
+    TVM's lowering lifts thread-bound loops before it pipelines, so a thread-bound child
+    loop's statements count one by one."""
     body = loop.body.block.body if isinstance(loop.body, SBlockRealize) else loop.body
     stmts = []
     for child in body.seq if isinstance(body, tirx.SeqStmt) else [body]:
@@ -102,7 +103,7 @@ def _waits_before_reading(loop, buffers):
     stages write and is in a later stage."""
     stages = [int(s) for s in loop.annotations[STAGES]]
     async_stages = {int(s) for s in loop.annotations.get(ASYNC_STAGES, [])}
-    stmts = _pipeline_statements(loop)
+    stmts = pipeline_statements(loop)
     if len(stmts) != len(stages):
         return False
     written = [b for s, stage in zip(stmts, stages) if stage in async_stages for b in _buffers_written(s)]
@@ -138,12 +139,15 @@ def _kernel(loop):
     if loop.thread_binding is None or loop.thread_binding.thread_tag != "blockIdx.x" or not isinstance(loop.body, tirx.SeqStmt):
         return loop
     stmts = list(loop.body.seq)
-    copies = 0
-    while copies < len(stmts) and _copied_to_shared(stmts[copies]) is not None:
-        copies += 1
+    buffers = []
+    for stmt in stmts:
+        buffer = _copied_to_shared(stmt)
+        if buffer is None:
+            break
+        buffers.append(buffer)
+    copies = len(buffers)
     if copies == 0 or copies == len(stmts):
         return loop
-    buffers = [_copied_to_shared(s) for s in stmts[:copies]]
     reader = _first_reader(_seq(stmts[copies:]), buffers)
     if reader is None or not (_pipelined(reader) and _runs(reader) and _waits_before_reading(reader, buffers)):
         return loop

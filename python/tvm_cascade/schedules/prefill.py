@@ -47,7 +47,7 @@ from tvm.ir import expr as ir_expr
 from ..analysis.scope import uses_var
 from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
-from .async_prologue import async_prologue_copies
+from .async_prologue import ASYNC_STAGES, STAGES, async_prologue_copies, pipeline_statements
 from .padding import inline_padding
 from . import tensor_cores
 from .tensor_cores import cuda_intrinsics
@@ -429,18 +429,11 @@ def _pipeline_copies(sch, loop):
     on the block) TVM's pipeline guards its prologue and epilogue with conditions, where
     its barrier planner cannot place the copies' barriers, and its ``cp.async`` wait
     counts would depend on the extent, which its PTX codegen rejects."""
-    # TVM's lowering lifts thread-bound loops before it pipelines: the statements of a
-    # thread-bound child loop become children of their own.
-    count = sum(
-        len(child.body.seq)
-        if isinstance(child, tvm.tirx.For) and child.thread_binding is not None and isinstance(child.body, tvm.tirx.SeqStmt)
-        else 1
-        for child in sch.get(loop).body.seq
-    )
+    count = len(pipeline_statements(sch.get(loop)))
     stages = [0, 0] + [1] * (count - 2)
-    sch.annotate(loop, "software_pipeline_stage", stages)
+    sch.annotate(loop, STAGES, stages)
     sch.annotate(loop, "software_pipeline_order", list(range(count)))
-    sch.annotate(loop, "software_pipeline_async_stages", [0])
+    sch.annotate(loop, ASYNC_STAGES, [0])
 
 
 def _head_dim(sch):
