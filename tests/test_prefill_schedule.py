@@ -25,7 +25,7 @@ from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.primitives import ir
 from tvm_cascade.primitives.tiles import _is_masked_read
-from tvm_cascade.schedules import prefill, tensor_cores
+from tvm_cascade.schedules import prefill, software_pipeline, tensor_cores
 from tvm_cascade.schedules.padding import padded_inputs
 
 from tuning_records import write_records
@@ -633,14 +633,22 @@ def test_row_sum_adds_float32_exps_unless_the_score_has_a_position_bias(variant,
     assert reads("sum_tile_tile") == expected
 
 
+def _pipelined_loops(mod):
+    """The loops of ``mod`` that TVM software-pipelines once ``prefill.build`` has applied
+    the schedule's choices."""
+    chosen = software_pipeline.apply_chosen_pipelines(mod)
+    return [l for l in _loops(chosen["main"]) if software_pipeline.STAGES in l.annotations]
+
+
 def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
-    """Without a mask the key-tile loop is software-pipelined: the K and V copies of the
-    next tile are cp.async copies into the other half of double-buffered shared memory,
-    issued before this tile's GEMMs, which wait for the previous group only."""
+    """Without a mask a key-tile loop of few tiles is software-pipelined: the K and V
+    copies of the next tile are cp.async copies into the other half of double-buffered
+    shared memory, issued before this tile's GEMMs, which wait for the previous group
+    only."""
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["global"])
     sch = prefill.schedule_prefill(func)
     assert _key_tile(sch) == 64  # no mask: prefill.default_keys
-    loops = [l for l in _loops(sch.mod["main"]) if "software_pipeline_stage" in l.annotations]
+    loops = _pipelined_loops(sch.mod)
     assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
     stages = list(loops[0].annotations["software_pipeline_stage"])
     assert stages[:2] == [0, 0] and set(stages[2:]) == {1}
@@ -661,7 +669,31 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     # A window's inner tiles need not come in whole runs of a block's rows: not pipelined.
     window = VARIANTS["window"]
     masked = prefill.schedule_prefill(ops.attention(1, 2, 2, 1024, 1024, 128, dtype="float16", variant=window))
-    assert not any("software_pipeline_stage" in l.annotations for l in _loops(masked.mod["main"]))
+    assert not _pipelined_loops(masked.mod)
+
+
+@pytest.mark.parametrize(
+    # 1000 keys: 16 tiles, the last one partly padding, the other 15 the inner tiles.
+    "seq_kv, pad, tiles, pipelined", [(1024, None, 16, True), (2048, None, 32, False), (1000, (128, 64), 15, True)]
+)
+def test_key_loops_of_few_tiles_are_pipelined_by_default(seq_kv, pad, tiles, pipelined):
+    """``prefill.default_pipeline``: up to ``PIPELINED_TILES`` key tiles (16 of 64 keys)
+    the key loop is software-pipelined, longer ones run synchronously; under a mask of
+    padded keys only, the loop of the inner tiles (whole tiles, a constant number)."""
+    func = ops.attention(1, 1, 1, 128, seq_kv, 128, dtype="float16", variant=VARIANTS["global"], pad_to=pad)
+    assert prefill.default_pipeline(func, 64) is pipelined
+    sch = prefill.schedule_prefill(func)
+    (chosen,) = [l for l in _loops(sch.mod["main"]) if software_pipeline.CHOSEN in l.annotations]
+    assert int(chosen.extent) == tiles
+    assert int(chosen.annotations[software_pipeline.CHOSEN]) == pipelined
+    loops = _pipelined_loops(sch.mod)
+    assert [int(l.extent) for l in loops] == ([int(chosen.extent)] if pipelined else [])
+    # The choice's annotation is gone either way; nothing else changes without a pipeline.
+    assert not any(software_pipeline.CHOSEN in l.annotations for l in _loops(software_pipeline.apply_chosen_pipelines(sch.mod)["main"]))
+    if not pipelined:
+        unchosen = tvm.s_tir.Schedule(func, seed=1)
+        prefill.apply_prefill_schedule(unchosen, 128, 64, 4, 5)
+        assert tvm_ffi.structural_equal(software_pipeline.apply_chosen_pipelines(sch.mod), unchosen.mod)
 
 
 def _loops(func):
@@ -704,9 +736,13 @@ def test_lengths_that_are_not_whole_tiles_are_padded(variant, seq_q, seq_kv):
     # One copy step of all 128 threads covers 8 rows of 128 fp16 columns.
     step_rows = 128 * 8 // 128
     for operand, length in (("Q", seq_q), ("K", seq_kv), ("V", seq_kv)):
-        # 128-bit loads, guarded (zeros otherwise) where a step can reach past the end.
+        # 128-bit loads, guarded (zeros otherwise) where a step can reach past the end;
+        # or, where Q's copy is asynchronous (a pipelined loop of inner tiles reads it
+        # first: 130 x 200), predicated cp.async that store zeros where the predicate fails.
         if length % step_rows:
-            assert re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)
+            loaded = re.search(rf"if \(.*\) {{\n\s*condval\w* = \*\(uint4\*\)\({operand}_ptr", source)
+            copied = re.search(rf"ptx_cp_async\w*_pred\w*\(buf_dyn_shmem_ptr, [^;]*{operand}_ptr, [^;]*< \d+\)\);", source)
+            assert loaded or (copied and "@!p st.shared.v4.u32 [%0], {%4, %4, %4, %4};" in source)
     if seq_kv % step_rows == 0:
         # Keys in whole steps: the last key tile's steps are known to be in or out of
         # range, and those out of range store zeros without a guard.
@@ -754,6 +790,15 @@ def test_schedule_refuses_shapes_off_the_tiles():
         prefill.schedule_prefill(func)
 
 
+def _replayed(func, trace, samples, decisions):
+    """(``trace`` with ``decisions`` for its ``samples``, that trace replayed on ``func``)."""
+    for inst, decision in zip(samples, decisions):
+        trace = trace.with_decision(inst, decision, remove_postproc=True)
+    replayed = tvm.s_tir.Schedule(func)
+    trace.apply_to_schedule(replayed, remove_postproc=True)
+    return trace, replayed
+
+
 def test_design_space_replays_under_every_decision_and_through_json():
     # Two row tiles: the second block has inner tiles, which run in pipelined groups.
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["alibi"])
@@ -765,11 +810,7 @@ def test_design_space_replays_under_every_decision_and_through_json():
     # Every key tile and P·V split, each register level once (an annotation for the build).
     for decisions in itertools.product(range(len(prefill.KEY_TILES)), range(len(prefill.PV_SPLITS))):
         decisions += (sum(decisions) % len(prefill.REGISTER_USAGE_LEVELS),)
-        trace = sch.trace
-        for inst, decision in zip(samples, decisions):
-            trace = trace.with_decision(inst, decision, remove_postproc=True)
-        replayed = tvm.s_tir.Schedule(func)
-        trace.apply_to_schedule(replayed, remove_postproc=True)
+        trace, replayed = _replayed(func, sch.trace, samples, decisions)
         direct = tvm.s_tir.Schedule(func)
         values = [c[d] for c, d in zip(choices, decisions)]
         prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, *values)
@@ -779,6 +820,28 @@ def test_design_space_replays_under_every_decision_and_through_json():
     cascade_trace.apply_json_to_schedule(as_json, reloaded)
     assert tvm_ffi.structural_equal(reloaded.mod, replayed.mod)
     assert "mma.sync" in _source(reloaded.mod)
+
+
+@pytest.mark.parametrize("seq_kv, pad", [(256, None), (250, (128, 64))])
+def test_design_space_samples_the_pipeline_of_a_key_loop_of_constant_tiles(seq_kv, pad):
+    """Without a mask (and under a mask of padded keys only: the inner tiles' loop) the
+    key loop's software pipeline is a fourth decision; each replays into the schedule
+    whose loop is annotated with that choice."""
+    func = ops.attention(1, 2, 2, 256, seq_kv, 128, dtype="float16", variant=VARIANTS["global"], pad_to=pad)
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    prefill.prefill_design_space()(sch)
+    samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
+    choices = [prefill.KEY_TILES, prefill.PV_SPLITS, prefill.REGISTER_USAGE_LEVELS, prefill.PIPELINES]
+    assert [[int(c) for c in i.attrs[0]] for i in samples] == [list(c) for c in choices]
+    for decisions in [(0, 0, 0, 1), (1, 2, 1, 0), (0, 1, 0, 0)]:
+        trace, replayed = _replayed(func, sch.trace, samples, decisions)
+        direct = tvm.s_tir.Schedule(func)
+        keys, pv_split, level, pipeline = (c[d] for c, d in zip(choices, decisions))
+        loop = prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, keys, pv_split, level)
+        direct.annotate(loop, software_pipeline.CHOSEN, pipeline)
+        assert tvm_ffi.structural_equal(replayed.mod, direct.mod), decisions
+        tiles = -(-seq_kv // keys) - (pad is not None)
+        assert [int(l.extent) for l in _pipelined_loops(replayed.mod)] == ([tiles] if pipeline else [])
 
 
 def test_tuned_records_reload_into_prefill_schedules(tmp_path):

@@ -7,9 +7,11 @@ the epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
   by all threads of the block; Q's by ``cp.async`` where the pipelined key loop waits
-  for it, see :func:`build`); the key loop is software-pipelined, the next tile's K
-  and V copied by ``cp.async`` into double-buffered shared memory while this tile
-  computes (with a mask: a causal mask's inner tiles, in runs of a block's rows);
+  for it, see :func:`build`); a key loop of up to :data:`PIPELINED_TILES` tiles is
+  software-pipelined (a design-space choice: :func:`default_pipeline`), the next
+  tile's K and V copied by ``cp.async`` into double-buffered shared memory while this
+  tile computes (with a mask: the inner tiles of padded keys, or a causal mask's in
+  runs of a block's rows);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores stay in
   the accumulators (registers);
@@ -47,9 +49,9 @@ from tvm.ir import expr as ir_expr
 from ..analysis.scope import uses_var
 from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
-from .async_prologue import ASYNC_STAGES, STAGES, async_prologue_copies, pipeline_statements
+from .async_prologue import async_prologue_copies
 from .padding import inline_padding
-from . import tensor_cores
+from . import software_pipeline, tensor_cores
 from .tensor_cores import cuda_intrinsics
 
 
@@ -82,6 +84,9 @@ class PrefillConfig:
     pv_split: int = 4  # passes over the head dimension in the P·V GEMM (register pressure)
     # ptxas's --register-usage-level (0-10); None: :func:`default_register_usage_level`
     register_usage_level: Optional[int] = None
+    # Whether a key loop of a constant number of tiles is software-pipelined (a causal
+    # mask's inner tiles always are, in runs); None: :func:`default_pipeline`
+    pipeline: Optional[bool] = None
 
 
 def default_keys(func):
@@ -93,6 +98,18 @@ def default_keys(func):
     earlier (ptxas level 10, statistics in shared memory) global b8 s1024 0.639/0.595,
     softcap 0.729/0.634, window 0.301/0.270."""
     return 32 if position_bias(func) else 64
+
+
+def default_pipeline(func, keys):
+    """Whether the prefill schedule of ``ops.attention`` function ``func`` with ``keys``
+    keys per tile software-pipelines a key loop of a constant number of tiles (no mask, or
+    only padded keys'): up to :data:`PIPELINED_TILES` tiles. Longer loops run faster
+    synchronously, overlapped only by the other thread block on the multiprocessor.
+    Measured side by side on an H200 (ms, pipelined against not, 64-key tiles, global
+    unless named): b8 s1024 0.460/0.475, b8 s1000 (padded) 0.468/0.493, softcap b8 s1024
+    0.501/0.510, b16 s1000 0.966/0.966, b4 s2048 0.909/0.906, b8 s2048 1.851/1.773,
+    softcap b8 s2048 2.035/1.939, b8 s4096 7.31/7.00, b1 s16384 14.47/13.97."""
+    return _shape(tvm.s_tir.Schedule(func))[3] // keys <= PIPELINED_TILES
 
 
 def position_bias(func):
@@ -132,7 +149,9 @@ def _score(func):
 def build(mod, target):
     """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build`) at
     the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`),
-    the Q tile's copy issued asynchronously where the pipeline covers it
+    the key loops it chose to pipeline pipelined
+    (:func:`~.software_pipeline.apply_chosen_pipelines`), and the Q tile's copy issued
+    asynchronously where the pipeline covers it
     (:func:`~.async_prologue.async_prologue_copies`)."""
     levels = set()
 
@@ -145,7 +164,7 @@ def build(mod, target):
             tvm_ffi.structural_walk(func.body, visit)
     if len(levels) > 1:
         raise ValueError(f"the module's functions ask ptxas for different register usage levels {sorted(levels)}")
-    mod = async_prologue_copies(mod)
+    mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(mod))
     return tensor_cores.build(mod, target, register_usage_level=levels.pop() if levels else None)
 
 
@@ -171,25 +190,34 @@ def schedule_prefill(func, config=PrefillConfig()):
         config = replace(config, keys=default_keys(func))
     if config.register_usage_level is None:
         config = replace(config, register_usage_level=default_register_usage_level(func))
+    if config.pipeline is None:
+        config = replace(config, pipeline=default_pipeline(func, config.keys))
     sch = tvm.s_tir.Schedule(func, seed=1)
     _, _, seq_q, seq_kv = _shape(sch)
     check_shape(seq_q, seq_kv, _head_dim(sch), config)
-    apply_prefill_schedule(sch, config.rows, config.keys, config.pv_split, config.register_usage_level)
+    loop = apply_prefill_schedule(sch, config.rows, config.keys, config.pv_split, config.register_usage_level)
+    if loop is not None:
+        sch.annotate(loop, software_pipeline.CHOSEN, int(config.pipeline))
     return sch
 
 
 #: The design space's choices: keys per tile, passes over the head dimension in P·V,
-#: ptxas's register usage level.
+#: ptxas's register usage level, whether a key loop of a constant number of tiles is
+#: software-pipelined.
 KEY_TILES = (32, 64)
 PV_SPLITS = (1, 2, 4)
 REGISTER_USAGE_LEVELS = (5, 10)
+PIPELINES = (1, 0)
+#: Key tiles up to which :func:`default_pipeline` pipelines.
+PIPELINED_TILES = 16
 
 
 def prefill_design_space(rows=PrefillConfig().rows):
     """A MetaSchedule design space (``fn(sch)``) over the prefill schedule: the key tile,
-    the P·V passes and ptxas's register usage level are ``sample_categorical`` decisions
-    (only the key tiles that divide the key length), applied through the traced
-    ``rolling_update`` and tile rewrites."""
+    the P·V passes, ptxas's register usage level and, where the key loop has a constant
+    number of tiles, its software pipeline are ``sample_categorical`` decisions (only the
+    key tiles that divide the key length), applied through the traced ``rolling_update``
+    and tile rewrites."""
 
     def space(sch):
         _, _, seq_q, seq_kv = _shape(sch)
@@ -201,7 +229,9 @@ def prefill_design_space(rows=PrefillConfig().rows):
         def sample(options):
             return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
 
-        apply_prefill_schedule(sch, rows, sample(keys), sample(PV_SPLITS), sample(REGISTER_USAGE_LEVELS))
+        loop = apply_prefill_schedule(sch, rows, sample(keys), sample(PV_SPLITS), sample(REGISTER_USAGE_LEVELS))
+        if loop is not None:
+            sch.annotate(loop, software_pipeline.CHOSEN, sample(PIPELINES))
 
     return space
 
@@ -228,7 +258,10 @@ def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",)):
 def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
     """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys``,
     ``pv_split`` and ``register_usage_level`` (ptxas's, for :func:`build`) are ints or
-    sampled ``ExprRV``s."""
+    sampled ``ExprRV``s. Returns the key loop whose software pipeline is the caller's
+    choice (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner
+    tiles' loop under a mask of padded keys only; else None (a causal mask's inner
+    tiles are pipelined in runs, other masks' not)."""
     warps = rows // WARP
     float32_sum = not position_bias(sch.mod["main"])
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
@@ -316,9 +349,8 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level):
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
         # Runs as long as a block's rows in the largest key tile: a literal in the trace,
         # it has to divide the inner tiles for whichever key tile a replay samples.
-        _pipeline_inner_tiles(sch, rows // max(KEY_TILES))
-    else:
-        _pipeline_copies(sch, j0)
+        return _pipeline_inner_tiles(sch, rows // max(KEY_TILES))
+    return j0
 
 
 def _exps(sch, float32_sum):
@@ -402,23 +434,29 @@ def _quad(row, replica):
 
 
 def _pipeline_inner_tiles(sch, group):
-    """Pipeline a mask's inner tiles in runs of ``group`` tiles: their loop's extent
-    depends on the block, which TVM cannot pipeline (see :func:`_pipeline_copies`), but
-    where it is a multiple of ``group`` for every block (a causal mask's inner tiles end
-    at the block's first row) the loop splits without a predicate into runs of constant
-    extent, each pipelined."""
+    """A mask's inner tiles: where their number is a constant of two or more (a mask of
+    padded keys only), returns their loop, whose pipeline is a choice. Otherwise their
+    loop's extent depends on the block, which TVM cannot pipeline (see
+    :func:`_pipeline_copies`), but where it is a multiple of ``group`` for every block (a
+    causal mask's inner tiles end at the block's first row) the loop splits without a
+    predicate into runs of ``group`` tiles, each pipelined."""
     if not any(b.name_hint == "max_update_inner" for b in ir.blocks_in(sch.mod["main"].body.block)):
-        return
+        return None
     loops = sch.get_loops(sch.get_sblock("max_update_inner"))
+    extent = sch.get(loops[2]).extent
+    if isinstance(extent, tvm.tirx.IntImm):
+        # (One tile has nothing to overlap.)
+        return loops[2] if extent.value > 1 else None
     analyzer = tvm.sym.Analyzer()
     for above in loops[:2]:
         node = sch.get(above)
         analyzer.bind(node.loop_var, tvm.ir.Range.from_min_extent(node.min, node.extent))
-    if group > 1 and analyzer.can_prove(tvm.tirx.floormod(sch.get(loops[2]).extent, group) == 0):
+    if group > 1 and analyzer.can_prove(tvm.tirx.floormod(extent, group) == 0):
         # (A run is never one tile, so its loop stays a loop without KEEP_LOOP.)
         sch.unannotate(loops[2], KEEP_LOOP)
         _, run = sch.split(loops[2], [None, group])
         _pipeline_copies(sch, run)
+    return None
 
 
 def _pipeline_copies(sch, loop):
@@ -429,11 +467,8 @@ def _pipeline_copies(sch, loop):
     on the block) TVM's pipeline guards its prologue and epilogue with conditions, where
     its barrier planner cannot place the copies' barriers, and its ``cp.async`` wait
     counts would depend on the extent, which its PTX codegen rejects."""
-    count = len(pipeline_statements(sch.get(loop)))
-    stages = [0, 0] + [1] * (count - 2)
-    sch.annotate(loop, STAGES, stages)
-    sch.annotate(loop, "software_pipeline_order", list(range(count)))
-    sch.annotate(loop, ASYNC_STAGES, [0])
+    for key, value in software_pipeline.pipeline_annotations(sch.get(loop)).items():
+        sch.annotate(loop, key, value)
 
 
 def _head_dim(sch):
