@@ -15,6 +15,7 @@ import pytest
 import tvm
 import tvm_ffi
 import tvm_cascade  # noqa: F401
+from tvm.s_tir.stmt import SBlockRealize
 from tvm.script import tirx as T
 
 from tvm_cascade import FusionError, kernels, ops
@@ -23,6 +24,7 @@ from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import run_prim_func
 from tvm_cascade.analysis.chain import substitute
+from tvm_cascade.analysis.scope import vars_in
 from tvm_cascade.primitives import ir
 from tvm_cascade.primitives.tiles import _is_masked_read
 from tvm_cascade.schedules import prefill, software_pipeline, tensor_cores
@@ -69,6 +71,23 @@ def test_tile_rewrites_keep_attention_exact(variant, heads_q, heads_kv):
     k, v = (rng.standard_normal((1, heads_kv, seq, dim)).astype("float32") for _ in range(2))
     out, = run_prim_func(sch.mod["main"], [q, k, v])
     np.testing.assert_allclose(out, attention_ref(q, k, v, variant=var), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["causal", "global"])
+def test_row_tiles_of_several_query_heads_keep_attention_exact(variant):
+    """``row_tiles(heads=2)``: a tile of 16 rows of each of 2 query heads of a GQA group,
+    one slice per head."""
+    seq, dim = 96, 16
+    func = ops.attention(1, 4, 2, seq, seq, dim, dtype="float32", variant=VARIANTS[variant])
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    _, groups, tiles, slices, _, i1 = prefill.row_tiles(sch, 32, 32, warps=2, heads=2)
+    assert [int(sch.get(l).extent) for l in (groups, tiles, slices, i1)] == [2, seq // 16, 2, 16]
+    sch.distribute(i1)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, seq, dim)).astype("float32")
+    k, v = (rng.standard_normal((1, 2, seq, dim)).astype("float32") for _ in range(2))
+    out, = run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, attention_ref(q, k, v, variant=VARIANTS[variant]), rtol=1e-5, atol=1e-5)
 
 
 def test_distribute_gives_each_stage_its_row_loop():
@@ -696,6 +715,43 @@ def test_key_loops_of_few_tiles_are_pipelined_by_default(seq_kv, pad, tiles, pip
         assert tvm_ffi.structural_equal(software_pipeline.apply_chosen_pipelines(sch.mod), unchosen.mod)
 
 
+@pytest.mark.parametrize(
+    "heads_q, heads_kv, seq, heads", [(8, 2, 256, 4), (8, 1, 256, 4), (8, 2, 2048, 1), (4, 4, 256, 1), (8, 2, 250, 1)]
+)
+def test_gqa_thread_blocks_take_query_heads_that_share_each_key_tile(heads_q, heads_kv, seq, heads):
+    """``prefill.default_heads``: under grouped-query attention of up to 1024 keys (whole
+    tiles) each of a block's 4 warps takes 32 rows of its own query head of one group:
+    the block copies Q of 4 heads once and each K and V tile once for all of them (their
+    head is the block's group)."""
+    func = ops.attention(
+        1, heads_q, heads_kv, seq, seq, 128, dtype="float16", variant=VARIANTS["causal"], pad_to=(128, 64)
+    )
+    assert prefill.default_heads(func) == heads
+    if heads == 1:
+        return
+    sch = prefill.schedule_prefill(func)
+    copies = {}
+
+    def visit(node):
+        if isinstance(node, SBlockRealize) and any(r.source.scope() == "global" for r in node.block.reads):
+            copies[node.block.reads[0].source.name] = node.iter_values[1]  # the head
+
+    tvm_ffi.structural_walk(sch.mod["main"].body, visit)
+    (block,) = [l for l in _loops(sch.mod["main"]) if l.thread_binding is not None and l.thread_binding.thread_tag == "blockIdx.x"]
+    analyzer = tvm.sym.Analyzer()
+    analyzer.bind(block.loop_var, tvm.ir.Range(0, block.extent))
+    groups_per_kv = heads_q // heads_kv // heads
+    # K and V of the block's group: its head is the block's index / row tiles of a head.
+    for name in ("K", "V"):
+        assert all(v.same_as(block.loop_var) for v in vars_in(copies[name]))
+        assert analyzer.can_prove_equal(copies[name], block.loop_var // (seq // 32) // groups_per_kv)
+    # Q of 4 heads: a loop over them in the block's copy.
+    (head,) = [v for v in vars_in(copies["Q"]) if not v.same_as(block.loop_var)]
+    assert analyzer.can_prove_equal(copies["Q"] - head, block.loop_var // (seq // 32) * heads)
+    (head_loop,) = [l for l in _loops(sch.mod["main"]) if l.loop_var.same_as(head)]
+    assert int(head_loop.extent) == heads
+
+
 def _loops(func):
     found = []
     tvm_ffi.structural_walk(func.body, lambda n: found.append(n) if isinstance(n, tvm.tirx.For) else None)
@@ -788,6 +844,13 @@ def test_schedule_refuses_shapes_off_the_tiles():
     func = ops.attention(1, 1, 1, 200, 200, 128, dtype="float16", variant=VARIANTS["global"])
     with pytest.raises(ValueError, match="multiple of 128"):
         prefill.schedule_prefill(func)
+    gqa = ops.attention(1, 8, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
+    with pytest.raises(ValueError, match="3 query heads per thread block must divide its 4 warps"):
+        prefill.schedule_prefill(gqa, prefill.PrefillConfig(heads=3))
+    padded = ops.attention(1, 8, 2, 130, 256, 128, dtype="float16", variant=VARIANTS["causal"], pad_to=(128, 64))
+    assert prefill.default_heads(padded) == 1
+    with pytest.raises(ValueError, match="multiple of 32 rows per head; got 130"):
+        prefill.schedule_prefill(padded, prefill.PrefillConfig(heads=4))
 
 
 def _replayed(func, trace, samples, decisions):
@@ -822,12 +885,13 @@ def test_design_space_replays_under_every_decision_and_through_json():
     assert "mma.sync" in _source(reloaded.mod)
 
 
-@pytest.mark.parametrize("seq_kv, pad", [(256, None), (250, (128, 64))])
-def test_design_space_samples_the_pipeline_of_a_key_loop_of_constant_tiles(seq_kv, pad):
+@pytest.mark.parametrize("heads_q, heads_kv, seq_kv, pad", [(2, 2, 256, None), (2, 2, 250, (128, 64)), (8, 2, 256, None)])
+def test_design_space_samples_the_pipeline_of_a_key_loop_of_constant_tiles(heads_q, heads_kv, seq_kv, pad):
     """Without a mask (and under a mask of padded keys only: the inner tiles' loop) the
     key loop's software pipeline is a fourth decision; each replays into the schedule
-    whose loop is annotated with that choice."""
-    func = ops.attention(1, 2, 2, 256, seq_kv, 128, dtype="float16", variant=VARIANTS["global"], pad_to=pad)
+    whose loop is annotated with that choice (with GQA: blocks of 4 query heads,
+    ``prefill.default_heads``, in every sample)."""
+    func = ops.attention(1, heads_q, heads_kv, 256, seq_kv, 128, dtype="float16", variant=VARIANTS["global"], pad_to=pad)
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     samples = [i for i in sch.trace.insts if i.kind.name == "SampleCategorical"]
@@ -837,7 +901,9 @@ def test_design_space_samples_the_pipeline_of_a_key_loop_of_constant_tiles(seq_k
         trace, replayed = _replayed(func, sch.trace, samples, decisions)
         direct = tvm.s_tir.Schedule(func)
         keys, pv_split, level, pipeline = (c[d] for c, d in zip(choices, decisions))
-        loop = prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, keys, pv_split, level)
+        heads = prefill.default_heads(func)
+        assert heads == (4 if heads_q > heads_kv else 1)
+        loop = prefill.apply_prefill_schedule(direct, prefill.PrefillConfig().rows, keys, pv_split, level, heads)
         direct.annotate(loop, software_pipeline.CHOSEN, pipeline)
         assert tvm_ffi.structural_equal(replayed.mod, direct.mod), decisions
         tiles = -(-seq_kv // keys) - (pad is not None)
