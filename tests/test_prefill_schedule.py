@@ -708,11 +708,12 @@ def test_key_loops_of_few_tiles_are_pipelined_by_default(seq_kv, pad, tiles, pip
     loops = _pipelined_loops(sch.mod)
     assert [int(l.extent) for l in loops] == ([int(chosen.extent)] if pipelined else [])
     # The choice's annotation is gone either way; nothing else changes without a pipeline.
-    assert not any(software_pipeline.CHOSEN in l.annotations for l in _loops(software_pipeline.apply_chosen_pipelines(sch.mod)["main"]))
+    applied = software_pipeline.apply_chosen_pipelines(sch.mod)
+    assert not any(software_pipeline.CHOSEN in l.annotations for l in _loops(applied["main"]))
     if not pipelined:
         unchosen = tvm.s_tir.Schedule(func, seed=1)
         prefill.apply_prefill_schedule(unchosen, 128, 64, 4, 5)
-        assert tvm_ffi.structural_equal(software_pipeline.apply_chosen_pipelines(sch.mod), unchosen.mod)
+        assert tvm_ffi.structural_equal(applied, unchosen.mod)
 
 
 @pytest.mark.parametrize(
@@ -737,7 +738,9 @@ def test_gqa_thread_blocks_take_query_heads_that_share_each_key_tile(heads_q, he
             copies[node.block.reads[0].source.name] = node.iter_values[1]  # the head
 
     tvm_ffi.structural_walk(sch.mod["main"].body, visit)
-    (block,) = [l for l in _loops(sch.mod["main"]) if l.thread_binding is not None and l.thread_binding.thread_tag == "blockIdx.x"]
+    (block,) = [
+        l for l in _loops(sch.mod["main"]) if l.thread_binding is not None and l.thread_binding.thread_tag == "blockIdx.x"
+    ]
     analyzer = tvm.sym.Analyzer()
     analyzer.bind(block.loop_var, tvm.ir.Range(0, block.extent))
     groups_per_kv = heads_q // heads_kv // heads

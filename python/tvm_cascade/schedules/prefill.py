@@ -124,11 +124,11 @@ def default_heads(func, rows=128):
     sharing each K and V tile and each head's rows cut 32 at a time (a causal mask's
     diagonal wastes less), where the lengths are whole blocks and tiles (as measured on
     the GPU; :func:`schedule_prefill` takes any key length and a query length that is a
-    multiple of 32); else 1. Longer key loops lose by it: a causal mask's inner tiles are pipelined in runs of two 64-key tiles,
-    which needs 128 rows of one head per block. Measured side by side on an H200 (ms, 1
-    against 4 heads per block, 32 query / 8 kv heads, 64-key tiles): causal b8 s1024
-    0.298/0.282, b8 s4096 3.679/3.752, b1 s16384 7.178/7.334; no mask b8 s1024
-    0.471/0.466, b8 s4096 6.930/6.953."""
+    multiple of 32); else 1. Longer key loops lose by it: a causal mask's inner tiles
+    are pipelined in runs of two 64-key tiles, which needs 128 rows of one head per
+    block. Measured side by side on an H200 (ms, 1 against 4 heads per block, 32 query /
+    8 kv heads, 64-key tiles): causal b8 s1024 0.298/0.282, b8 s4096 3.679/3.752, b1
+    s16384 7.178/7.334; no mask b8 s1024 0.471/0.466, b8 s4096 6.930/6.953."""
     q, k = buffer_params(func)[:2]
     warps = rows // WARP
     group = int(q.shape[1]) // int(k.shape[1])

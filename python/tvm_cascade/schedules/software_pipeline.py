@@ -27,7 +27,9 @@ def pipeline_statements(loop):
     body = loop.body.block.body if isinstance(loop.body, SBlockRealize) else loop.body
     stmts = []
     for child in body.seq if isinstance(body, tirx.SeqStmt) else [body]:
-        lifted = isinstance(child, tirx.For) and child.thread_binding is not None and isinstance(child.body, tirx.SeqStmt)
+        lifted = (
+            isinstance(child, tirx.For) and child.thread_binding is not None and isinstance(child.body, tirx.SeqStmt)
+        )
         stmts.extend(child.body.seq if lifted else [child])
     return stmts
 
@@ -45,7 +47,9 @@ def _apply_choice(loop):
     annotations = {k: v for k, v in loop.annotations.items() if k != CHOSEN}
     if int(loop.annotations[CHOSEN]):
         annotations.update(pipeline_annotations(loop))
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations, loop.step)
+    return tirx.For(
+        loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations, loop.step
+    )
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.ApplyChosenPipelines")
