@@ -850,6 +850,9 @@ def test_schedule_refuses_shapes_off_the_tiles():
     gqa = ops.attention(1, 8, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
     with pytest.raises(ValueError, match="3 query heads per thread block must divide its 4 warps"):
         prefill.schedule_prefill(gqa, prefill.PrefillConfig(heads=3))
+    mha = ops.attention(1, 8, 8, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"])
+    with pytest.raises(ValueError, match=r"and the query heads that share a K and V head \(1\)"):
+        prefill.schedule_prefill(mha, prefill.PrefillConfig(heads=4))
     padded = ops.attention(1, 8, 2, 130, 256, 128, dtype="float16", variant=VARIANTS["causal"], pad_to=(128, 64))
     assert prefill.default_heads(padded) == 1
     with pytest.raises(ValueError, match="multiple of 32 rows per head; got 130"):

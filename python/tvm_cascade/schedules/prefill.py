@@ -89,8 +89,8 @@ class PrefillConfig:
     # Whether a key loop of a constant number of tiles is software-pipelined (a causal
     # mask's inner tiles always are, in runs); None: :func:`default_pipeline`
     pipeline: Optional[bool] = None
-    # Query heads per thread block (rows / heads rows of each; under grouped-query
-    # attention heads of one group, sharing each K and V tile); None: :func:`default_heads`
+    # Query heads per thread block, of one grouped-query group (they share each K and V
+    # tile), rows / heads rows of each; None: :func:`default_heads`
     heads: Optional[int] = None
 
 
@@ -223,12 +223,15 @@ def schedule_prefill(func, config=PrefillConfig()):
     sch = tvm.s_tir.Schedule(func, seed=1)
     _, heads_q, seq_q, seq_kv = _shape(sch)
     check_shape(seq_q, seq_kv, _head_dim(sch), config)
-    if (config.rows // WARP) % config.heads or heads_q % config.heads:
+    q, k = buffer_params(func)[:2]
+    group = heads_q // int(k.shape[1])
+    if (config.rows // WARP) % config.heads or group % config.heads:
+        # (Heads of different groups would need a K and V tile each.)
         raise ValueError(
             f"{config.heads} query heads per thread block must divide its {config.rows // WARP} "
-            f"warps and the {heads_q} query heads"
+            f"warps and the query heads that share a K and V head ({group})"
         )
-    queries = int(buffer_params(func)[0].shape[2])
+    queries = int(q.shape[2])
     if config.heads > 1 and queries % (config.rows // config.heads):
         # (The output's row bound then cuts a head's slice of the block, and TVM's
         # compute-at primitives no longer see the block's stages as a pipeline.)
