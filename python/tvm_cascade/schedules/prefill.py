@@ -305,6 +305,8 @@ def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",), heads=1):
     sch.compute_at(sch.get_sblock("qk"), j0)
     for name in per_tile:
         sch.split_tile_accumulation(sch.get_sblock(name), j0)
+    # One head per tile without a unit split of the head loop: the trace the checked-in
+    # tuning records (one head per block) replay.
     if heads == 1:
         i0, iw, i1 = sch.split(i, [None, warps, rows // warps])
         sch.reorder(j0, i1)
