@@ -318,16 +318,19 @@ def test_distribute_refuses_sizes_that_do_not_cover_the_body():
     assert tvm_ffi.structural_equal(sch.mod, before)
 
 
-def _decomposed_row_tiles(func, keys, rows):
-    """:func:`_fused_row_tiles` with the scores inlined and the rolled reductions'
-    initial values before the key loop; returns (schedule, max block, key-tile loop)."""
+def _decomposed_row_tiles(func, keys, rows, scores_kept=False):
+    """:func:`_fused_row_tiles` with the scores inlined (or, ``scores_kept``, a block of
+    their own in each key tile) and the rolled reductions' initial values before the key
+    loop; returns (schedule, the block computing or reading the masked scores, key-tile
+    loop)."""
     sch = _fused_row_tiles(func, keys, rows)
-    sch.compute_inline(sch.get_sblock("score"))
-    max_block = sch.get_sblock("max")
-    j0 = sch.get_loops(max_block)[4]
+    if not scores_kept:
+        sch.compute_inline(sch.get_sblock("score"))
+    masked = sch.get_sblock("score" if scores_kept else "max")
+    j0 = sch.get_loops(sch.get_sblock("max"))[4]
     for name in ("max", "sum", "pv"):
         sch.decompose_reduction(sch.get_sblock(name), j0)
-    return sch, max_block, j0
+    return sch, masked, j0
 
 
 def _assert_matches_reference(sch, variant, seq_q, seq_kv):
@@ -341,24 +344,27 @@ def _assert_matches_reference(sch, variant, seq_q, seq_kv):
 
 
 @pytest.mark.parametrize(
-    "variant, seq_q, seq_kv, tiles",
+    "variant, seq_q, seq_kv, tiles, scores_kept",
     [
         # (first, last + 1) key tile of each 32-row block; keys in tiles of 16
-        ("causal", 96, 96, [(0, 2), (0, 4), (0, 6)]),
-        ("window", 96, 96, [(0, 2), (0, 4), (1, 6)]),  # window of 40 keys
-        ("alibi", 64, 128, [(0, 6), (0, 8)]),  # causal, bottom-right aligned
-        ("window", 64, 160, [(3, 8), (5, 10)]),
+        ("causal", 96, 96, [(0, 2), (0, 4), (0, 6)], False),
+        ("window", 96, 96, [(0, 2), (0, 4), (1, 6)], False),  # window of 40 keys
+        ("alibi", 64, 128, [(0, 6), (0, 8)], False),  # causal, bottom-right aligned
+        ("window", 64, 160, [(3, 8), (5, 10)], False),
+        # The mask's block computes the scores (its key a spatial iterator of the tile).
+        ("alibi", 64, 128, [(0, 6), (0, 8)], True),
+        ("window", 96, 96, [(0, 2), (0, 4), (1, 6)], True),
     ],
 )
-def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq_q, seq_kv, tiles):
+def test_skip_masked_tiles_visits_the_visible_tiles_and_stays_exact(variant, seq_q, seq_kv, tiles, scores_kept):
     var = VARIANTS[variant]
     if var.window is not None:
         var = type(var)("window", causal=True, window=40)
     func = ops.attention(1, 2, 1, seq_q, seq_kv, 16, dtype="float32", variant=var)
-    sch, max_block, j0 = _decomposed_row_tiles(func, keys=16, rows=32)
+    sch, masked, j0 = _decomposed_row_tiles(func, keys=16, rows=32, scores_kept=scores_kept)
     tile = sch.get(j0).loop_var
-    i0 = sch.get(sch.get_loops(max_block)[2]).loop_var
-    sch.skip_masked_tiles(max_block, j0)
+    i0 = sch.get(sch.get_loops(masked)[2]).loop_var
+    sch.skip_masked_tiles(masked, j0)
     # The tile loop, and the variable holding its first tile if that one moves.
     found = {}
     tvm_ffi.structural_walk(
@@ -635,12 +641,12 @@ def test_schedule_runs_both_gemms_on_tensor_cores_in_one_kernel():
     assert "cp.async.wait_group 1;" in source
 
 
-@pytest.mark.parametrize("variant, float32_sum", [("global", True), ("alibi", False)])
-def test_row_sum_adds_float32_exps_unless_the_score_has_a_position_bias(variant, float32_sum):
-    """The row sum adds exps computed in float32 from the scores and P·V's A operand holds
-    them in fp16; under ALiBi the sum reads the fp16 operand back instead."""
+@pytest.mark.parametrize("variant, scores", [("global", "qk_warp"), ("alibi", "score_warp")])
+def test_row_sum_adds_float32_exps(variant, scores):
+    """The row sum adds exps computed in float32 from the scores (the Q·Kᵀ accumulators,
+    or under ALiBi the scores computed into registers) and P·V's A operand holds them in
+    fp16."""
     func = ops.attention(1, 1, 1, 128, 128, 64, dtype="float16", variant=VARIANTS[variant])
-    assert prefill.position_bias(func) is not float32_sum
     sch = prefill.schedule_prefill(func)
     blocks = {b.name_hint: b for b in ir.blocks_in(sch.mod["main"].body.block)}
 
@@ -648,8 +654,31 @@ def test_row_sum_adds_float32_exps_unless_the_score_has_a_position_bias(variant,
         return {(r.source.name, str(r.source.dtype)) for r in blocks[name].reads}
 
     assert ("exp_warp", "float16") in reads("pv_tile_update_o")
-    expected = {("qk_warp", "float32"), ("max_warp", "float32")} if float32_sum else {("exp_warp", "float16")}
-    assert reads("sum_tile_tile") == expected
+    assert reads("sum_tile_tile") == {(scores, "float32"), ("max_warp", "float32")}
+
+
+@pytest.mark.parametrize("variant, kept", [("alibi", True), ("causal", False), ("softcap", False)])
+def test_scores_with_a_position_bias_are_computed_once_into_registers(variant, kept):
+    """Under ALiBi each score (its bias: index arithmetic and the head's slope) is
+    computed once per key tile into registers, in the place of the Q·Kᵀ accumulators,
+    and the max and the exps read it; without a position bias the score is inlined into
+    both. The CUDA source computes the slope (``powf``) once per score store, in the
+    inner tiles and the masked boundary tiles (which TVM's storage planner lays over the
+    accumulators: ``tensor_cores`` lowers the alias)."""
+    func = ops.attention(1, 2, 2, 256, 256, 64, dtype="float16", variant=VARIANTS[variant])
+    assert prefill.position_bias(func) is kept
+    sch = prefill.schedule_prefill(func)
+    scores = {
+        b.writes[0].source.scope() for b in ir.blocks_in(sch.mod["main"].body.block) if b.name_hint.startswith("score")
+    }
+    assert scores == ({"warp"} if kept else set())
+    if kept:
+        statements = [line for line in _source(sch.mod).splitlines() if "powf(" in line and "=" in line]
+        # 32 rows x 64 keys per warp: 64 scores a lane in each copy of a tile's body (the
+        # pipelined inner tiles' loop and its epilogue, the boundary tiles).
+        assert len(statements) == 3 * 64
+        # Neither the max nor the exps compute a bias.
+        assert not any("max(" in line or "exp" in line for line in statements)
 
 
 def _pipelined_loops(mod):
@@ -666,7 +695,7 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     only."""
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["global"])
     sch = prefill.schedule_prefill(func)
-    assert _key_tile(sch) == 64  # no mask: prefill.default_keys
+    assert _key_tile(sch) == 64
     loops = _pipelined_loops(sch.mod)
     assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
     stages = list(loops[0].annotations["software_pipeline_stage"])
@@ -825,16 +854,13 @@ def _barrier_depths(source):
 
 
 @pytest.mark.parametrize(
-    "variant, keys, level",
-    [("global", 64, 5), ("softcap", 64, 5), ("window", 64, 10), ("causal", 64, 5), ("alibi", 32, 5), ("gqa", 64, 5)],
+    "variant, level", [("global", 5), ("softcap", 5), ("window", 10), ("causal", 5), ("alibi", 5), ("gqa", 5)]
 )
-def test_default_key_tile_and_register_level_follow_the_score(variant, keys, level):
-    """32-key tiles where the score adds a bias from the key's position (ALiBi), 64
-    otherwise, also with padded keys (the schedule's use of them: :func:`_key_tile`);
-    ptxas at register usage level 10 under a window mask, 5 otherwise."""
+def test_default_register_level_follows_the_score(variant, level):
+    """ptxas at register usage level 10 under a window mask, 5 otherwise, also with
+    padded keys."""
     for pad in (None, (128, 64)):
         func = ops.attention(1, 2, 2, 250, 250, 64, dtype="float16", variant=VARIANTS[variant], pad_to=pad)
-        assert prefill.default_keys(func) == keys
         assert prefill.default_register_usage_level(func) == level
 
 
@@ -934,14 +960,13 @@ def test_tuned_records_reload_into_prefill_schedules(tmp_path):
 
 @pytest.mark.parametrize(
     "variant, keys, pv_split",
-    [("causal", 64, 4), ("alibi", 32, 4)],
+    [("causal", 64, 4), ("alibi", 64, 2)],
 )
 def test_checked_in_records_replay_into_prefill_schedules(monkeypatch, variant, keys, pv_split):
     """The records under ``benchmarks/tuned/prefill`` (batch 8, 32 heads, 1024 rows; tuned
     on an H200) replay with today's schedule into the heuristic schedule of the choices
-    they name, at ptxas level 5: 64-key tiles for causal, 32-key tiles for ALiBi, P·V in
-    four passes (the heuristic's choices, which the search found best, within 0.3% of
-    the other P·V splits)."""
+    they name, at ptxas level 5 and with 64-key tiles: P·V in four passes for causal
+    (the heuristic's choice), two for ALiBi (within 0.5% of the other splits)."""
     monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
     func = ops.attention(
         8, 32, 32, 1024, 1024, 128, dtype="float16", variant=VARIANTS[variant], pad_to=kernels.PAD_TO["prefill"]

@@ -339,13 +339,14 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
 
     ``block`` reads its scores as ``select(mask, score, lowest)`` (``ops.attention``'s
     masking: ``lowest`` is the smallest finite value of the score type, the identity of
-    the running max) and sits below ``loop``. Each conjunct of ``mask`` that compares
-    expressions linear in the loops' variables bounds the tiles where it can hold, for
-    the rows below ``loop``: the smallest value of ``lhs - rhs`` over the loops below
-    ``loop`` must be at most (``<``: below) zero, a linear condition on the tile. ``loop``
-    visits the tiles ``lo`` to ``hi - 1``, with ``lo``/``hi`` in the loops above it (for
-    causal and window masks, the first and last tile a thread block's rows can see): it
-    becomes ``for t in range(lo, hi)``, or, where ``lo`` can be above the loop's start,
+    the running max), or computes them so into a buffer of their own, and sits below
+    ``loop``. Each conjunct of ``mask`` that compares expressions linear in the loops'
+    variables bounds the tiles where it can hold, for the rows below ``loop``: the
+    smallest value of ``lhs - rhs`` over the loops below ``loop`` must be at most
+    (``<``: below) zero, a linear condition on the tile. ``loop`` visits the tiles
+    ``lo`` to ``hi - 1``, with ``lo``/``hi`` in the loops above it (for causal and
+    window masks, the first and last tile a thread block's rows can see): it becomes
+    ``for t in range(lo, hi)``, or, where ``lo`` can be above the loop's start,
     ``t_first = lo`` followed by ``for t in range(hi - t_first)`` over tiles
     ``t_first + t``.
 
@@ -367,7 +368,7 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
     mask = mask_condition(target)
     if mask is None:
         raise FusionError(f"skip_masked_tiles: block '{target.name_hint}' reads no masked scores")
-    _check_every_row_sees_a_key(target, mask)
+    _check_every_row_sees_a_key(site, node, mask)
     analyzer = _analyzer_above(site, node)
     t = node.loop_var
     lo, hi = node.min, node.min + node.extent
@@ -740,14 +741,20 @@ def _evaluate(expr, values):
     return op(_evaluate(expr.a, values), _evaluate(expr.b, values))
 
 
-def _check_every_row_sees_a_key(block, mask):
-    """Raise unless ``mask``, evaluated on ``block``'s domain, leaves every row a key (the
-    key: the reduced iterators and the tile iterators of a per-tile block, which together
-    number the keys; the row: the one other iterator the mask uses, if any)."""
+def _check_every_row_sees_a_key(site, loop, mask):
+    """Raise unless ``mask``, evaluated on the domain of ``site``'s block, leaves every row
+    a key (the key: the reduced iterators, the tile iterators of a per-tile block and the
+    iterators bound to the key-tile ``loop``, which together number the keys; the row:
+    the one other iterator the mask uses, if any)."""
+    block = site.block
     tiles = [int(k) for k in block.annotations.get(TILE_ITERATORS, [])]
+
+    def is_key(k, iv):
+        return iv.iter_type == REDUCE or k in tiles or uses_var(site.binding(iv), loop.loop_var)
+
     used = [(k, iv) for k, iv in enumerate(block.iter_vars) if uses_var(mask, iv.var)]
-    keys = [iv for k, iv in used if iv.iter_type == REDUCE or k in tiles]
-    rows = [iv for k, iv in used if not (iv.iter_type == REDUCE or k in tiles)]
+    keys = [iv for k, iv in used if is_key(k, iv)]
+    rows = [iv for k, iv in used if not is_key(k, iv)]
     if not keys or len(rows) > 1:
         raise FusionError(
             f"skip_masked_tiles: the mask of block '{block.name_hint}' must depend on the key "

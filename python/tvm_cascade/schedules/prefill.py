@@ -16,7 +16,8 @@ epilogue, and walks the keys in tiles of ``keys``:
   runs of a block's rows);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores stay in
-  the accumulators (registers);
+  the accumulators (registers), or, where the score adds a bias from the key's position
+  (ALiBi), the scores are computed once into registers in their place;
 * the per-tile max and sum (``split_tile_accumulation`` of the rolled ``max`` and
   ``sum``) are split again by the lanes that hold a row's keys: each lane reduces its
   own elements of a row in registers to one partial; the row statistics (the tile's
@@ -26,7 +27,7 @@ epilogue, and walks the keys in tiles of ``keys``:
   registers: no shared memory and no barrier; each lane computes its exps from its
   scores and its copy of the row's max straight into fp16 fragments in the mma operand
   layout, the A operand of the second GEMM (the exps never leave registers), and the
-  row sum adds the float32 exps (the fp16 ones where the score has a position bias);
+  row sum adds the float32 exps;
 * the running output lives in the warp's mma accumulators (registers): per pass over
   ``1 / pv_split`` of the head dimension, each lane repairs its elements of the output
   (``O * factor``) and the tile's exps · V accumulates onto them on tensor cores
@@ -82,7 +83,7 @@ class PrefillConfig:
     # 64, TVM's storage planner puts an fp16 shared buffer in an fp32 one's place and
     # its ldmatrix address lowering rejects the mixed types.
     rows: int = 128
-    keys: Optional[int] = None  # keys per tile; None: :func:`default_keys`
+    keys: int = 64  # keys per tile (64 measured faster than 32 for every variant)
     pv_split: int = 4  # passes over the head dimension in the P·V GEMM (register pressure)
     # ptxas's --register-usage-level (0-10); None: :func:`default_register_usage_level`
     register_usage_level: Optional[int] = None
@@ -92,17 +93,6 @@ class PrefillConfig:
     # Query heads per thread block, of one grouped-query group (they share each K and V
     # tile), rows / heads rows of each; None: :func:`default_heads`
     heads: Optional[int] = None
-
-
-def default_keys(func):
-    """Keys per tile for ``ops.attention`` function ``func``: 64, or 32 where the score
-    adds a bias computed from the key's position (ALiBi), whose per-element index
-    arithmetic spills registers at 64 keys. Measured side by side on an H200 (ms, 32
-    against 64 keys, ptxas at register usage level 5): causal b8 s4096 4.39/4.06,
-    causal b8 s1024 0.395/0.376, GQA b8 s1024 0.390/0.369, ALiBi b8 s1024 0.425/0.460;
-    earlier (ptxas level 10, statistics in shared memory) global b8 s1024 0.639/0.595,
-    softcap 0.729/0.634, window 0.301/0.270."""
-    return 32 if position_bias(func) else 64
 
 
 def default_pipeline(func, keys):
@@ -212,8 +202,6 @@ def check_shape(seq_q, seq_kv, head_dim, config):
 def schedule_prefill(func, config=PrefillConfig()):
     """Schedule ``ops.attention(..., dtype="float16")`` for CUDA tensor cores; returns the
     schedule."""
-    if config.keys is None:
-        config = replace(config, keys=default_keys(func))
     if config.register_usage_level is None:
         config = replace(config, register_usage_level=default_register_usage_level(func))
     if config.pipeline is None:
@@ -326,12 +314,23 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
     tiles' loop under a mask of padded keys only; else None (a causal mask's inner
     tiles are pipelined in runs, other masks' not)."""
     warps = rows // WARP
-    float32_sum = not position_bias(sch.mod["main"])
+    scores_kept = position_bias(sch.mod["main"])
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
     # qk, score, max_tile, max, exp, sum_scale, sum_tile, sum, pv_scale, pv_tile, pv.
     b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps, per_tile=("pv", "max", "sum"), heads=heads)
     sch.distribute(i1)
-    sch.compute_inline(sch.get_sblock("score"))
+    score = sch.get_sblock("score")
+    if scores_kept:
+        # A bias from the key's position costs index arithmetic per score: computed once
+        # into registers in place of the Q·Kᵀ accumulators rather than inlined into both
+        # the max and the exps (H200, ALiBi b8 s1024 / s4096 / b1 s16384, ms: inlined
+        # 0.357 / 4.28 / 8.14, kept 0.328 / 3.94 / 7.56; without a bias keeping the
+        # scores is 0-2% slower: softcap b8 s1024 0.494 / 0.505, global 0.469 / 0.475).
+        sch.set_scope(score, 0, "warp")
+        sch.transform_layout(score, ("write", 0), _fragment)
+        _bind_fragment_lanes(sch, score)
+    else:
+        sch.compute_inline(score)
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
     sch.annotate(bx, REGISTER_USAGE_LEVEL, register_usage_level)
@@ -357,7 +356,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
         sch.replicate(sch.get_sblock(name), QUAD, 2)
     for name in row_statistics:
         _quad_rows(sch, name, j0)
-    _exps(sch, float32_sum)
+    _exps(sch)
     # (After the stages above: a GEMM's initial values make a second writer of its
     # accumulator, and compute-at primitives want one writer per buffer.)
     _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
@@ -406,9 +405,9 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
         sch.decompose_reduction(sch.get_sblock(name), j0)
     # Causal and window masks: each thread block walks only the key tiles its rows see,
     # and only the tiles its rows see in part compute the mask.
-    max_block = sch.get_sblock("max_tile_tile")
-    if mask_condition(sch.get(max_block)) is not None:
-        sch.skip_masked_tiles(max_block, j0)
+    masked = sch.get_sblock("score" if scores_kept else "max_tile_tile")
+    if mask_condition(sch.get(masked)) is not None:
+        sch.skip_masked_tiles(masked, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
         # Runs as long as a block's rows in the largest key tile: a literal in the trace,
         # it has to divide the inner tiles for whichever key tile a replay samples.
@@ -416,23 +415,17 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
     return j0
 
 
-def _exps(sch, float32_sum):
-    """The tile's exps as P·V's A operand: fp16 in the mma operand layout, in registers.
-    With ``float32_sum`` the row sum adds the float32 exps, as FlashAttention does (the
-    exps are inlined into the sum and into the fp16 copy, and the CUDA compiler computes
-    each once); otherwise the sum reads the fp16 operand back, which costs a conversion
-    per exp but keeps fewer values alive, which a position bias's index arithmetic needs
-    (ALiBi). Measured side by side on an H200 (ms, fp16 against float32 sum): global b8
-    s1024 0.537/0.525, s4096 7.570/7.448, causal b8 s1024 0.374/0.359, GQA 0.367/0.354,
-    softcap 0.585/0.571, window 0.262/0.250, but ALiBi 0.408/0.440."""
-    exp = sch.get_sblock("exp")
-    if float32_sum:
-        pv_tile = sch.get_sblock("pv_tile")
-        operand = sch.cache_read(pv_tile, 0, "warp", consumer_blocks=[pv_tile])
-        sch.compute_inline(exp)
-    else:
-        operand = exp
-        sch.set_scope(operand, 0, "warp")
+def _exps(sch):
+    """The tile's exps as P·V's A operand: fp16 in the mma operand layout, in registers;
+    the row sum adds the float32 exps, as FlashAttention does (the exps are inlined into
+    the sum and into the fp16 copy, and the CUDA compiler computes each once). Measured
+    side by side on an H200 (ms, the sum reading the fp16 operand back against float32
+    exps): global b8 s1024 0.537/0.525, s4096 7.570/7.448, causal b8 s1024 0.374/0.359,
+    GQA 0.367/0.354, softcap 0.585/0.571, window 0.262/0.250; ALiBi b8 s4096 with its
+    scores kept in registers 4.236/3.935."""
+    pv_tile = sch.get_sblock("pv_tile")
+    operand = sch.cache_read(pv_tile, 0, "warp", consumer_blocks=[pv_tile])
+    sch.compute_inline(sch.get_sblock("exp"))
     sch.unsafe_set_dtype(operand, 0, "float16")
     sch.transform_layout(operand, ("write", 0), _fragment)
     _bind_fragment_lanes(sch, operand)

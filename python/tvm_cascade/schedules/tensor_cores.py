@@ -7,6 +7,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
+from ..primitives import ir
 from . import dependent_launch
 from .cast_offsets import hoist_cast_offsets
 
@@ -112,9 +113,45 @@ def _warp_allocations(func) -> int:
     return found[0]
 
 
+def _unalias_warp_buffers(func):
+    """``func`` with each warp-scope buffer that TVM's storage planner declared over
+    another one's allocation (an elementwise stage computed in place of its input, e.g.
+    a tile's scores in place of its Q·Kᵀ accumulator) replaced by the allocated buffer:
+    ``LowerWarpMemory`` rejects such a declaration as an access to a warp buffer's
+    address."""
+    allocated = set()
+    declared = {}
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.AllocBuffer) and node.buffer.scope() == "warp":
+            allocated.add(node.buffer)
+        elif isinstance(node, tvm.tirx.DeclBuffer) and node.buffer.scope() == "warp":
+            # (Its storage: ``buffer_data(<allocated buffer>)``.)
+            declared[node.buffer] = node.data.args[0]
+
+    tvm_ffi.structural_walk(func.body, visit)
+    aliases = {
+        buffer: own
+        for buffer, own in declared.items()
+        if own in allocated and buffer.dtype == own.dtype and tvm_ffi.structural_equal(buffer.shape, own.shape)
+    }
+    if not aliases:
+        return func
+
+    def declaration(node):
+        return tvm.tirx.Evaluate(0) if node.buffer in aliases else node
+
+    body = ir.replace_buffers(tvm_ffi.structural_map(func.body, (tvm.tirx.DeclBuffer, declaration)), aliases)
+    return func.with_body(body)
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.LowerAllWarpMemory")
 def _lower_all_warp_memory(mod, _ctx):
     lower = tvm.tirx.transform.LowerWarpMemory()
+    mod = tvm.IRModule(
+        {g: _unalias_warp_buffers(f) if isinstance(f, tvm.tirx.PrimFunc) else f for g, f in mod.functions.items()},
+        attrs=mod.attrs,
+    )
     while any(_warp_allocations(f) for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)):
         before = mod
         mod = lower(mod)
