@@ -5,6 +5,7 @@ torch and matplotlib are optional: the tests that need them skip without them.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -309,6 +310,7 @@ def test_plot(tmp_path):
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
+        ["benchmarks.wgmma_check"],
     ],
 )
 def test_cli_without_gpu_skips(command):
@@ -402,3 +404,24 @@ def test_speed_against_a_named_peer():
     assert report.speed_vs(rows, "flex") == pytest.approx(0.4)
     assert report.speed_vs(rows, "sdpa-cudnn") is None
     assert report.speed_vs(rows[1:], "flex") is None
+
+
+def test_wgmma_check_kernels_compile_to_warpgroup_instructions():
+    """The kernels ``benchmarks.wgmma_check`` runs on a GPU compile for sm_90a to one
+    m64n64k16 wgmma each: from shared-memory descriptors (the 128-byte swizzled operands
+    1024-byte aligned), with A from four registers, and, scheduled, issued per 64-row half
+    by each warp's tensorized intrinsic with the half's A tile and 32 accumulators in
+    registers."""
+    from benchmarks import wgmma_check
+
+    sources = {name: lib.mod.imports[0].inspect_source() for name, (lib, _, _) in wgmma_check.build_all().items()}
+    instruction = "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" + ", ".join(f"%{i}" for i in range(32)) + "}"
+    for name, source in sources.items():
+        assert source.count(instruction) == 1, name
+    assert "}, %32, %33, ps0, 1, 1, 0, 0;" in sources["ss"]
+    assert "__shared__ alignas(1024)" in sources["ss-swizzle128"]
+    assert "}, {%32, %33, %34, %35}, %36, ps0, 1, 1, 0;" in sources["rs"]
+    scheduled = sources["schedule"]
+    assert "float C_warp_ptr[32];" in scheduled
+    # The warp's region offset rounded down to its 64-row half (1024 elements).
+    assert re.search(r"cvta_generic_to_shared\(\(&\(A_shared_ptr\[\(\w+ \* 1024\)\]\)\)\)", scheduled)
