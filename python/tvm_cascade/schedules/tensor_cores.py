@@ -113,12 +113,12 @@ def _warp_allocations(func) -> int:
     return found[0]
 
 
-def _unalias_warp_buffers(func):
-    """``func`` with each warp-scope buffer that TVM's storage planner declared over
-    another one's allocation (an elementwise stage computed in place of its input, e.g.
-    a tile's scores in place of its Q·Kᵀ accumulator) replaced by the allocated buffer:
-    ``LowerWarpMemory`` rejects such a declaration as an access to a warp buffer's
-    address."""
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.UnaliasWarpBuffers")
+def _unalias_warp_buffers(func, _mod, _ctx):
+    """Replace each warp-scope buffer that TVM's storage planner declared over another
+    one's allocation (an elementwise stage computed in place of its input, e.g. a tile's
+    scores in place of its Q·Kᵀ accumulator) by the allocated buffer: ``LowerWarpMemory``
+    rejects such a declaration as an access to a warp buffer's address."""
     allocated = set()
     declared = {}
 
@@ -148,10 +148,6 @@ def _unalias_warp_buffers(func):
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.LowerAllWarpMemory")
 def _lower_all_warp_memory(mod, _ctx):
     lower = tvm.tirx.transform.LowerWarpMemory()
-    mod = tvm.IRModule(
-        {g: _unalias_warp_buffers(f) if isinstance(f, tvm.tirx.PrimFunc) else f for g, f in mod.functions.items()},
-        attrs=mod.attrs,
-    )
     while any(_warp_allocations(f) for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)):
         before = mod
         mod = lower(mod)
@@ -190,7 +186,14 @@ def _pipeline_factory():
 
     def finalize():
         return tvm.transform.Sequential(
-            [_lower_all_warp_memory, _unroll_fragment_loops, hoist_cast_offsets, finalize_device(), dependent_launch.wait_first]
+            [
+                _unalias_warp_buffers,
+                _lower_all_warp_memory,
+                _unroll_fragment_loops,
+                hoist_cast_offsets,
+                finalize_device(),
+                dependent_launch.wait_first,
+            ]
         )
 
     return pipeline, finalize_host, finalize
