@@ -410,8 +410,8 @@ def test_wgmma_check_kernels_compile_to_warpgroup_instructions():
     """The kernels ``benchmarks.wgmma_check`` runs on a GPU compile for sm_90a to one
     m64n64k16 wgmma each: from shared-memory descriptors (the 128-byte swizzled operands
     1024-byte aligned), with A from four registers, and, scheduled, issued per 64-row half
-    by each warp's tensorized intrinsic with the half's A tile and 32 accumulators in
-    registers."""
+    by each warp's tensorized intrinsic (the prefill schedule's) with the half's A tile
+    and 32 accumulators in registers."""
     from benchmarks import wgmma_check
 
     sources = {name: lib.mod.imports[0].inspect_source() for name, (lib, _, _) in wgmma_check.build_all().items()}
@@ -423,5 +423,8 @@ def test_wgmma_check_kernels_compile_to_warpgroup_instructions():
     assert "}, {%32, %33, %34, %35}, %36, ps0, 1, 1, 0;" in sources["rs"]
     scheduled = sources["schedule"]
     assert "float C_warp_ptr[32];" in scheduled
-    # The warp's region offset rounded down to its 64-row half (1024 elements).
-    assert re.search(r"cvta_generic_to_shared\(\(&\(A_shared_ptr\[\(\w+ \* 1024\)\]\)\)\)", scheduled)
+    # The warp's region offset rounded down to its 64-row half (1024 elements; A after
+    # B in dynamic shared memory), each half one batch: fenced, committed, waited for.
+    assert re.search(r"cvta_generic_to_shared\(\(&\(\(\(half\*\)buf_dyn_shmem_ptr\)\[\(\(\w+ \* 1024\) \+ 1024\)\]\)\)\)", scheduled)
+    batch = re.findall(r"tvm_builtin_ptx_wgmma_(fence|f16_ss|commit_group|wait_group)\w*\(", scheduled.split("__global__")[-1])
+    assert batch == ["fence", "f16_ss", "commit_group", "wait_group"]

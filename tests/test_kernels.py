@@ -71,11 +71,14 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
         kernels.compile_attention(1, 8, 2, 1, 512, 128, target=CUDA, config=PrefillConfig())
 
 
-def _check_against_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, tolerance):
+def _check_against_the_reference(
+    variant, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, tolerance, config=None
+):
     dev = tvm.cuda(0)
     q, k, v = random_attention_inputs(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, seed=3)
     exe = kernels.compile_attention(
-        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, records="/none"
+        batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, records="/none",
+        config=config,
     )
     args = [tvm.runtime.tensor(a, dev) for a in (q, k, v, np.zeros_like(q))]
     exe["main"](*args)
@@ -115,3 +118,23 @@ def test_head_dim_64_prefill_kernels_match_the_reference(variant):
     """The prefill schedule at head dim 64 (64-key tiles, or 32 under a causal mask), with
     lengths that are not whole tiles."""
     _check_against_the_reference(variant, 1, 4, 2, 300, 333, 64, "float16", {"rtol": 2e-2, "atol": 5e-3})
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "variant, keys, rows, warp_rows",
+    [(v, 64, 128, 32) for v in ("global", "causal", "alibi", "softcap", "window", "gqa")]
+    + [(v, 32, 128, 32) for v in ("global", "causal", "alibi", "softcap", "gqa")]
+    + [(v, 64, 128, 16) for v in ("global", "causal", "alibi", "gqa")]
+    + [("causal", 64, 256, 32), ("softcap", 64, 256, 16)],
+)
+def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_rows):
+    """The prefill schedule with both GEMMs on warpgroup MMAs (sm_90a), lengths that are
+    not whole tiles (under a sliding window 64-key tiles only, which the schedule
+    requires), a warpgroup per 128 or 64 rows, one or two warpgroups per block."""
+    from tvm_cascade.schedules.prefill import PrefillConfig
+
+    config = PrefillConfig(rows=rows, keys=keys, wgmma=True, pv_split=2, warp_rows=warp_rows)
+    _check_against_the_reference(
+        variant, 1, 4, 2, 300, 333, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}, config=config
+    )

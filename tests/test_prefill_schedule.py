@@ -1010,3 +1010,20 @@ def test_prefill_kernels_compile_at_the_register_usage_level_of_their_schedule(m
     monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "3")
     prefill.build(sch.mod, CUDA)
     assert levels[-1] == "3"
+
+
+def test_prefill_kernels_fit_the_thread_blocks_per_multiprocessor_their_schedule_asks_for():
+    """``PrefillConfig(min_blocks=2)`` annotates the thread-block loop and ``prefill.build``
+    compiles the kernel with ``__launch_bounds__(threads, 2)``; without it, threads only;
+    two functions asking for different counts are refused."""
+    func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16")
+    for min_blocks, bounds in ((None, "__launch_bounds__(128)"), (2, "__launch_bounds__(128, 2)")):
+        sch = prefill.schedule_prefill(func, prefill.PrefillConfig(min_blocks=min_blocks))
+        source = prefill.build(sch.mod, CUDA).mod.imports[0].inspect_source()
+        assert source.count(bounds + " main_kernel(") == 2
+    one, other = (tvm.s_tir.Schedule(ops.attention(1, 1, 1, 128, 64, 16, dtype="float16")) for _ in range(2))
+    for sch, blocks in ((one, 1), (other, 2)):
+        sch.annotate(sch.get_loops(sch.get_sblock("max"))[0], prefill.MIN_BLOCKS, blocks)
+    mod = tvm.IRModule({"a": one.mod["main"].with_attr("global_symbol", "a"), "b": other.mod["main"].with_attr("global_symbol", "b")})
+    with pytest.raises(ValueError, match=r"different thread blocks per multiprocessor \[1, 2\]"):
+        prefill.build(mod, CUDA)

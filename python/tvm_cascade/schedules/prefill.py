@@ -41,6 +41,13 @@ epilogue, and walks the keys in tiles of ``keys``:
 
 Query and key lengths must be whole tiles; ``ops.attention(pad_to=(rows, keys))`` pads
 others, and the schedule inlines its pad blocks into the copies to shared memory.
+
+With ``PrefillConfig(wgmma=True)`` both GEMMs are Hopper warpgroup MMAs instead
+(:mod:`.wgmma`): Q, K and V in shared memory as core matrices (Q's rows in the order the
+m64 instructions hand them to the warps), Q·Kᵀ from shared memory, P·V with the exps
+from registers, each GEMM one asynchronous batch waited for before its result is read;
+everything else as above. Correct, and measured slower than the ``mma.sync`` kernels
+(docs/WGMMA.md), so not the default.
 """
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -54,7 +61,7 @@ from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .async_prologue import async_prologue_copies
 from .padding import inline_padding
-from . import software_pipeline, tensor_cores
+from . import software_pipeline, tensor_cores, wgmma
 from .tensor_cores import cuda_intrinsics
 
 
@@ -70,6 +77,9 @@ KEEP_LOOP = "tvm_cascade.keep_loop"
 #: annotated, TVM 0.27's later schedule primitives rewrite the scheduled function in
 #: place.)
 REGISTER_USAGE_LEVEL = "tvm_cascade.ptxas_register_usage_level"
+#: The thread blocks per multiprocessor a schedule asked the compiler to fit (an
+#: annotation of the thread-block loop, which :func:`build` reads).
+MIN_BLOCKS = "tvm_cascade.min_blocks_per_multiprocessor"
 #: :func:`build` as a global function returning the runtime module, for MetaSchedule's
 #: builder processes.
 BUILD_FUNC = "tvm_cascade.build_prefill"
@@ -93,6 +103,18 @@ class PrefillConfig:
     # Query heads per thread block, of one grouped-query group (they share each K and V
     # tile), rows / heads rows of each; None: :func:`default_heads`
     heads: Optional[int] = None
+    # Both GEMMs as Hopper warpgroup MMAs (wgmma, sm_90a) instead of mma.sync
+    # (:mod:`.wgmma`); one head per block, a multiple of 128 rows
+    wgmma: bool = False
+    # Query rows per warp: 32 (under wgmma, 16 of each 64-row half of its warpgroup), or
+    # under wgmma 16 (a warpgroup per 64 rows)
+    warp_rows: int = WARP
+    # Thread blocks per multiprocessor the compiler must fit (registers capped to match:
+    # ``__launch_bounds__``'s second argument); None: as many as its registers allow.
+    # Measured side by side on an H200 (ms, wgmma with 16-row warps, 256 threads a
+    # block, None against 2): global b8 s1024 0.641/0.580, s4096 10.83/8.94, causal b8
+    # s1024 0.421/0.359, s4096 5.05/4.27
+    min_blocks: Optional[int] = None
 
 
 def default_pipeline(func, keys):
@@ -145,14 +167,20 @@ def default_register_usage_level(func):
     10 against 5, 64-key tiles): causal b8 s4096 4.45/4.01, ALiBi b8 s1024 0.475/0.455,
     global b8 s1024 0.553/0.546, but window b8 s1024 0.265/0.276, b8 s4096
     1.053/1.101."""
+    return 10 if sliding_window(func) else 5
+
+
+def sliding_window(func):
+    """Whether the mask of ``ops.attention`` function ``func`` bounds the key from below
+    by a bound that rises with the query row (a sliding window)."""
     block, mask = _score(func)
     row, key = (iv.var for iv in block.iter_vars[-2:])
     analyzer = tvm.sym.Analyzer()
     for difference, _ in linear_conjuncts(mask) if mask is not None else ():
         (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
         if along_key is not None and along_row is not None and along_key < 0 < along_row:
-            return 10
-    return 5
+            return True
+    return False
 
 
 def _score(func):
@@ -164,24 +192,32 @@ def _score(func):
 
 def build(mod, target):
     """Compile a scheduled prefill module for ``target`` (:func:`tensor_cores.build`) at
-    the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`),
-    the key loops it chose to pipeline pipelined
+    the ptxas register usage level its schedule chose (:data:`REGISTER_USAGE_LEVEL`) and
+    for the thread blocks per multiprocessor it asked for (:data:`MIN_BLOCKS`), the key
+    loops it chose to pipeline pipelined
     (:func:`~.software_pipeline.apply_chosen_pipelines`), and the Q tile's copy issued
     asynchronously where the pipeline covers it
     (:func:`~.async_prologue.async_prologue_copies`)."""
-    levels = set()
+    level = _chosen(mod, REGISTER_USAGE_LEVEL, "ptxas register usage levels")
+    min_blocks = _chosen(mod, MIN_BLOCKS, "thread blocks per multiprocessor")
+    mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(mod))
+    return tensor_cores.build(mod, target, register_usage_level=level, min_blocks=min_blocks)
+
+
+def _chosen(mod, annotation, what):
+    """The value of loop ``annotation`` in ``mod``'s functions (None if no loop has it)."""
+    values = set()
 
     def visit(node):
-        if isinstance(node, tvm.tirx.For) and REGISTER_USAGE_LEVEL in node.annotations:
-            levels.add(int(node.annotations[REGISTER_USAGE_LEVEL]))
+        if isinstance(node, tvm.tirx.For) and annotation in node.annotations:
+            values.add(int(node.annotations[annotation]))
 
     for func in mod.functions.values():
         if isinstance(func, tvm.tirx.PrimFunc):
             tvm_ffi.structural_walk(func.body, visit)
-    if len(levels) > 1:
-        raise ValueError(f"the module's functions ask ptxas for different register usage levels {sorted(levels)}")
-    mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(mod))
-    return tensor_cores.build(mod, target, register_usage_level=levels.pop() if levels else None)
+    if len(values) > 1:
+        raise ValueError(f"the module's functions ask for different {what} {sorted(values)}")
+    return values.pop() if values else None
 
 
 tvm_ffi.register_global_func(BUILD_FUNC, lambda mod, target, _params: build(mod, target).mod, override=True)
@@ -207,7 +243,7 @@ def schedule_prefill(func, config=PrefillConfig()):
     if config.pipeline is None:
         config = replace(config, pipeline=default_pipeline(func, config.keys))
     if config.heads is None:
-        config = replace(config, heads=default_heads(func, config.rows))
+        config = replace(config, heads=1 if config.wgmma else default_heads(func, config.rows))
     sch = tvm.s_tir.Schedule(func, seed=1)
     _, heads_q, seq_q, seq_kv = _shape(sch)
     check_shape(seq_q, seq_kv, _head_dim(sch), config)
@@ -227,8 +263,23 @@ def schedule_prefill(func, config=PrefillConfig()):
             f"with {config.heads} query heads per thread block the query length must be a "
             f"multiple of {config.rows // config.heads} rows per head; got {queries}"
         )
+    if config.warp_rows not in ((wgmma.ROWS, WARP) if config.wgmma else (WARP,)):
+        raise ValueError(
+            f"{config.warp_rows} rows per warp; the schedule takes {WARP}, or {wgmma.ROWS} with wgmma"
+        )
+    if config.wgmma and (config.heads != 1 or config.rows % wgmma.BLOCK_ROWS or _head_dim(sch) % 64):
+        raise ValueError(
+            f"the wgmma prefill schedule takes one query head and a multiple of {wgmma.BLOCK_ROWS} rows per thread block "
+            f"and a head dimension that is a multiple of 64; got {config.heads} heads, "
+            f"{config.rows} rows, head dimension {_head_dim(sch)}"
+        )
+    if config.wgmma and config.keys != 64 and sliding_window(func):
+        # (The window's tile range leaves offsets of the accumulators in a form that TVM's
+        # LowerWarpMemory cannot split into lane and element.)
+        raise ValueError(f"the wgmma prefill schedule takes 64-key tiles under a sliding window; got {config.keys}")
     loop = apply_prefill_schedule(
-        sch, config.rows, config.keys, config.pv_split, config.register_usage_level, config.heads
+        sch, config.rows, config.keys, config.pv_split, config.register_usage_level, config.heads,
+        config.warp_rows if config.wgmma else None, config.min_blocks,
     )
     if loop is not None:
         sch.annotate(loop, software_pipeline.CHOSEN, int(config.pipeline))
@@ -305,19 +356,26 @@ def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",), heads=1):
     return b, h, i0, sch.fuse(hw, iw), j0, i1
 
 
-def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, heads=1):
+def apply_prefill_schedule(
+    sch, rows, keys, pv_split, register_usage_level, heads=1, wgmma_warp_rows=None, min_blocks=None
+):
     """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys``,
     ``pv_split`` and ``register_usage_level`` (ptxas's, for :func:`build`) are ints or
-    sampled ``ExprRV``s; ``heads`` query heads per block (:func:`row_tiles`). Returns
-    the key loop whose software pipeline is the caller's
+    sampled ``ExprRV``s; ``heads`` query heads per block (:func:`row_tiles`);
+    ``wgmma_warp_rows``: both GEMMs on warpgroup MMAs (:mod:`.wgmma`), this many rows per
+    warp (None: ``mma.sync``, 32); ``min_blocks``: thread blocks per multiprocessor for
+    :func:`build` (None: the compiler's choice). Returns the key loop whose software
+    pipeline is the caller's
     choice (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner
     tiles' loop under a mask of padded keys only; else None (a causal mask's inner
     tiles are pipelined in runs, other masks' not)."""
-    warps = rows // WARP
+    use_wgmma = wgmma_warp_rows is not None
+    warps = rows // (wgmma_warp_rows or WARP)
     scores_kept = position_bias(sch.mod["main"])
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
     # qk, score, max_tile, max, exp, sum_scale, sum_tile, sum, pv_scale, pv_tile, pv.
     b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps, per_tile=("pv", "max", "sum"), heads=heads)
+    gemm = _wgmma_gemm if use_wgmma else _gemm
     sch.distribute(i1)
     score = sch.get_sblock("score")
     if scores_kept:
@@ -334,6 +392,8 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
     bx = sch.fuse(b, h, i0)
     sch.bind(bx, "blockIdx.x")
     sch.annotate(bx, REGISTER_USAGE_LEVEL, register_usage_level)
+    if min_blocks is not None:
+        sch.annotate(bx, MIN_BLOCKS, min_blocks)
     # Each warp owns its rows from the first key tile to the epilogue: their scores,
     # exps and running output stay in its registers.
     sch.bind(ty, "threadIdx.y")
@@ -359,7 +419,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
     _exps(sch)
     # (After the stages above: a GEMM's initial values make a second writer of its
     # accumulator, and compute-at primitives want one writer per buffer.)
-    _gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
+    gemm(sch, sch.get_sblock("qk"), bx, j0, warps, transposed_b=True)
 
     # The running output in the mma accumulator layout, in registers: per pass over a
     # slice of the head dimension, each lane repairs its elements (O * factor) and the
@@ -372,7 +432,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
     sch.annotate(passes, tensor_cores.UNROLL, 1)
     sch.compute_at(sch.get_sblock("pv_tile"), passes)
     sch.set_scope(pv, 0, "warp")
-    sch.transform_layout(pv, ("write", 0), _fragment)
+    sch.transform_layout(pv, ("write", 0), wgmma.accumulator if use_wgmma else _fragment)
     _bind_fragment_lanes(sch, pv)
     # FlashAttention's order: the tile's P·V accumulates onto the repaired output (no
     # second set of accumulators, no zero fill), and the fold is a copy.
@@ -387,7 +447,7 @@ def apply_prefill_schedule(sch, rows, keys, pv_split, register_usage_level, head
         inline_padding(sch)
         sch.accumulate_in_place(pv, init)
 
-    _gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False, seed=seed)
+    gemm(sch, sch.get_sblock("pv_tile"), None, j0, warps, transposed_b=False, seed=seed)
     # The epilogue normalises each lane's elements of the output into shared memory, a
     # column pair at a time, and the warp copies its rows out in 128-bit stores: stored
     # straight from the fragments, the 16-bit stores of eight rows at a time took
@@ -607,6 +667,48 @@ def _gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
             sch.annotate(loop, tensor_cores.UNROLL, 1)
     else:
         sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
+
+
+def _wgmma_gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
+    """:func:`_gemm` on warpgroup MMAs: the operands in shared memory as core matrices
+    (A from its warp fragment if ``a_at`` is None: the rs form), the warp's 16-row
+    slices of the 64-row halves, the accumulators in :func:`.wgmma.accumulator`'s
+    layout, the key-depth steps one batch of asynchronous instructions."""
+    i, n, k = sch.get_loops(block)[-3:]
+    warp_rows = int(sch.get(i).extent)
+    half, i16 = sch.split(i, [None, wgmma.ROWS])
+    ko, k16 = sch.split(k, [None, wgmma.DEPTH])
+    sch.reorder(ko, half, i16, n, k16)
+    a_index, b_index = 0, 1
+    if a_at is not None:
+        _operand_to_core_matrices(sch, block, a_index, a_at, warps, wgmma.row_slices(warp_rows))
+    _operand_to_core_matrices(sch, block, b_index, j0, warps, wgmma.core_matrices)
+    init = sch.decompose_reduction(block, ko)
+    if seed is not None:
+        seed(init)
+    sch.set_scope(block, 0, "warp")
+    sch.transform_layout(block, ("write", 0), wgmma.accumulator)
+    columns = int(sch.get(n).extent)
+    sch.tensorize(i16, wgmma.scores_intrin(columns) if transposed_b else wgmma.output_intrin(columns))
+    sch.annotate(ko, wgmma.BATCH, 1)
+    _bind_fragment_lanes(sch, init)
+
+
+def _operand_to_core_matrices(sch, block, index, at, warps, layout):
+    """Copy operand ``index`` of ``block`` to shared memory at loop ``at`` in ``layout``
+    (of core matrices), 128-bit copies by all threads, consecutive lanes down a core
+    matrix's rows (its 128 contiguous bytes: no bank conflicts)."""
+    cache = sch.cache_read(block, index, SHARED)
+    sch.compute_at(cache, at, index=0)
+    sch.transform_layout(cache, ("write", 0), layout)
+    rows, cols = sch.get_loops(cache)[-2:]
+    row_group, row = sch.split(rows, [None, wgmma.CORE])
+    col_group, col = sch.split(cols, [None, VECTOR])
+    sch.reorder(row_group, col_group, row, col)
+    _, ty, tx = sch.split(sch.fuse(row_group, col_group, row), [None, warps, WARP])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(col)
 
 
 def _tile(sch, block):

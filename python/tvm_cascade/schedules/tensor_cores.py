@@ -8,7 +8,7 @@ import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
 from ..primitives import ir
-from . import dependent_launch
+from . import dependent_launch, wgmma
 from .cast_offsets import hoist_cast_offsets
 
 
@@ -21,12 +21,14 @@ def cuda_intrinsics():
     return cuda
 
 
-def build(mod, target, register_usage_level=None):
+def build(mod, target, register_usage_level=None, min_blocks=None):
     """``tvm.compile``; a module with warp-scope buffers (tensor-core fragments) gets TVM's
     default pipeline except that every warp-scope buffer is lowered to registers and
     the small loops over fragments are unrolled afterwards. ``register_usage_level``, if
     given, is ptxas's ``--register-usage-level`` for the kernels (TVM passes 10, or
     ``TVM_CUDA_PTXAS_REG_LEVEL``, which a user's setting keeps precedence over).
+    ``min_blocks``, if given, is the thread blocks per multiprocessor the kernels are
+    compiled to fit (``__launch_bounds__(threads, min_blocks)``).
 
     TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
     sequence per run (it rewrites the rest of the sequence for that buffer and stops);
@@ -44,6 +46,8 @@ def build(mod, target, register_usage_level=None):
     dependents (:mod:`.dependent_launch`).
     """
     target = tvm.target.Target(target)
+    if min_blocks is not None:
+        mod = mod.with_attr(_MIN_BLOCKS, min_blocks)
     if dependent_launch.supported(target):
         mod = _launch_dependently(mod)
     with _register_usage_level(register_usage_level):
@@ -74,6 +78,25 @@ def _register_usage_level(level):
 
 
 _REGISTER_LEVEL_ENV = "TVM_CUDA_PTXAS_REG_LEVEL"
+
+
+#: A module attribute: the kernels' thread blocks per multiprocessor (:func:`build`).
+_MIN_BLOCKS = "tvm_cascade.min_blocks_per_multiprocessor"
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.LaunchBounds")
+def _launch_bounds(mod, _ctx):
+    """The device functions of a module with :data:`_MIN_BLOCKS` get TVM's attribute for
+    ``__launch_bounds__``' minimum blocks (set on the host function, it does not reach
+    the kernels)."""
+    if mod.attrs is None or _MIN_BLOCKS not in mod.attrs:
+        return mod
+    blocks = int(mod.attrs[_MIN_BLOCKS])
+    functions = {
+        gvar: func.with_attr("tirx.launch_bounds_min_blocks_per_sm", blocks) if isinstance(func, tvm.tirx.PrimFunc) else func
+        for gvar, func in mod.functions.items()
+    }
+    return tvm.IRModule(functions, attrs=mod.attrs)
 
 
 _PIPELINE = "tvm_cascade_warp_lowered"
@@ -187,6 +210,8 @@ def _pipeline_factory():
     def finalize():
         return tvm.transform.Sequential(
             [
+                _launch_bounds,
+                wgmma.sync_batches,
                 _unalias_warp_buffers,
                 _lower_all_warp_memory,
                 _unroll_fragment_loops,
@@ -203,7 +228,9 @@ def _plain_pipeline_factory():
     from tvm.s_tir.pipeline import default_s_tir_pipeline
 
     pipeline, finalize_host, finalize_device = default_s_tir_pipeline()
-    return pipeline, finalize_host, lambda: tvm.transform.Sequential([finalize_device(), dependent_launch.wait_first])
+    return pipeline, finalize_host, lambda: tvm.transform.Sequential(
+        [_launch_bounds, finalize_device(), dependent_launch.wait_first]
+    )
 
 
 tvm.tirx.compilation_pipeline.register_tir_pipeline(_PIPELINE, _pipeline_factory)

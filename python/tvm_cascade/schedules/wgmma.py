@@ -1,0 +1,290 @@
+"""Hopper's warpgroup MMA (``wgmma.mma_async``, sm_90a) in per-warp schedules.
+
+A schedule whose warps each own 16 rows of each 64-row tile of their warpgroup (four
+consecutive warps) tensorizes one warp's part of a GEMM step (16 rows x N columns x 16)
+with the intrinsics here; each one's implementation issues the whole warpgroup's
+m64nNk16 (all four warps reach it together, each with its own accumulators). Shared-memory operands
+are in the core-matrix layout (:func:`core_matrices`); the accumulators in TVM's 16 x 16
+fragment layout with the column tiles folded into the element index
+(:func:`accumulator`). The instructions are asynchronous: a loop annotated
+:data:`BATCH` issues a batch of them, which :func:`sync_batches` fences before and waits
+for after (docs/WGMMA.md has the verified facts).
+"""
+import tvm
+import tvm_ffi
+from tvm.ir import expr as ir_expr
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+
+from ..analysis.scope import uses_var
+
+WARP = 32
+WARPS = 4  # a warpgroup
+BLOCK_ROWS = 128  # query rows of a tile of the A operand: two m64 halves
+ROWS = 16  # a warp's rows of one m64 instruction
+DEPTH = 16  # k of one instruction (fp16)
+CORE = 8  # a core matrix: 8 rows of 8 fp16 (16 contiguous bytes each)
+#: A loop annotation: the loop issues a batch of wgmma instructions; :func:`sync_batches`
+#: fences before it and waits for the batch after it.
+BATCH = "tvm_cascade.wgmma_batch"
+#: The column counts the intrinsics are registered for (keys of a score tile, columns of
+#: a pass over the output).
+COLUMNS = (32, 64, 128)
+
+
+def core_matrices(*index):
+    """Buffer index -> the core-matrix layout over the last two axes (x, y with y
+    contiguous in memory): 8 x 8 blocks of 128 contiguous bytes, ``(x // 8, y // 8,
+    x % 8, y % 8)``. Both a K-major operand (Q, K: x the row, y the depth) and an MN-major
+    one (V: x the depth, i.e. the key, y the column) are read from it."""
+    *outer, x, y = index
+    return (*outer, x // CORE, y // CORE, x % CORE, y % CORE)
+
+
+def row_slices(slice_rows):
+    """Index map (buffer index -> core matrices) of an A operand whose 128-row tiles (the
+    last two axes: row, depth) warps own in slices of ``slice_rows``, four warps a
+    warpgroup. With 16-row slices a warpgroup's 64 rows are one m64 instruction's; with
+    32, the m64 instruction of half ``h`` gives warp ``w`` the rows ``16 w`` to ``16 w +
+    15`` of its 64-row tile, so those hold rows ``32 w + 16 h`` onward. ``(tile, 8-row
+    group, depth // 8, row % 8, depth % 8)``: a tile per 128 rows, its 16 row groups in
+    the instruction's order."""
+    if slice_rows not in (ROWS, 2 * ROWS):
+        raise ValueError(f"a warp's rows are {ROWS} or {2 * ROWS}, not {slice_rows}")
+
+    def layout(*index):
+        *outer, r, k = index
+        group = (r % BLOCK_ROWS) // CORE
+        if slice_rows == 2 * ROWS:
+            # (64 h + 16 w + r % 16) // 8 as a sum of independent terms (TVM inverts it).
+            group = ((r % 32) // ROWS) * 8 + ((r % BLOCK_ROWS) // 32) * 2 + (r % ROWS) // CORE
+        return (*outer, r // BLOCK_ROWS, group, k // CORE, r % CORE, k % CORE)
+
+    return layout
+
+
+def _fragment(r, c):
+    """(lane, element) of TVM's 16 x 16 mma fragment layout (the wgmma accumulator's and
+    register A operand's layout per warp)."""
+    return 4 * (r % 8) + (c % 8) // 2, 4 * (c // 8) + (r // 8) * 2 + c % 2
+
+
+def accumulator(*index):
+    """Buffer index -> (leading indices, 16-row tile, lane, element) of a wgmma
+    accumulator over the last two axes: the fragment layout with the 16-column tiles in
+    the element index. (With the column tile as an index of its own, ``LowerWarpMemory``
+    cannot lower the instruction's constant operands.)"""
+    *outer, r, c = index
+    lane, element = _fragment(r % 16, c % 16)
+    return (*outer, r // 16, lane, (c // 16) * 8 + element)
+
+
+def scores_intrin(columns):
+    """Name of the intrinsic for ``C[16, columns] += A[16, 16]·B[columns, 16]ᵀ`` with A
+    and B in shared memory (K-major core matrices), registering it on first use."""
+    return _register("scores", columns)
+
+
+def output_intrin(columns):
+    """Name of the intrinsic for ``C[16, columns] += A[16, 16]·B[16, columns]`` with A in
+    registers (a fp16 warp fragment) and B in shared memory (MN-major core matrices),
+    registering it on first use."""
+    return _register("output", columns)
+
+
+def _register(kind, columns):
+    name = f"tvm_cascade.wgmma_{kind}_m64n{columns}k16_f16_f32"
+    if columns not in COLUMNS:
+        raise ValueError(f"wgmma intrinsics exist for {COLUMNS} columns, not {columns}")
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        desc, impl = (_scores if kind == "scores" else _output)(columns)
+        TensorIntrin.register(name, desc, impl)
+    return name
+
+
+def _descriptor(buf, offset, leading, stride):
+    """A shared-memory matrix descriptor (no swizzle) of ``buf``'s element ``offset``,
+    the leading and stride byte offsets given in elements."""
+    pointer = T.tvm_access_ptr(T.type_annotation("float16"), buf.data, offset, 1, 1)
+    address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(pointer))
+    field = lambda elements: T.Cast("uint64", (elements * 2) >> 4)  # noqa: E731  (bytes >> 4)
+    return (
+        ((address >> T.uint64(4)) & T.uint64(0x3FFF))
+        | (field(leading) << T.uint64(16))
+        | (field(stride) << T.uint64(32))
+    )
+
+
+def _instruction(columns):
+    return getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32.f16.f16
+
+
+def _scores(columns):
+    mma = _instruction(columns)
+    regs = columns // 2
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, (2, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        B = T.match_buffer(b, (columns // 8, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        with T.sblock("root"):
+            T.reads(C[0:1, 0:WARP, 0:regs], A[0:2, 0:2, 0:8, 0:8], B[0 : columns // 8, 0:2, 0:8, 0:8])
+            T.writes(C[0:1, 0:WARP, 0:regs])
+            for i, j, k in T.grid(ROWS, columns, DEPTH):
+                with T.sblock("update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    _, lane, element = T.meta_var(accumulator(vi, vj))
+                    C[0, lane, element] = C[0, lane, element] + T.Cast(
+                        "float32", A[vi // 8, vk // 8, vi % 8, vk % 8]
+                    ) * T.Cast("float32", B[vj // 8, vk // 8, vj % 8, vk % 8])
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, (2, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        B = T.match_buffer(b, (columns // 8, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        with T.sblock("root"):
+            T.reads(C[0:1, 0:WARP, 0:regs], A[0:2, 0:2, 0:8, 0:8], B[0 : columns // 8, 0:2, 0:8, 0:8])
+            T.writes(C[0:1, 0:WARP, 0:regs])
+            for tx in T.thread_binding(WARP, "threadIdx.x"):
+                # The warpgroup's A tile: the 64-row half (eight 8-row groups) that this
+                # warp's two row groups belong to, at the same depth.
+                T.evaluate(
+                    mma(
+                        *[C[0, tx, r] for r in range(regs)],
+                        _descriptor(A, A.elem_offset // (8 * A.strides[0]) * (8 * A.strides[0]) + A.elem_offset % A.strides[0], A.strides[1], A.strides[0]),
+                        _descriptor(B, B.elem_offset, B.strides[1], B.strides[0]),
+                        T.bool(True), 1, 1, 0, 0,
+                    )
+                )
+
+    return desc, impl
+
+
+def _output(columns):
+    mma = _instruction(columns)
+    regs = columns // 2
+
+    def pair(A, tx, element):
+        # Two fp16 of the fragment as one register (low half first).
+        return T.reinterpret("uint32", A.vload([0, 0, tx, element], "float16x2"))
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, (1, 1, WARP, 8), "float16", scope="warp", offset_factor=1)
+        B = T.match_buffer(b, (2, columns // 8, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        with T.sblock("root"):
+            T.reads(C[0:1, 0:WARP, 0:regs], A[0:1, 0:1, 0:WARP, 0:8], B[0:2, 0 : columns // 8, 0:8, 0:8])
+            T.writes(C[0:1, 0:WARP, 0:regs])
+            for i, j, k in T.grid(ROWS, columns, DEPTH):
+                with T.sblock("update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    _, lane, element = T.meta_var(accumulator(vi, vj))
+                    a_lane, a_element = T.meta_var(_fragment(vi, vk))
+                    C[0, lane, element] = C[0, lane, element] + T.Cast("float32", A[0, 0, a_lane, a_element]) * T.Cast(
+                        "float32", B[vk // 8, vj // 8, vk % 8, vj % 8]
+                    )
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        A = T.match_buffer(a, (1, 1, WARP, 8), "float16", scope="warp", offset_factor=1)
+        B = T.match_buffer(b, (2, columns // 8, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
+        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        with T.sblock("root"):
+            T.reads(C[0:1, 0:WARP, 0:regs], A[0:1, 0:1, 0:WARP, 0:8], B[0:2, 0 : columns // 8, 0:8, 0:8])
+            T.writes(C[0:1, 0:WARP, 0:regs])
+            for tx in T.thread_binding(WARP, "threadIdx.x"):
+                # MN-major B (trans_b = 1): the leading offset steps along the depth (keys),
+                # the stride offset along the columns.
+                T.evaluate(
+                    mma(
+                        *[C[0, tx, r] for r in range(regs)],
+                        pair(A, tx, 0), pair(A, tx, 2), pair(A, tx, 4), pair(A, tx, 6),
+                        _descriptor(B, B.elem_offset, B.strides[0], B.strides[1]),
+                        T.bool(True), 1, 1, 1,
+                    )
+                )
+
+    return desc, impl
+
+
+_INSTRUCTIONS = ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_f16_rs")
+FENCE_OPERAND = "tvm_cascade_wgmma_fence_operand"
+#: An empty asm statement that takes a register as input and output: the compiler must
+#: have computed the value before it and cannot assume it after it. Without it, the
+#: register writes before a batch (zeroed accumulators, the fp16 operand) and the reads
+#: after its wait move across the wgmma fence and wait (asm statements order memory, not
+#: registers), and ptxas serialises the instructions around them.
+FENCE_OPERAND_SOURCE = f"""
+__forceinline__ __device__ void {FENCE_OPERAND}(float& r) {{ asm volatile("" : "+f"(r) :: "memory"); }}
+__forceinline__ __device__ void {FENCE_OPERAND}(half2& r) {{
+  asm volatile("" : "+r"(*reinterpret_cast<unsigned*>(&r)) :: "memory");
+}}
+"""
+
+
+def _register_operands(loop, accumulators_only):
+    """``loop`` with each wgmma instruction replaced by operand fences on the registers
+    it reads (the accumulators, and the fp16 A operand unless ``accumulators_only``)."""
+
+    def fences(evaluate):
+        call = evaluate.value
+        if not (isinstance(call, ir_expr.Call) and getattr(call.op, "name", "") in _INSTRUCTIONS):
+            return evaluate
+        loads = []
+        tvm_ffi.structural_walk(
+            call.args, lambda node: loads.append(node) if isinstance(node, ir_expr.TensorLoad) else None
+        )
+        # (The descriptors are expressions of addresses, no registers to fence.)
+        kept = [
+            load for load in loads
+            if load.source.dtype == "float32" or (load.source.dtype == "float16" and not accumulators_only)
+        ]
+        return tvm.tirx.SeqStmt(
+            [tvm.tirx.Evaluate(T.cuda.func_call(FENCE_OPERAND, load, source_code=FENCE_OPERAND_SOURCE)) for load in kept]
+        )
+
+    def unrolled(node):
+        # Each register once: a loop its fences do not index goes (e.g. over the depth
+        # for the accumulators); the others are unrolled, their indices constants.
+        if not uses_var(node.body, node.loop_var):
+            return node.body
+        return tvm.tirx.For(
+            node.loop_var, node.min, node.extent, tvm.tirx.ForKind.UNROLLED, node.body, node.thread_binding,
+            node.annotations, node.step,
+        )
+
+    return tvm_ffi.structural_map(tvm_ffi.structural_map(loop, (tvm.tirx.Evaluate, fences)), (tvm.tirx.For, unrolled))
+
+
+def _batch(loop):
+    if BATCH not in loop.annotations:
+        return loop
+    annotations = {k: v for k, v in loop.annotations.items() if k != BATCH}
+    inner = tvm.tirx.For(
+        loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations, loop.step
+    )
+    evaluate = lambda call: tvm.tirx.Evaluate(call)  # noqa: E731
+    return tvm.tirx.SeqStmt(
+        [
+            # Shared memory written by ordinary (and cp.async) stores, read by the async proxy.
+            evaluate(T.ptx.fence.proxy.async_.shared__cta()),
+            _register_operands(inner, accumulators_only=False),
+            # Accumulators and register operands written before the batch.
+            evaluate(T.ptx.wgmma.fence.sync.aligned()),
+            inner,
+            evaluate(T.ptx.wgmma.commit_group.sync.aligned()),
+            evaluate(T.ptx.wgmma.wait_group.sync.aligned(0)),
+            _register_operands(inner, accumulators_only=True),
+        ]
+    )
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.SyncWgmmaBatches")
+def sync_batches(func, _mod, _ctx):
+    """Each loop annotated :data:`BATCH` is fenced before (shared memory for the async
+    proxy, registers for the instructions) and followed by a commit and a wait for the
+    batch; the annotation goes."""
+    return func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.For, _batch)))
