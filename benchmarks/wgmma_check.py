@@ -59,6 +59,31 @@ def _column(tx, n8, j):
     return 8 * n8 + 2 * (tx % 4) + j % 2
 
 
+def _batch():
+    """TVMScript macros shared by the standalone kernels: ``begin(acc)`` once the operands
+    are stored to shared memory (barrier, async-proxy fence, zeroed accumulators, wgmma
+    fence), ``finish(acc, C, tx)`` after the instructions (commit, wait, each accumulator
+    stored where the verified layout puts it)."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def begin(acc):
+        T.tvm_storage_sync("shared")
+        T.ptx.fence.proxy.async_.shared__cta()
+        for i in range(32):
+            acc[i] = T.float32(0)
+        T.ptx.wgmma.fence.sync.aligned()
+
+    @T.macro
+    def finish(acc, C, tx):
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for n8, j in T.grid(8, 4):
+            C[_row(tx, j), _column(tx, n8, j)] = acc[4 * n8 + j]
+
+    return begin, finish
+
+
 def standalone(swizzle128=False):
     """The ss kernel over A[M, K], B[N, K] (``swizzle128``: 128-byte swizzled operands)."""
     from tvm.script import tirx as T
@@ -67,6 +92,7 @@ def standalone(swizzle128=False):
     # A k16 step starts 32 bytes into a swizzled row, or at the next core-matrix column.
     step = 16 if swizzle128 else M * 16
     lbo, sbo, mode = (16, 1024, 3) if swizzle128 else (LBO, SBO, 0)
+    begin, finish = _batch()
 
     @T.prim_func
     def gemm(A: T.Buffer((M, K), "float16"), B: T.Buffer((N, K), "float16"), C: T.Buffer((M, N), "float32")):
@@ -81,19 +107,12 @@ def standalone(swizzle128=False):
         for i in range(M * K // 128):
             As[offset((i * 128 + tx) // K, (i * 128 + tx) % K)] = A[(i * 128 + tx) // K, (i * 128 + tx) % K]
             Bs[offset((i * 128 + tx) // K, (i * 128 + tx) % K)] = B[(i * 128 + tx) // K, (i * 128 + tx) % K]
-        T.tvm_storage_sync("shared")
-        T.ptx.fence.proxy.async_.shared__cta()
-        for i in range(32):
-            acc[i] = T.float32(0)
-        T.ptx.wgmma.fence.sync.aligned()
+        begin(acc)
         for ks in range(K // 16):
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(da[0]), T.address_of(As[ks * step]), lbo >> 4, sbo >> 4, mode)
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), T.address_of(Bs[ks * step]), lbo >> 4, sbo >> 4, mode)
             T.ptx.wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16(*_operands(acc), da[0], db[0], T.bool(True), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for n8, j in T.grid(8, 4):
-            C[_row(tx, j), _column(tx, n8, j)] = acc[4 * n8 + j]
+        finish(acc, C, tx)
 
     return gemm
 
@@ -104,6 +123,8 @@ def registers():
 
     def half_bits(value):
         return T.Cast("uint32", T.reinterpret("uint16", value))
+
+    begin, finish = _batch()
 
     @T.prim_func
     def gemm(A: T.Buffer((M, 16), "float16"), B: T.Buffer((N, 16), "float16"), C: T.Buffer((M, N), "float32")):
@@ -121,17 +142,10 @@ def registers():
             a[q] = half_bits(A[_row(tx, 2 * (q % 2)), 2 * (tx % 4) + 8 * (q // 2)]) | (
                 half_bits(A[_row(tx, 2 * (q % 2)), 2 * (tx % 4) + 8 * (q // 2) + 1]) << T.uint32(16)
             )
-        T.tvm_storage_sync("shared")
-        T.ptx.fence.proxy.async_.shared__cta()
-        for i in range(32):
-            acc[i] = T.float32(0)
-        T.ptx.wgmma.fence.sync.aligned()
+        begin(acc)
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(db[0]), T.address_of(Bs[0]), LBO >> 4, SBO >> 4, 0)
         T.ptx.wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16(*_operands(acc), a[0], a[1], a[2], a[3], db[0], T.bool(True), 1, 1, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        for n8, j in T.grid(8, 4):
-            C[_row(tx, j), _column(tx, n8, j)] = acc[4 * n8 + j]
+        finish(acc, C, tx)
 
     return gemm
 

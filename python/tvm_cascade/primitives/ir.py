@@ -26,6 +26,21 @@ def copy_block(block: SBlock, **changes) -> SBlock:
     return SBlock(**fields)
 
 
+def copy_loop(loop: tvm.tirx.For, **changes) -> tvm.tirx.For:
+    fields = dict(
+        loop_var=loop.loop_var,
+        min=loop.min,
+        extent=loop.extent,
+        kind=loop.kind,
+        body=loop.body,
+        thread_binding=loop.thread_binding,
+        annotations=loop.annotations,
+        step=loop.step,
+    )
+    fields.update(changes)
+    return tvm.tirx.For(**fields)
+
+
 def replace_root(sch, root_sref, new_root, reuse):
     """Replace the root block at ``root_sref`` by ``new_root``; ``reuse`` maps the old
     blocks that keep their random variables to their new versions."""
@@ -102,16 +117,7 @@ def rebuild_scope(stmt, replaced: dict, loop, appended: list, after: dict):
                 return None
             if body.same_as(node.body):
                 return node
-            return tvm.tirx.For(
-                node.loop_var,
-                node.min,
-                node.extent,
-                node.kind,
-                body,
-                node.thread_binding,
-                node.annotations,
-                node.step,
-            )
+            return copy_loop(node, body=body)
         if isinstance(node, tvm.tirx.SeqStmt):
             items = [go(item) for item in node]
             if all(x is not None and x.same_as(y) for x, y in zip(items, node)):

@@ -71,12 +71,7 @@ def distribute(self: Schedule, loop, sizes=None) -> None:
     copies = []
     for k, group in enumerate(groups):
         var = tvm.tirx.Var(f"{node.loop_var.name}_{k}", dtype_of(node.loop_var))
-        copies.append(
-            tvm.tirx.For(
-                var, node.min, node.extent, node.kind, substitute(group, {node.loop_var: var}),
-                node.thread_binding, node.annotations, node.step,
-            )
-        )
+        copies.append(ir.copy_loop(node, loop_var=var, body=substitute(group, {node.loop_var: var})))
     _replace_stmt(self, root_sref, node, tvm.tirx.SeqStmt(copies), [])
     append_instruction(self, "Distribute", [loop], [sizes])
 
@@ -388,10 +383,7 @@ def skip_masked_tiles(self: Schedule, block, loop) -> None:
         )
     lo, hi = analyzer.simplify(lo), analyzer.simplify(hi)
     def tile_loop(start, first, body):
-        return tvm.tirx.For(
-            t, start, analyzer.simplify(hi - first), node.kind, body,
-            node.thread_binding, node.annotations, node.step,
-        )
+        return ir.copy_loop(node, min=start, extent=analyzer.simplify(hi - first), body=body)
 
     if analyzer.can_prove(lo <= node.min):
         new_loop = tile_loop(node.min, node.min, node.body)
@@ -519,10 +511,7 @@ def unmask_inner_tiles(self: Schedule, loop) -> None:
         # Tiles first .. last - 1 as t = first + t' for t' from zero.
         var = tvm.tirx.Var(t.name, dtype_of(t))
         extent = analyzer.simplify(last - first) if extent is None else extent
-        return tvm.tirx.For(
-            var, zero, extent, node.kind, substitute(body, {t: var + first}),
-            node.thread_binding, node.annotations, node.step,
-        )
+        return ir.copy_loop(node, loop_var=var, min=zero, extent=extent, body=substitute(body, {t: var + first}))
 
     def bound(name, value):
         var = tvm.tirx.Var(f"{t.name}_{name}", dtype_of(t))
@@ -788,11 +777,7 @@ def _rebuild_nest(stmt, old_realize, new_realize):
     if stmt.same_as(old_realize):
         return new_realize
     if isinstance(stmt, tvm.tirx.For):
-        return tvm.tirx.For(
-            stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
-            _rebuild_nest(stmt.body, old_realize, new_realize),
-            stmt.thread_binding, stmt.annotations, stmt.step,
-        )
+        return ir.copy_loop(stmt, body=_rebuild_nest(stmt.body, old_realize, new_realize))
     raise FusionError("split_tile_accumulation: the block's loops below the tile loop hold other statements")
 
 
@@ -894,10 +879,7 @@ def _replace_stmt(sch, root_sref, old, new, new_buffers, reuse=None):
             body = go(stmt.body)
             if body.same_as(stmt.body):
                 return stmt
-            return tvm.tirx.For(
-                stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body,
-                stmt.thread_binding, stmt.annotations, stmt.step,
-            )
+            return ir.copy_loop(stmt, body=body)
         if isinstance(stmt, tvm.tirx.SeqStmt):
             items = [go(item) for item in stmt]
             if all(x.same_as(y) for x, y in zip(items, stmt)):

@@ -23,6 +23,7 @@ from tvm import tirx
 from tvm.ir.expr import TensorLoad
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
+from ..primitives import ir
 from .software_pipeline import ASYNC_STAGES, STAGES, pipeline_statements
 
 
@@ -139,7 +140,7 @@ def _kernel(loop):
     if reader is None or not (_pipelined(reader) and _runs(reader) and _waits_before_reading(reader, buffers)):
         return loop
     body = tirx.SeqStmt([_commit(stmts[:copies]), *stmts[copies:]])
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations, loop.step)
+    return ir.copy_loop(loop, body=body)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.AsyncPrologueCopies")

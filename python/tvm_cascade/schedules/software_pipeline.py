@@ -12,6 +12,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.s_tir.stmt import SBlockRealize
 
+from ..primitives import ir
+
 
 STAGES = "software_pipeline_stage"
 ORDER = "software_pipeline_order"
@@ -47,9 +49,7 @@ def _apply_choice(loop):
     annotations = {k: v for k, v in loop.annotations.items() if k != CHOSEN}
     if int(loop.annotations[CHOSEN]):
         annotations.update(pipeline_annotations(loop))
-    return tirx.For(
-        loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations, loop.step
-    )
+    return ir.copy_loop(loop, annotations=annotations)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.ApplyChosenPipelines")

@@ -183,10 +183,7 @@ def _mark_unrolled(loop):
     if UNROLL not in loop.annotations:
         return loop
     annotations = {k: v for k, v in loop.annotations.items() if k != UNROLL}
-    return tvm.tirx.For(
-        loop.loop_var, loop.min, loop.extent, tvm.tirx.ForKind.UNROLLED, loop.body,
-        loop.thread_binding, annotations, loop.step,
-    )
+    return ir.copy_loop(loop, kind=tvm.tirx.ForKind.UNROLLED, annotations=annotations)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.UnrollFragmentLoops")

@@ -15,8 +15,10 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 
 from ..analysis.scope import uses_var
+from ..primitives import ir
 
 WARP = 32
 WARPS = 4  # a warpgroup
@@ -24,6 +26,7 @@ BLOCK_ROWS = 128  # query rows of a tile of the A operand: two m64 halves
 ROWS = 16  # a warp's rows of one m64 instruction
 DEPTH = 16  # k of one instruction (fp16)
 CORE = 8  # a core matrix: 8 rows of 8 fp16 (16 contiguous bytes each)
+SHARED = "shared.dyn"
 #: A loop annotation: the loop issues a batch of wgmma instructions; :func:`sync_batches`
 #: fences before it and waits for the batch after it.
 BATCH = "tvm_cascade.wgmma_batch"
@@ -119,18 +122,42 @@ def _instruction(columns):
     return getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32.f16.f16
 
 
+def _operands(kind, columns, a, b, c):
+    """The buffers (A, B, C) of intrinsic ``kind`` ("scores" or "output") over ``columns``
+    columns, declared for the description and the implementation alike: shared-memory
+    operands with the strides of the buffers they are matched to (the descriptors are
+    computed from them), the accumulator strided for a pass over part of its columns."""
+
+    def strides(n):
+        return [T.int32() for _ in range(n)]
+
+    if kind == "scores":
+        A = T.match_buffer(a, (2, 2, 8, 8), "float16", scope=SHARED, offset_factor=1, strides=strides(4))
+        B = T.match_buffer(b, (columns // 8, 2, 8, 8), "float16", scope=SHARED, offset_factor=1, strides=strides(4))
+    else:
+        A = T.match_buffer(a, (1, 1, WARP, 8), "float16", scope="warp", offset_factor=1)
+        B = T.match_buffer(b, (2, columns // 8, 8, 8), "float16", scope=SHARED, offset_factor=1, strides=strides(4))
+    C = T.match_buffer(c, (1, WARP, columns // 2), "float32", scope="warp", offset_factor=1, strides=strides(3))
+    for name, buf in zip("ABC", (A, B, C)):
+        IRBuilder.name(name, buf)
+    return A, B, C
+
+
+def _root_regions(A, B, C):
+    """The root block's regions: the whole of each buffer, C read and written."""
+    whole = [buf[tuple(slice(0, extent) for extent in buf.shape)] for buf in (C, A, B)]
+    T.reads(*whole)
+    T.writes(whole[0])
+
+
 def _scores(columns):
     mma = _instruction(columns)
-    regs = columns // 2
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, (2, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        B = T.match_buffer(b, (columns // 8, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        A, B, C = T.meta_var(_operands("scores", columns, a, b, c))
         with T.sblock("root"):
-            T.reads(C[0:1, 0:WARP, 0:regs], A[0:2, 0:2, 0:8, 0:8], B[0 : columns // 8, 0:2, 0:8, 0:8])
-            T.writes(C[0:1, 0:WARP, 0:regs])
+            _root_regions(A, B, C)
             for i, j, k in T.grid(ROWS, columns, DEPTH):
                 with T.sblock("update"):
                     vi, vj, vk = T.axis.remap("SSR", [i, j, k])
@@ -141,18 +168,15 @@ def _scores(columns):
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, (2, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        B = T.match_buffer(b, (columns // 8, 2, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        A, B, C = T.meta_var(_operands("scores", columns, a, b, c))
         with T.sblock("root"):
-            T.reads(C[0:1, 0:WARP, 0:regs], A[0:2, 0:2, 0:8, 0:8], B[0 : columns // 8, 0:2, 0:8, 0:8])
-            T.writes(C[0:1, 0:WARP, 0:regs])
+            _root_regions(A, B, C)
             for tx in T.thread_binding(WARP, "threadIdx.x"):
                 # The warpgroup's A tile: the 64-row half (eight 8-row groups) that this
                 # warp's two row groups belong to, at the same depth.
                 T.evaluate(
                     mma(
-                        *[C[0, tx, r] for r in range(regs)],
+                        *[C[0, tx, r] for r in range(columns // 2)],
                         _descriptor(A, A.elem_offset // (8 * A.strides[0]) * (8 * A.strides[0]) + A.elem_offset % A.strides[0], A.strides[1], A.strides[0]),
                         _descriptor(B, B.elem_offset, B.strides[1], B.strides[0]),
                         T.bool(True), 1, 1, 0, 0,
@@ -164,7 +188,6 @@ def _scores(columns):
 
 def _output(columns):
     mma = _instruction(columns)
-    regs = columns // 2
 
     def pair(A, tx, element):
         # Two fp16 of the fragment as one register (low half first).
@@ -172,12 +195,9 @@ def _output(columns):
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, (1, 1, WARP, 8), "float16", scope="warp", offset_factor=1)
-        B = T.match_buffer(b, (2, columns // 8, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        A, B, C = T.meta_var(_operands("output", columns, a, b, c))
         with T.sblock("root"):
-            T.reads(C[0:1, 0:WARP, 0:regs], A[0:1, 0:1, 0:WARP, 0:8], B[0:2, 0 : columns // 8, 0:8, 0:8])
-            T.writes(C[0:1, 0:WARP, 0:regs])
+            _root_regions(A, B, C)
             for i, j, k in T.grid(ROWS, columns, DEPTH):
                 with T.sblock("update"):
                     vi, vj, vk = T.axis.remap("SSR", [i, j, k])
@@ -189,18 +209,15 @@ def _output(columns):
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
-        A = T.match_buffer(a, (1, 1, WARP, 8), "float16", scope="warp", offset_factor=1)
-        B = T.match_buffer(b, (2, columns // 8, 8, 8), "float16", scope="shared.dyn", offset_factor=1, strides=[T.int32(), T.int32(), T.int32(), T.int32()])
-        C = T.match_buffer(c, (1, WARP, regs), "float32", scope="warp", offset_factor=1, strides=[T.int32(), T.int32(), T.int32()])
+        A, B, C = T.meta_var(_operands("output", columns, a, b, c))
         with T.sblock("root"):
-            T.reads(C[0:1, 0:WARP, 0:regs], A[0:1, 0:1, 0:WARP, 0:8], B[0:2, 0 : columns // 8, 0:8, 0:8])
-            T.writes(C[0:1, 0:WARP, 0:regs])
+            _root_regions(A, B, C)
             for tx in T.thread_binding(WARP, "threadIdx.x"):
                 # MN-major B (trans_b = 1): the leading offset steps along the depth (keys),
                 # the stride offset along the columns.
                 T.evaluate(
                     mma(
-                        *[C[0, tx, r] for r in range(regs)],
+                        *[C[0, tx, r] for r in range(columns // 2)],
                         pair(A, tx, 0), pair(A, tx, 2), pair(A, tx, 4), pair(A, tx, 6),
                         _descriptor(B, B.elem_offset, B.strides[0], B.strides[1]),
                         T.bool(True), 1, 1, 1,
@@ -251,10 +268,7 @@ def _register_operands(loop, accumulators_only):
         # for the accumulators); the others are unrolled, their indices constants.
         if not uses_var(node.body, node.loop_var):
             return node.body
-        return tvm.tirx.For(
-            node.loop_var, node.min, node.extent, tvm.tirx.ForKind.UNROLLED, node.body, node.thread_binding,
-            node.annotations, node.step,
-        )
+        return ir.copy_loop(node, kind=tvm.tirx.ForKind.UNROLLED)
 
     return tvm_ffi.structural_map(tvm_ffi.structural_map(loop, (tvm.tirx.Evaluate, fences)), (tvm.tirx.For, unrolled))
 
@@ -262,10 +276,7 @@ def _register_operands(loop, accumulators_only):
 def _batch(loop):
     if BATCH not in loop.annotations:
         return loop
-    annotations = {k: v for k, v in loop.annotations.items() if k != BATCH}
-    inner = tvm.tirx.For(
-        loop.loop_var, loop.min, loop.extent, loop.kind, loop.body, loop.thread_binding, annotations, loop.step
-    )
+    inner = ir.copy_loop(loop, annotations={k: v for k, v in loop.annotations.items() if k != BATCH})
     evaluate = lambda call: tvm.tirx.Evaluate(call)  # noqa: E731
     return tvm.tirx.SeqStmt(
         [
