@@ -802,6 +802,17 @@ def test_a_key_loop_of_one_tile_builds(variant, seq_q, seq_kv):
     assert "mma.sync" in _source(sch.mod)
 
 
+def test_compile_attention_pads_to_whole_tiles_of_the_config():
+    """``compile_attention(config=...)`` pads the lengths to whole tiles of the config's
+    (and of :data:`kernels.PAD_TO`, which the default schedule needs), so 256-row blocks
+    compile at any query length (the GPU test checks the numbers)."""
+    config = prefill.PrefillConfig(rows=256, keys=32, wgmma=True)
+    assert kernels.padding("prefill", 4, 2, 300, 128) == (128, 64)
+    assert kernels.padding("prefill", 4, 2, 300, 128, config) == (256, 64)
+    compiled = kernels.compile_attention(1, 4, 2, 300, 333, 128, target=CUDA, config=config)
+    assert "wgmma.mma_async" in compiled.mod.imports[0].inspect_source()
+
+
 @pytest.mark.parametrize(
     "variant, seq_q, seq_kv",
     # 200 keys: the last tile's valid keys end at a whole column of the fragment layout,

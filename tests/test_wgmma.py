@@ -66,38 +66,83 @@ def _fence(load):
     return T.cuda.func_call(wgmma.FENCE_OPERAND, load, source_code=wgmma.FENCE_OPERAND_SOURCE)
 
 
+_MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16
+
+
+@T.macro
+def _synced_batch(acc, desc, steps):
+    """What sync_batches makes of a batch of ``steps`` m64n8k16 (accumulators ``acc``)."""
+    T.ptx.fence.proxy.async_.shared__cta()
+    T.evaluate(_fence(acc[0]))
+    T.evaluate(_fence(acc[1]))
+    T.evaluate(_fence(acc[2]))
+    T.evaluate(_fence(acc[3]))
+    T.ptx.wgmma.fence.sync.aligned()
+    for ks in range(steps):
+        _MMA(acc[0], acc[1], acc[2], acc[3], desc[0] + T.Cast("uint64", ks), desc[0], T.bool(True), 1, 1, 0, 0)
+    T.ptx.wgmma.commit_group.sync.aligned()
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+    T.evaluate(_fence(acc[0]))
+    T.evaluate(_fence(acc[1]))
+    T.evaluate(_fence(acc[2]))
+    T.evaluate(_fence(acc[3]))
+
+
 def test_sync_batches_fences_commits_and_waits_for_a_batch():
     """A loop annotated ``BATCH`` is preceded by the async-proxy fence, operand fences on
     the registers its instructions read (each once: the depth loop goes) and the wgmma
     fence, and followed by commit, wait and operand fences on the accumulators."""
-    mma = T.ptx.wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16
 
     @T.prim_func
     def before(A: T.Buffer((1,), "uint64")):
         acc = T.alloc_buffer((4,), "float32", scope="local")
         for ks in T.serial(2, annotations={wgmma.BATCH: 1}):
-            mma(acc[0], acc[1], acc[2], acc[3], A[0] + T.Cast("uint64", ks), A[0], T.bool(True), 1, 1, 0, 0)
+            _MMA(acc[0], acc[1], acc[2], acc[3], A[0] + T.Cast("uint64", ks), A[0], T.bool(True), 1, 1, 0, 0)
 
     @T.prim_func
     def after(A: T.Buffer((1,), "uint64")):
         acc = T.alloc_buffer((4,), "float32", scope="local")
-        T.ptx.fence.proxy.async_.shared__cta()
-        T.evaluate(_fence(acc[0]))
-        T.evaluate(_fence(acc[1]))
-        T.evaluate(_fence(acc[2]))
-        T.evaluate(_fence(acc[3]))
-        T.ptx.wgmma.fence.sync.aligned()
-        for ks in range(2):
-            mma(acc[0], acc[1], acc[2], acc[3], A[0] + T.Cast("uint64", ks), A[0], T.bool(True), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        T.evaluate(_fence(acc[0]))
-        T.evaluate(_fence(acc[1]))
-        T.evaluate(_fence(acc[2]))
-        T.evaluate(_fence(acc[3]))
+        _synced_batch(acc, A, 2)
 
     lowered = wgmma.sync_batches(tvm.IRModule({"main": before}))["main"]
     assert tvm_ffi.structural_equal(lowered.body, after.body, map_free_vars=True)
+
+
+def test_sync_batches_fences_shared_memory_before_the_block_barriers():
+    """In a function with batches, each thread's shared-memory stores are fenced for the
+    async proxy before a thread-block barrier (the batch after it reads what other
+    threads stored); warp barriers are not; a function without batches is unchanged."""
+
+    @T.prim_func
+    def before(A: T.Buffer((64,), "float16"), D: T.Buffer((1,), "uint64")):
+        S = T.alloc_buffer((64,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((4,), "float32", scope="local")
+        S[0] = A[0]
+        T.tvm_storage_sync("shared.dyn")
+        T.tvm_storage_sync("warp")
+        for ks in T.serial(1, annotations={wgmma.BATCH: 1}):
+            _MMA(acc[0], acc[1], acc[2], acc[3], D[0] + T.Cast("uint64", ks), D[0], T.bool(True), 1, 1, 0, 0)
+
+    @T.prim_func
+    def after(A: T.Buffer((64,), "float16"), D: T.Buffer((1,), "uint64")):
+        S = T.alloc_buffer((64,), "float16", scope="shared.dyn")
+        acc = T.alloc_buffer((4,), "float32", scope="local")
+        S[0] = A[0]
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.tvm_storage_sync("shared.dyn")
+        T.tvm_storage_sync("warp")
+        _synced_batch(acc, D, 1)
+
+    lowered = wgmma.sync_batches(tvm.IRModule({"main": before}))["main"]
+    assert tvm_ffi.structural_equal(lowered.body, after.body, map_free_vars=True)
+
+    @T.prim_func
+    def plain(A: T.Buffer((64,), "float16")):
+        S = T.alloc_buffer((64,), "float16", scope="shared.dyn")
+        S[0] = A[0]
+        T.tvm_storage_sync("shared.dyn")
+
+    assert tvm_ffi.structural_equal(wgmma.sync_batches(tvm.IRModule({"main": plain}))["main"].body, plain.body)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ the xgboost cost model over the schedule's design space on the GPU first and add
 records to the database.
 """
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -60,10 +61,13 @@ def kind_of(seq_q):
 def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
     """``ops.attention``'s ``pad_to`` for this configuration: :data:`PAD_TO`, with
     decode's query rows padded to fill tensor-core tiles where that serves them better
-    (:func:`~tvm_cascade.schedules.decode.query_rows`)."""
+    (:func:`~tvm_cascade.schedules.decode.query_rows`), and prefill's lengths to whole
+    tiles of ``config``'s as well."""
     rows, keys = PAD_TO[kind]
     if kind == "decode":
         rows = decode.query_rows(heads_q // heads_kv, seq_q, head_dim, config or DecodeConfig())
+    elif config is not None:
+        rows, keys = math.lcm(rows, config.rows), math.lcm(keys, config.keys)
     return rows, keys
 
 

@@ -293,9 +293,34 @@ def _batch(loop):
     )
 
 
+def _is_block_barrier(node):
+    return (
+        isinstance(node, ir_expr.Call)
+        and getattr(node.op, "name", "") == "tirx.tvm_storage_sync"
+        and str(node.args[0].value).startswith("shared")
+    )
+
+
+def _fence_before_barrier(evaluate):
+    if not _is_block_barrier(evaluate.value):
+        return evaluate
+    return tvm.tirx.SeqStmt([tvm.tirx.Evaluate(T.ptx.fence.proxy.async_.shared__cta()), evaluate])
+
+
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.SyncWgmmaBatches")
 def sync_batches(func, _mod, _ctx):
     """Each loop annotated :data:`BATCH` is fenced before (shared memory for the async
     proxy, registers for the instructions) and followed by a commit and a wait for the
-    batch; the annotation goes."""
-    return func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.For, _batch)))
+    batch; the annotation goes. In a function with batches, each thread also fences its
+    shared-memory stores for the async proxy before every barrier of the thread block:
+    a batch reads what other threads stored, and their fences after the barrier could
+    come after its instructions read (with two warpgroups a block, results were wrong
+    one run in a few without)."""
+    batches = []
+    tvm_ffi.structural_walk(
+        func.body, lambda node: batches.append(node) if isinstance(node, tvm.tirx.For) and BATCH in node.annotations else None
+    )
+    if not batches:
+        return func
+    body = tvm_ffi.structural_map(func.body, (tvm.tirx.Evaluate, _fence_before_barrier))
+    return func.with_body(tvm_ffi.structural_map(body, (tvm.tirx.For, _batch)))
