@@ -122,19 +122,23 @@ def test_head_dim_64_prefill_kernels_match_the_reference(variant):
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "variant, keys, rows, warp_rows",
-    [(v, 64, 128, 32) for v in ("global", "causal", "alibi", "softcap", "window", "gqa")]
-    + [(v, 32, 128, 32) for v in ("global", "causal", "alibi", "softcap", "gqa")]
-    + [(v, 64, 128, 16) for v in ("global", "causal", "alibi", "gqa")]
-    + [("causal", 64, 256, 32), ("softcap", 64, 256, 16)],
+    "variant, keys, rows, warp_rows, overlap",
+    [(v, 64, 128, 32, False) for v in ("global", "causal", "alibi", "softcap", "window", "gqa")]
+    + [(v, 32, 128, 32, False) for v in ("global", "causal", "alibi", "softcap", "gqa")]
+    + [(v, 64, 128, 16, False) for v in ("global", "causal", "alibi", "gqa")]
+    + [("causal", 64, 256, 32, False), ("softcap", 64, 256, 16, False)]
+    + [("global", 64, 128, 16, True), ("softcap", 64, 128, 16, True), ("global", 32, 256, 32, True)],
 )
-def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_rows):
+def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_rows, overlap):
     """The prefill schedule with both GEMMs on warpgroup MMAs (sm_90a), lengths that are
     not whole tiles (under a sliding window 64-key tiles only, which the schedule
-    requires), a warpgroup per 128 or 64 rows, one or two warpgroups per block."""
+    requires), a warpgroup per 128 or 64 rows, one or two warpgroups per block, and the
+    overlapped key loop (P·V in one pass)."""
     from tvm_cascade.schedules.prefill import PrefillConfig
 
-    config = PrefillConfig(rows=rows, keys=keys, wgmma=True, pv_split=2, warp_rows=warp_rows)
+    config = PrefillConfig(
+        rows=rows, keys=keys, wgmma=True, pv_split=1 if overlap else 2, warp_rows=warp_rows, overlap=overlap
+    )
     _check_against_the_reference(
         variant, 1, 4, 2, 300, 333, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}, config=config
     )

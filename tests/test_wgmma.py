@@ -13,7 +13,7 @@ from tvm.script import tirx as T
 
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.schedules import prefill, wgmma
+from tvm_cascade.schedules import prefill, software_pipeline, wgmma, wgmma_batches
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -63,15 +63,16 @@ def test_intrinsics_exist_for_the_tiles_the_schedule_uses():
 
 
 def _fence(load):
-    return T.cuda.func_call(wgmma.FENCE_OPERAND, load, source_code=wgmma.FENCE_OPERAND_SOURCE)
+    return T.cuda.func_call(wgmma_batches.FENCE_OPERAND, load, source_code=wgmma_batches.FENCE_OPERAND_SOURCE)
 
 
 _MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16
 
 
 @T.macro
-def _synced_batch(acc, desc, steps):
-    """What sync_batches makes of a batch of ``steps`` m64n8k16 (accumulators ``acc``)."""
+def _issued(acc, desc, steps):
+    """What sync_batches makes of a batch of ``steps`` m64n8k16 (accumulators ``acc``)
+    up to its commit."""
     T.ptx.fence.proxy.async_.shared__cta()
     T.evaluate(_fence(acc[0]))
     T.evaluate(_fence(acc[1]))
@@ -81,11 +82,23 @@ def _synced_batch(acc, desc, steps):
     for ks in range(steps):
         _MMA(acc[0], acc[1], acc[2], acc[3], desc[0] + T.Cast("uint64", ks), desc[0], T.bool(True), 1, 1, 0, 0)
     T.ptx.wgmma.commit_group.sync.aligned()
-    T.ptx.wgmma.wait_group.sync.aligned(0)
+
+
+@T.macro
+def _waited(depth, acc):
+    """The wait for a batch with ``depth`` later ones left in flight, and the fences of its
+    accumulators ``acc``."""
+    T.ptx.wgmma.wait_group.sync.aligned(depth)
     T.evaluate(_fence(acc[0]))
     T.evaluate(_fence(acc[1]))
     T.evaluate(_fence(acc[2]))
     T.evaluate(_fence(acc[3]))
+
+
+@T.macro
+def _synced_batch(acc, desc, steps):
+    _issued(acc, desc, steps)
+    _waited(0, acc)
 
 
 def test_sync_batches_fences_commits_and_waits_for_a_batch():
@@ -104,7 +117,7 @@ def test_sync_batches_fences_commits_and_waits_for_a_batch():
         acc = T.alloc_buffer((4,), "float32", scope="local")
         _synced_batch(acc, A, 2)
 
-    lowered = wgmma.sync_batches(tvm.IRModule({"main": before}))["main"]
+    lowered = wgmma_batches.sync_batches(tvm.IRModule({"main": before}))["main"]
     assert tvm_ffi.structural_equal(lowered.body, after.body, map_free_vars=True)
 
 
@@ -133,7 +146,7 @@ def test_sync_batches_fences_shared_memory_before_the_block_barriers():
         T.tvm_storage_sync("warp")
         _synced_batch(acc, D, 1)
 
-    lowered = wgmma.sync_batches(tvm.IRModule({"main": before}))["main"]
+    lowered = wgmma_batches.sync_batches(tvm.IRModule({"main": before}))["main"]
     assert tvm_ffi.structural_equal(lowered.body, after.body, map_free_vars=True)
 
     @T.prim_func
@@ -142,7 +155,50 @@ def test_sync_batches_fences_shared_memory_before_the_block_barriers():
         S[0] = A[0]
         T.tvm_storage_sync("shared.dyn")
 
-    assert tvm_ffi.structural_equal(wgmma.sync_batches(tvm.IRModule({"main": plain}))["main"].body, plain.body)
+    assert tvm_ffi.structural_equal(wgmma_batches.sync_batches(tvm.IRModule({"main": plain}))["main"].body, plain.body)
+
+
+def test_sync_batches_waits_for_a_batch_where_its_registers_are_next_touched():
+    """Two batches issued back to back: the scores' batch is waited for with
+    ``wait_group 1`` (the second stays in flight) where they are read, the second where
+    its accumulators are; a batch whose registers nothing touches before a block barrier
+    or the end of a loop body is waited for there."""
+
+    @T.prim_func
+    def before(D: T.Buffer((1,), "uint64"), out: T.Buffer((2,), "float32")):
+        s = T.alloc_buffer((4,), "float32", scope="local")
+        o = T.alloc_buffer((4,), "float32", scope="local")
+        for ks in T.serial(1, annotations={wgmma.BATCH: 1}):
+            _MMA(s[0], s[1], s[2], s[3], D[0] + T.Cast("uint64", ks), D[0], T.bool(True), 1, 1, 0, 0)
+        for ks in T.serial(1, annotations={wgmma.BATCH: 1}):
+            _MMA(o[0], o[1], o[2], o[3], D[0] + T.Cast("uint64", ks), D[0], T.bool(True), 1, 1, 0, 0)
+        out[0] = s[0]
+        out[1] = o[0]
+        for j in range(2):
+            for ks in T.serial(1, annotations={wgmma.BATCH: 1}):
+                _MMA(s[0], s[1], s[2], s[3], D[0] + T.Cast("uint64", ks), D[0], T.bool(True), 1, 1, 0, 0)
+        for ks in T.serial(1, annotations={wgmma.BATCH: 1}):
+            _MMA(o[0], o[1], o[2], o[3], D[0] + T.Cast("uint64", ks), D[0], T.bool(True), 1, 1, 0, 0)
+        T.tvm_storage_sync("shared")
+
+    @T.prim_func
+    def after(D: T.Buffer((1,), "uint64"), out: T.Buffer((2,), "float32")):
+        s = T.alloc_buffer((4,), "float32", scope="local")
+        o = T.alloc_buffer((4,), "float32", scope="local")
+        _issued(s, D, 1)
+        _issued(o, D, 1)
+        _waited(1, s)
+        out[0] = s[0]
+        _waited(0, o)
+        out[1] = o[0]
+        for j in range(2):
+            _synced_batch(s, D, 1)
+        _synced_batch(o, D, 1)
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.tvm_storage_sync("shared")
+
+    lowered = wgmma_batches.sync_batches(tvm.IRModule({"main": before}))["main"]
+    assert tvm_ffi.structural_equal(lowered.body, after.body, map_free_vars=True)
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +223,56 @@ def test_wgmma_prefill_kernel_issues_both_gemms_as_warpgroup_instructions(wgmma_
     assert body.count("wait_group_sync_aligned_0();") == 2 * 3
 
 
-def test_ptxas_keeps_the_wgmma_kernel_asynchronous(wgmma_source, tmp_path):
+@pytest.fixture(scope="module")
+def overlapped_source():
+    func = ops.attention(1, 1, 1, 512, 512, 128, dtype="float16")
+    config = prefill.PrefillConfig(wgmma=True, warp_rows=16, pv_split=1, overlap=True)
+    return prefill.build(prefill.schedule_prefill(func, config).mod, CUDA).mod.imports[0].inspect_source()
+
+
+def test_overlapped_key_loop_issues_the_next_scores_with_the_output(overlapped_source):
+    """FlashAttention-3's order in the key loop: tile j+1's Q·Kᵀ and tile j's P·V are
+    committed back to back, the softmax waits for Q·Kᵀ only (``wait_group 1``), the exps
+    and the fold for P·V; the K/V copies stay asynchronous (two tiles ahead)."""
+    loop = overlapped_source.split("for (int rj_0 = 0; rj_0 < 6; ++rj_0) {")[1]
+    steps = re.findall(r"(commit_group_sync_aligned|wait_group_sync_aligned_\d|exp_warp_ptr\[0\] =|pv_warp_ptr\[0\] =)", loop)
+    assert steps[:6] == [
+        "commit_group_sync_aligned", "commit_group_sync_aligned", "wait_group_sync_aligned_1",
+        "wait_group_sync_aligned_0", "exp_warp_ptr[0] =", "pv_warp_ptr[0] =",
+    ]
+    assert "cp_async" in loop.split("commit_group_sync_aligned")[0]
+
+
+def test_overlap_annotations_order_the_statements_in_three_stages():
+    """Copies in stage 0; Q·Kᵀ, the softmax and the exps in stage 1; P·V and its fold in
+    stage 2, P·V ordered right after Q·Kᵀ and the fold last."""
+    func = ops.attention(1, 1, 1, 512, 512, 128, dtype="float16")
+    config = prefill.PrefillConfig(wgmma=True, warp_rows=16, pv_split=1, overlap=True)
+    loops = []
+    tvm_ffi.structural_walk(
+        prefill.schedule_prefill(func, config).mod["main"].body,
+        lambda node: loops.append(node)
+        if isinstance(node, tvm.tirx.For) and software_pipeline.CHOSEN in node.annotations
+        else None,
+    )
+    assert [int(loop.annotations[software_pipeline.CHOSEN]) for loop in loops] == [software_pipeline.OVERLAPPED]
+    annotations = software_pipeline.overlap_annotations(loops[0])
+    # V, K, qk_init, qk, 8 softmax statements, the exps, pv_tile_init, pv_tile, the fold.
+    assert list(annotations[software_pipeline.STAGES]) == [0, 0] + [1] * 11 + [2, 2, 2]
+    assert list(annotations[software_pipeline.ORDER]) == [0, 1, 2, 3] + list(range(6, 15)) + [4, 5, 15]
+
+
+def test_ptxas_keeps_the_wgmma_kernel_asynchronous(wgmma_source, overlapped_source, tmp_path):
     """With every register the instructions read fenced, ptxas neither injects warpgroup
     waits nor arrives (it does, serialising the instructions, when a register write or
-    read moves across the fences)."""
-    path = tmp_path / "prefill.cu"
-    path.write_text(wgmma_source)
-    command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "prefill.cubin"), str(path)]
+    read moves across the fences), also with waits deferred past the next batch."""
+    for name, source in (("prefill", wgmma_source), ("overlapped", overlapped_source)):
+        _check_ptxas(source, tmp_path / f"{name}.cu")
+
+
+def _check_ptxas(source, path):
+    path.write_text(source)
+    command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
     report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     assert "Compiling entry function 'main_kernel' for 'sm_90a'" in report
     assert "is injected" not in report
@@ -187,6 +286,9 @@ def test_ptxas_keeps_the_wgmma_kernel_asynchronous(wgmma_source, tmp_path):
         ("window", prefill.PrefillConfig(wgmma=True, keys=32), "64-key tiles under a sliding window; got 32"),
         ("global", prefill.PrefillConfig(warp_rows=16), "16 rows per warp; the schedule takes 32, or 16 with wgmma"),
         ("global", prefill.PrefillConfig(wgmma=True, warp_rows=64), "64 rows per warp"),
+        ("global", prefill.PrefillConfig(overlap=True), "takes wgmma and P·V in one pass; got wgmma=False"),
+        ("global", prefill.PrefillConfig(wgmma=True, overlap=True), "P·V in one pass; got wgmma=True, pv_split=4"),
+        ("causal", prefill.PrefillConfig(wgmma=True, pv_split=1, overlap=True), "a constant number of tiles"),
     ],
 )
 def test_wgmma_prefill_schedule_refuses_what_it_cannot_build(variant, config, message):

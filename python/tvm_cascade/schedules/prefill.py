@@ -115,6 +115,14 @@ class PrefillConfig:
     # block, None against 2): global b8 s1024 0.641/0.580, s4096 10.83/8.94, causal b8
     # s1024 0.421/0.359, s4096 5.05/4.27
     min_blocks: Optional[int] = None
+    # Under wgmma, with P·V in one pass: FlashAttention-3's intra-warpgroup overlap on a
+    # key loop of a constant number of tiles (tile j+1's Q·Kᵀ and tile j's P·V issued
+    # together, tile j+1's softmax while P·V runs; copies two tiles ahead:
+    # :func:`.software_pipeline.overlap_annotations`). Measured side by side on an H200
+    # (ms, 16-row warps, one block a multiprocessor; global b8 s1024 / b8 s4096 / b1
+    # s16384, softcap b8 s1024): without 0.653 / 11.35 / 22.42 / 0.695, with 0.616 /
+    # 9.03 / 18.12 / 0.660; the mma.sync default 0.460 / 6.86 / 13.73 / 0.495.
+    overlap: bool = False
 
 
 def default_pipeline(func, keys):
@@ -277,12 +285,22 @@ def schedule_prefill(func, config=PrefillConfig()):
         # (The window's tile range leaves offsets of the accumulators in a form that TVM's
         # LowerWarpMemory cannot split into lane and element.)
         raise ValueError(f"the wgmma prefill schedule takes 64-key tiles under a sliding window; got {config.keys}")
+    if config.overlap and not (config.wgmma and config.pv_split == 1):
+        raise ValueError(
+            f"the overlapped key loop takes wgmma and P·V in one pass; got wgmma={config.wgmma}, "
+            f"pv_split={config.pv_split}"
+        )
     loop = apply_prefill_schedule(
         sch, config.rows, config.keys, config.pv_split, config.register_usage_level, config.heads,
-        config.warp_rows if config.wgmma else None, config.min_blocks,
+        config.warp_rows if config.wgmma else None, config.min_blocks, config.overlap,
     )
+    if config.overlap and loop is None:
+        raise ValueError(
+            "the overlapped key loop needs a key loop of a constant number of tiles (no causal or window mask)"
+        )
     if loop is not None:
-        sch.annotate(loop, software_pipeline.CHOSEN, int(config.pipeline))
+        choice = software_pipeline.OVERLAPPED if config.overlap else int(config.pipeline)
+        sch.annotate(loop, software_pipeline.CHOSEN, choice)
     return sch
 
 
@@ -357,14 +375,15 @@ def row_tiles(sch, rows, keys, warps=1, per_tile=("pv",), heads=1):
 
 
 def apply_prefill_schedule(
-    sch, rows, keys, pv_split, register_usage_level, heads=1, wgmma_warp_rows=None, min_blocks=None
+    sch, rows, keys, pv_split, register_usage_level, heads=1, wgmma_warp_rows=None, min_blocks=None, overlap=False
 ):
     """The prefill schedule on a fresh schedule of ``ops.attention``; ``keys``,
     ``pv_split`` and ``register_usage_level`` (ptxas's, for :func:`build`) are ints or
     sampled ``ExprRV``s; ``heads`` query heads per block (:func:`row_tiles`);
     ``wgmma_warp_rows``: both GEMMs on warpgroup MMAs (:mod:`.wgmma`), this many rows per
     warp (None: ``mma.sync``, 32); ``min_blocks``: thread blocks per multiprocessor for
-    :func:`build` (None: the compiler's choice). Returns the key loop whose software
+    :func:`build` (None: the compiler's choice); ``overlap``: the P·V statements left apart
+    for :func:`.software_pipeline.overlap_annotations` (one pass). Returns the key loop whose software
     pipeline is the caller's
     choice (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner
     tiles' loop under a mask of padded keys only; else None (a causal mask's inner
@@ -430,7 +449,10 @@ def apply_prefill_schedule(
     passes, dim = sch.split(dim, [pv_split, None])
     sch.reorder(passes, row)
     sch.annotate(passes, tensor_cores.UNROLL, 1)
-    sch.compute_at(sch.get_sblock("pv_tile"), passes)
+    if not overlap:
+        # (Overlapped, the tile's P·V and its fold into the output stay statements of
+        # their own, which the pipeline orders apart: :func:`.software_pipeline.overlap_annotations`.)
+        sch.compute_at(sch.get_sblock("pv_tile"), passes)
     sch.set_scope(pv, 0, "warp")
     sch.transform_layout(pv, ("write", 0), wgmma.accumulator if use_wgmma else _fragment)
     _bind_fragment_lanes(sch, pv)

@@ -18,8 +18,10 @@ from ..primitives import ir
 STAGES = "software_pipeline_stage"
 ORDER = "software_pipeline_order"
 ASYNC_STAGES = "software_pipeline_async_stages"
-#: A loop annotation: 1 to pipeline the loop (:func:`apply_chosen_pipelines`), 0 not to.
+#: A loop annotation: 1 to pipeline the loop (:func:`apply_chosen_pipelines`), 0 not to,
+#: :data:`OVERLAPPED` for :func:`overlap_annotations`.
 CHOSEN = "tvm_cascade.software_pipeline"
+OVERLAPPED = 2
 
 
 def pipeline_statements(loop):
@@ -43,11 +45,43 @@ def pipeline_annotations(loop):
     return {STAGES: [0, 0] + [1] * (count - 2), ORDER: list(range(count)), ASYNC_STAGES: [0]}
 
 
+def overlap_annotations(loop):
+    """TVM's annotations that pipeline the prefill kernel's key loop ``loop`` on warpgroup
+    MMAs in FlashAttention-3's order, three stages: the copies of tile j+2 (asynchronous),
+    Q·Kᵀ and the softmax of tile j+1, P·V of tile j; tile j+1's Q·Kᵀ and tile j's P·V are
+    issued back to back, so tile j+1's softmax runs while P·V does (the waits:
+    :func:`.wgmma_batches.sync_batches`), and the fold of P·V into the output comes last.
+    Statements by their blocks' names: the copies before ``qk_init``, Q·Kᵀ
+    (``qk_update``), the P·V statements (``pv_tile_init``, ``pv_tile_update``) and the
+    fold (``pv_update``), each its own statement (the schedule leaves them so)."""
+    names = [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+
+    def index(prefix):
+        found = [k for k, blocks in enumerate(names) if any(name.startswith(prefix) for name in blocks)]
+        if len(found) != 1:
+            raise ValueError(f"the overlapped key loop needs one statement of a {prefix!r} block; found {len(found)}")
+        return found[0]
+
+    scores_init, scores, output_init, output, fold = (
+        index(prefix) for prefix in ("qk_init", "qk_update", "pv_tile_init", "pv_tile_update", "pv_update")
+    )
+    if not scores_init < scores < output_init == output - 1 == fold - 2 == len(names) - 3:
+        raise ValueError("the overlapped key loop needs the copies, Q·Kᵀ, the softmax, P·V and its fold in that order")
+    softmax = [k for k in range(scores + 1, output_init)]
+    order = list(range(scores + 1)) + [output_init, output] + softmax + [fold]
+    stages = [0] * scores_init + [1] * (output_init - scores_init) + [2] * 3
+    # (TVM reads ORDER as each statement's position in the new body.)
+    return {STAGES: stages, ORDER: [order.index(k) for k in range(len(names))], ASYNC_STAGES: [0]}
+
+
 def _apply_choice(loop):
     if CHOSEN not in loop.annotations:
         return loop
     annotations = {k: v for k, v in loop.annotations.items() if k != CHOSEN}
-    if int(loop.annotations[CHOSEN]):
+    choice = int(loop.annotations[CHOSEN])
+    if choice == OVERLAPPED:
+        annotations.update(overlap_annotations(loop))
+    elif choice:
         annotations.update(pipeline_annotations(loop))
     return ir.copy_loop(loop, annotations=annotations)
 

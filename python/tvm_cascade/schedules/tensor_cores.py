@@ -8,7 +8,7 @@ import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
 from ..primitives import ir
-from . import dependent_launch, wgmma
+from . import dependent_launch, wgmma_batches
 from .cast_offsets import hoist_cast_offsets
 
 
@@ -208,7 +208,7 @@ def _pipeline_factory():
         return tvm.transform.Sequential(
             [
                 _launch_bounds,
-                wgmma.sync_batches,
+                wgmma_batches.sync_batches,
                 _unalias_warp_buffers,
                 _lower_all_warp_memory,
                 _unroll_fragment_loops,

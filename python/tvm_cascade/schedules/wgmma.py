@@ -7,18 +7,15 @@ m64nNk16 (all four warps reach it together, each with its own accumulators). Sha
 are in the core-matrix layout (:func:`core_matrices`); the accumulators in TVM's 16 x 16
 fragment layout with the column tiles folded into the element index
 (:func:`accumulator`). The instructions are asynchronous: a loop annotated
-:data:`BATCH` issues a batch of them, which :func:`sync_batches` fences before and waits
-for after (docs/WGMMA.md has the verified facts).
+:data:`BATCH` issues a batch of them, which :func:`.wgmma_batches.sync_batches` fences
+before and waits for (docs/WGMMA.md has the verified facts).
 """
 import tvm
 import tvm_ffi
-from tvm.ir import expr as ir_expr
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
 
-from ..analysis.scope import uses_var
-from ..primitives import ir
 
 WARP = 32
 WARPS = 4  # a warpgroup
@@ -27,8 +24,8 @@ ROWS = 16  # a warp's rows of one m64 instruction
 DEPTH = 16  # k of one instruction (fp16)
 CORE = 8  # a core matrix: 8 rows of 8 fp16 (16 contiguous bytes each)
 SHARED = "shared.dyn"
-#: A loop annotation: the loop issues a batch of wgmma instructions; :func:`sync_batches`
-#: fences before it and waits for the batch after it.
+#: A loop annotation: the loop issues a batch of wgmma instructions;
+#: :func:`.wgmma_batches.sync_batches` fences before it and waits for the batch.
 BATCH = "tvm_cascade.wgmma_batch"
 #: The column counts the intrinsics are registered for (keys of a score tile, columns of
 #: a pass over the output).
@@ -225,102 +222,3 @@ def _output(columns):
                 )
 
     return desc, impl
-
-
-_INSTRUCTIONS = ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_f16_rs")
-FENCE_OPERAND = "tvm_cascade_wgmma_fence_operand"
-#: An empty asm statement that takes a register as input and output: the compiler must
-#: have computed the value before it and cannot assume it after it. Without it, the
-#: register writes before a batch (zeroed accumulators, the fp16 operand) and the reads
-#: after its wait move across the wgmma fence and wait (asm statements order memory, not
-#: registers), and ptxas serialises the instructions around them.
-FENCE_OPERAND_SOURCE = f"""
-__forceinline__ __device__ void {FENCE_OPERAND}(float& r) {{ asm volatile("" : "+f"(r) :: "memory"); }}
-__forceinline__ __device__ void {FENCE_OPERAND}(half2& r) {{
-  asm volatile("" : "+r"(*reinterpret_cast<unsigned*>(&r)) :: "memory");
-}}
-"""
-
-
-def _register_operands(loop, accumulators_only):
-    """``loop`` with each wgmma instruction replaced by operand fences on the registers
-    it reads (the accumulators, and the fp16 A operand unless ``accumulators_only``)."""
-
-    def fences(evaluate):
-        call = evaluate.value
-        if not (isinstance(call, ir_expr.Call) and getattr(call.op, "name", "") in _INSTRUCTIONS):
-            return evaluate
-        loads = []
-        tvm_ffi.structural_walk(
-            call.args, lambda node: loads.append(node) if isinstance(node, ir_expr.TensorLoad) else None
-        )
-        # (The descriptors are expressions of addresses, no registers to fence.)
-        kept = [
-            load for load in loads
-            if load.source.dtype == "float32" or (load.source.dtype == "float16" and not accumulators_only)
-        ]
-        return tvm.tirx.SeqStmt(
-            [tvm.tirx.Evaluate(T.cuda.func_call(FENCE_OPERAND, load, source_code=FENCE_OPERAND_SOURCE)) for load in kept]
-        )
-
-    def unrolled(node):
-        # Each register once: a loop its fences do not index goes (e.g. over the depth
-        # for the accumulators); the others are unrolled, their indices constants.
-        if not uses_var(node.body, node.loop_var):
-            return node.body
-        return ir.copy_loop(node, kind=tvm.tirx.ForKind.UNROLLED)
-
-    return tvm_ffi.structural_map(tvm_ffi.structural_map(loop, (tvm.tirx.Evaluate, fences)), (tvm.tirx.For, unrolled))
-
-
-def _batch(loop):
-    if BATCH not in loop.annotations:
-        return loop
-    inner = ir.copy_loop(loop, annotations={k: v for k, v in loop.annotations.items() if k != BATCH})
-    evaluate = lambda call: tvm.tirx.Evaluate(call)  # noqa: E731
-    return tvm.tirx.SeqStmt(
-        [
-            # Shared memory written by ordinary (and cp.async) stores, read by the async proxy.
-            evaluate(T.ptx.fence.proxy.async_.shared__cta()),
-            _register_operands(inner, accumulators_only=False),
-            # Accumulators and register operands written before the batch.
-            evaluate(T.ptx.wgmma.fence.sync.aligned()),
-            inner,
-            evaluate(T.ptx.wgmma.commit_group.sync.aligned()),
-            evaluate(T.ptx.wgmma.wait_group.sync.aligned(0)),
-            _register_operands(inner, accumulators_only=True),
-        ]
-    )
-
-
-def _is_block_barrier(node):
-    return (
-        isinstance(node, ir_expr.Call)
-        and getattr(node.op, "name", "") == "tirx.tvm_storage_sync"
-        and str(node.args[0].value).startswith("shared")
-    )
-
-
-def _fence_before_barrier(evaluate):
-    if not _is_block_barrier(evaluate.value):
-        return evaluate
-    return tvm.tirx.SeqStmt([tvm.tirx.Evaluate(T.ptx.fence.proxy.async_.shared__cta()), evaluate])
-
-
-@tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.SyncWgmmaBatches")
-def sync_batches(func, _mod, _ctx):
-    """Each loop annotated :data:`BATCH` is fenced before (shared memory for the async
-    proxy, registers for the instructions) and followed by a commit and a wait for the
-    batch; the annotation goes. In a function with batches, each thread also fences its
-    shared-memory stores for the async proxy before every barrier of the thread block:
-    a batch reads what other threads stored, and their fences after the barrier could
-    come after its instructions read (with two warpgroups a block, results were wrong
-    one run in a few without)."""
-    batches = []
-    tvm_ffi.structural_walk(
-        func.body, lambda node: batches.append(node) if isinstance(node, tvm.tirx.For) and BATCH in node.annotations else None
-    )
-    if not batches:
-        return func
-    body = tvm_ffi.structural_map(func.body, (tvm.tirx.Evaluate, _fence_before_barrier))
-    return func.with_body(tvm_ffi.structural_map(body, (tvm.tirx.For, _batch)))
