@@ -224,10 +224,14 @@ def test_wgmma_prefill_kernel_issues_both_gemms_as_warpgroup_instructions(wgmma_
 
 
 @pytest.fixture(scope="module")
-def overlapped_source():
+def overlapped_schedule():
     func = ops.attention(1, 1, 1, 512, 512, 128, dtype="float16")
-    config = prefill.PrefillConfig(wgmma=True, warp_rows=16, pv_split=1, overlap=True)
-    return prefill.build(prefill.schedule_prefill(func, config).mod, CUDA).mod.imports[0].inspect_source()
+    return prefill.schedule_prefill(func, prefill.PrefillConfig(wgmma=True, warp_rows=16, pv_split=1, overlap=True))
+
+
+@pytest.fixture(scope="module")
+def overlapped_source(overlapped_schedule):
+    return prefill.build(overlapped_schedule.mod, CUDA).mod.imports[0].inspect_source()
 
 
 def test_overlapped_key_loop_issues_the_next_scores_with_the_output(overlapped_source):
@@ -243,14 +247,12 @@ def test_overlapped_key_loop_issues_the_next_scores_with_the_output(overlapped_s
     assert "cp_async" in loop.split("commit_group_sync_aligned")[0]
 
 
-def test_overlap_annotations_order_the_statements_in_three_stages():
+def test_overlap_annotations_order_the_statements_in_three_stages(overlapped_schedule):
     """Copies in stage 0; Q·Kᵀ, the softmax and the exps in stage 1; P·V and its fold in
     stage 2, P·V ordered right after Q·Kᵀ and the fold last."""
-    func = ops.attention(1, 1, 1, 512, 512, 128, dtype="float16")
-    config = prefill.PrefillConfig(wgmma=True, warp_rows=16, pv_split=1, overlap=True)
     loops = []
     tvm_ffi.structural_walk(
-        prefill.schedule_prefill(func, config).mod["main"].body,
+        overlapped_schedule.mod["main"].body,
         lambda node: loops.append(node)
         if isinstance(node, tvm.tirx.For) and software_pipeline.CHOSEN in node.annotations
         else None,

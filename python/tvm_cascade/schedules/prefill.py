@@ -382,12 +382,12 @@ def apply_prefill_schedule(
     sampled ``ExprRV``s; ``heads`` query heads per block (:func:`row_tiles`);
     ``wgmma_warp_rows``: both GEMMs on warpgroup MMAs (:mod:`.wgmma`), this many rows per
     warp (None: ``mma.sync``, 32); ``min_blocks``: thread blocks per multiprocessor for
-    :func:`build` (None: the compiler's choice); ``overlap``: the P·V statements left apart
-    for :func:`.software_pipeline.overlap_annotations` (one pass). Returns the key loop whose software
-    pipeline is the caller's
-    choice (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner
-    tiles' loop under a mask of padded keys only; else None (a causal mask's inner
-    tiles are pipelined in runs, other masks' not)."""
+    :func:`build` (None: the compiler's choice); ``overlap``: the P·V statements left
+    apart for :func:`.software_pipeline.overlap_annotations` (one pass). Returns the key
+    loop whose software pipeline is the caller's choice
+    (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner tiles'
+    loop under a mask of padded keys only; else None (a causal mask's inner tiles are
+    pipelined in runs, other masks' not)."""
     use_wgmma = wgmma_warp_rows is not None
     warps = rows // (wgmma_warp_rows or WARP)
     scores_kept = position_bias(sch.mod["main"])

@@ -10,8 +10,6 @@ fragment layout with the column tiles folded into the element index
 :data:`BATCH` issues a batch of them, which :func:`.wgmma_batches.sync_batches` fences
 before and waits for (docs/WGMMA.md has the verified facts).
 """
-import tvm
-import tvm_ffi
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 from tvm.script.ir_builder import IRBuilder
@@ -147,12 +145,14 @@ def _root_regions(A, B, C):
     T.writes(whole[0])
 
 
-def _scores(columns):
-    mma = _instruction(columns)
+def _description(kind, columns, a_element, b_element):
+    """The description of intrinsic ``kind`` over ``columns`` columns: one warp's
+    ``C[16, columns] += A[16, 16]·B`` with row ``i``, column ``j`` and depth ``k`` of the
+    operands at ``a_element(A, i, k)`` and ``b_element(B, j, k)``."""
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
-        A, B, C = T.meta_var(_operands("scores", columns, a, b, c))
+        A, B, C = T.meta_var(_operands(kind, columns, a, b, c))
         with T.sblock("root"):
             _root_regions(A, B, C)
             for i, j, k in T.grid(ROWS, columns, DEPTH):
@@ -160,8 +160,20 @@ def _scores(columns):
                     vi, vj, vk = T.axis.remap("SSR", [i, j, k])
                     _, lane, element = T.meta_var(accumulator(vi, vj))
                     C[0, lane, element] = C[0, lane, element] + T.Cast(
-                        "float32", A[vi // 8, vk // 8, vi % 8, vk % 8]
-                    ) * T.Cast("float32", B[vj // 8, vk // 8, vj % 8, vk % 8])
+                        "float32", a_element(A, vi, vk)
+                    ) * T.Cast("float32", b_element(B, vj, vk))
+
+    return desc
+
+
+def _scores(columns):
+    mma = _instruction(columns)
+    # A[row, depth] and B[column, depth], both K-major core matrices.
+    desc = _description(
+        "scores", columns,
+        lambda A, i, k: A[i // 8, k // 8, i % 8, k % 8],
+        lambda B, j, k: B[j // 8, k // 8, j % 8, k % 8],
+    )
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
@@ -190,19 +202,12 @@ def _output(columns):
         # Two fp16 of the fragment as one register (low half first).
         return T.reinterpret("uint32", A.vload([0, 0, tx, element], "float16x2"))
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle):
-        A, B, C = T.meta_var(_operands("output", columns, a, b, c))
-        with T.sblock("root"):
-            _root_regions(A, B, C)
-            for i, j, k in T.grid(ROWS, columns, DEPTH):
-                with T.sblock("update"):
-                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                    _, lane, element = T.meta_var(accumulator(vi, vj))
-                    a_lane, a_element = T.meta_var(_fragment(vi, vk))
-                    C[0, lane, element] = C[0, lane, element] + T.Cast("float32", A[0, 0, a_lane, a_element]) * T.Cast(
-                        "float32", B[vk // 8, vj // 8, vk % 8, vj % 8]
-                    )
+    # A the warp's fp16 fragment, B[depth, column] MN-major core matrices.
+    desc = _description(
+        "output", columns,
+        lambda A, i, k: A[(0, 0, *_fragment(i, k))],
+        lambda B, j, k: B[k // 8, j // 8, k % 8, j % 8],
+    )
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):

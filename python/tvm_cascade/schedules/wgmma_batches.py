@@ -46,7 +46,7 @@ def sync_batches(func, _mod, _ctx):
     threads stored, and their fences after the barrier could come after its
     instructions read (with two warpgroups a block, results were wrong one run in a few
     without)."""
-    if not _walk(func.body, lambda node: isinstance(node, tvm.tirx.For) and BATCH in node.annotations):
+    if not _walk(func.body, _is_batch):
         return func
     body = _Batches().region(func.body)
     return func.with_body(tvm_ffi.structural_map(body, (tvm.tirx.Evaluate, _fence_before_barrier)))
@@ -87,7 +87,7 @@ class _Batches:
         if isinstance(stmt, tvm.tirx.SeqStmt):
             return [new for child in stmt.seq for new in self.visit(child)]
         out = []
-        if isinstance(stmt, tvm.tirx.For) and BATCH in stmt.annotations:
+        if _is_batch(stmt):
             self.wait_for(stmt, out)
             inner = ir.copy_loop(stmt, annotations={k: v for k, v in stmt.annotations.items() if k != BATCH})
             out += [
@@ -106,14 +106,15 @@ class _Batches:
         if _walk(stmt, _is_block_barrier):
             # Past the barrier other threads may overwrite what the batches read.
             self.wait(0, out)
-        if _straight_line(stmt) and _walk(stmt, lambda node: isinstance(node, tvm.tirx.For) and BATCH in node.annotations):
+        has_batches = _walk(stmt, _is_batch)
+        if has_batches and _straight_line(stmt):
             if isinstance(stmt, tvm.tirx.For):
                 self.steps[stmt.loop_var] = stmt.min
-            body = self.visit(stmt.body)
+            stmt = _map_bodies(stmt, lambda body: _seq(self.visit(body)))
             self.steps.pop(getattr(stmt, "loop_var", None), None)
-            return out + [_with_body(stmt, _seq(body))]
+            return out + [stmt]
         self.wait_for(stmt, out)
-        if _walk(stmt, lambda node: isinstance(node, tvm.tirx.For) and BATCH in node.annotations):
+        if has_batches:
             # A loop or a branch: its batches are waited for inside it.
             stmt = _map_bodies(stmt, lambda body: _Batches().region(body))
         return out + [stmt]
@@ -129,16 +130,8 @@ def _straight_line(stmt):
     return isinstance(stmt, tvm.tirx.LetStmt)
 
 
-def _with_body(stmt, body):
-    if isinstance(stmt, tvm.tirx.For):
-        return ir.copy_loop(stmt, body=body)
-    if isinstance(stmt, tvm.tirx.AttrStmt):
-        return tvm.tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
-    return tvm.tirx.LetStmt(stmt.var, stmt.value, body)
-
-
 def _map_bodies(stmt, change):
-    """``stmt`` (a loop, branch or scope) with ``change`` applied to its bodies."""
+    """``stmt`` (a loop, branch, scope or let) with ``change`` applied to its bodies."""
     if isinstance(stmt, tvm.tirx.IfThenElse):
         return tvm.tirx.IfThenElse(
             stmt.condition, change(stmt.then_case), None if stmt.else_case is None else change(stmt.else_case)
@@ -147,9 +140,15 @@ def _map_bodies(stmt, change):
         return ir.copy_loop(stmt, body=change(stmt.body))
     if isinstance(stmt, tvm.tirx.AttrStmt):
         return tvm.tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, change(stmt.body))
+    if isinstance(stmt, tvm.tirx.LetStmt):
+        return tvm.tirx.LetStmt(stmt.var, stmt.value, change(stmt.body))
     if isinstance(stmt, tvm.tirx.While):
         return tvm.tirx.While(stmt.condition, change(stmt.body))
     raise TypeError(f"cannot wait for wgmma batches inside a {type(stmt).__name__}")
+
+
+def _is_batch(node):
+    return isinstance(node, tvm.tirx.For) and BATCH in node.annotations
 
 
 def _seq(stmts):
