@@ -1,7 +1,7 @@
 """``async_prologue_copies``: the prefill kernel's Q copy becomes a ``cp.async`` group of
 its own where the pipelined key loop's first wait covers it, and stays as it is where the
-first reader of Q may be a synchronous key loop (a mask's, or a loop of many key tiles,
-see ``prefill.default_pipeline``). The CUDA it
+first reader of Q may be a synchronous key loop (a mask's, or one the schedule chose not
+to pipeline, ``PrefillConfig(pipeline=False)``). The CUDA it
 becomes: ``test_prefill_schedule.test_unmasked_key_loop_prefetches_the_next_tile_asynchronously``;
 numerics on the GPU: ``tests/test_kernels.py`` (the unmasked softcap configuration of
 whole tiles)."""
@@ -27,11 +27,11 @@ def _kernel_body(func):
     return list(body.seq)
 
 
-def _scheduled(variant, seq_kv=256):
+def _scheduled(variant, config=prefill.PrefillConfig()):
     """The prefill schedule's module as ``prefill.build`` passes it to
     ``async_prologue_copies``: the schedule's pipeline choices applied."""
-    func = ops.attention(1, 2, 1, 256, seq_kv, 128, dtype="float16", variant=VARIANTS[variant])
-    return software_pipeline.apply_chosen_pipelines(prefill.schedule_prefill(func).mod)
+    func = ops.attention(1, 2, 1, 256, 256, 128, dtype="float16", variant=VARIANTS[variant])
+    return software_pipeline.apply_chosen_pipelines(prefill.schedule_prefill(func, config).mod)
 
 
 def test_q_copy_is_one_commit_group_before_a_pipelined_key_loop():
@@ -53,5 +53,5 @@ def test_q_copy_stays_where_a_mask_may_read_q_in_a_synchronous_loop():
 
 
 def test_q_copy_stays_before_a_key_loop_that_is_not_pipelined():
-    mod = _scheduled("global", seq_kv=2048)
+    mod = _scheduled("global", prefill.PrefillConfig(pipeline=False))
     assert tvm_ffi.structural_equal(async_prologue_copies(mod), mod)

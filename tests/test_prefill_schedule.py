@@ -689,10 +689,10 @@ def _pipelined_loops(mod):
 
 
 def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
-    """Without a mask a key-tile loop of few tiles is software-pipelined: the K and V
-    copies of the next tile are cp.async copies into the other half of double-buffered
-    shared memory, issued before this tile's GEMMs, which wait for the previous group
-    only."""
+    """Without a mask the key-tile loop is software-pipelined FlashAttention-2's way: the
+    next tile's K copy (cp.async) issued once this tile's Q·Kᵀ has read K, its V copy
+    once P·V has read V, into the same shared buffers (not double-buffered); the next
+    iteration's Q·Kᵀ waits for both."""
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["global"])
     sch = prefill.schedule_prefill(func)
     assert _key_tile(sch) == 64
@@ -700,15 +700,34 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
     stages = list(loops[0].annotations["software_pipeline_stage"])
     assert stages[:2] == [0, 0] and set(stages[2:]) == {1}
+    names = [[b.name_hint for b in ir.blocks_in(s)] for s in software_pipeline.pipeline_statements(loops[0])]
+    scores = next(k for k, blocks in enumerate(names) if "qk_update_o" in blocks)
+    order = list(loops[0].annotations["software_pipeline_order"])
+    v_copy, k_copy = (names.index([f"{operand}_shared.dyn"]) for operand in "VK")
+    rest = range(2, len(names))
+    expected = [k for k in rest if k <= scores] + [k_copy] + [k for k in rest if k > scores] + [v_copy]
+    assert sorted(range(len(names)), key=order.__getitem__) == expected
     source = _source(sch.mod)
     # 16-byte copies: 128 threads x 8 halves, 8 rounds each for K and V (64 keys x 128).
     assert source.count("cp.async.cg.shared.global [%0], [%1], %2;") >= 1
-    assert len(re.findall(r"ptx_cp_async\w*\(", source)) >= 8
-    assert "cp.async.wait_group 1;" in source and "cp.async.commit_group;" in source
-    # The loop reads Q first: Q's cp.async are a commit group of their own, before the
-    # first K and V tile's (async_prologue_copies); the loop's first wait (one group in
-    # flight) leaves both complete.
     body = source[source.index("main_kernel(half* __restrict__ K_ptr"):]
+    loop = body[body.index("for (int rj_0 = 0; rj_0 < 3; ++rj_0) {"):]
+    loop = loop[: loop.index("cp_async_wait_group", loop.index("cp_async_wait_group") + 1)]
+    copies = {
+        operand: [m.start() for m in re.finditer(rf"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*{operand}_ptr", loop)]
+        for operand in "KV"
+    }
+    mmas = [m.start() for m in re.finditer("mma.sync.aligned", loop)]
+    commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", loop)]
+    assert len(copies["K"]) == len(copies["V"]) == 8 and len(mmas) == 16 + 128 and len(commits) == 2
+    assert loop.index("wait_group_0()") < mmas[0]
+    assert mmas[15] < min(copies["K"]) < max(copies["K"]) < commits[0] < mmas[16]
+    assert mmas[-1] < min(copies["V"]) < max(copies["V"]) < commits[1]
+    # One buffer each: the copies write the same shared memory every iteration.
+    assert "rj_0 + 1) & 1)" not in loop and "rj_0 & 1)" not in loop
+    # The loop reads Q first: Q's cp.async are a commit group of their own, before the
+    # first K and V tile's (async_prologue_copies); the loop's first wait leaves both
+    # complete.
     q_copies = [m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*Q_ptr", body)]
     commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", body)]
     first_kv = min(m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*[KV]_ptr", body))
@@ -720,29 +739,46 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     assert not _pipelined_loops(masked.mod)
 
 
+def test_interleaved_pipeline_refuses_a_loop_without_its_copies_first():
+    """``interleaved_annotations`` names what the loop lacks rather than pipelining a loop
+    whose statements are not the K and V copies followed by Q·Kᵀ."""
+
+    @T.prim_func(s_tir=True)
+    def two_stores(a: T.Buffer((4, 2), "float32"), b: T.Buffer((4, 2), "float32")):
+        for i in range(4):
+            for j in range(2):
+                a[i, j] = T.float32(0)
+            for j in range(2):
+                b[i, j] = T.float32(1)
+
+    with pytest.raises(ValueError, match="K and V tile copies first and one Q·Kᵀ statement"):
+        software_pipeline.interleaved_annotations(two_stores.body.block.body)
+
+
 @pytest.mark.parametrize(
     # 1000 keys: 16 tiles, the last one partly padding, the other 15 the inner tiles.
-    "seq_kv, pad, tiles, pipelined", [(1024, None, 16, True), (2048, None, 32, False), (1000, (128, 64), 15, True)]
+    "seq_kv, pad, tiles", [(1024, None, 16), (2048, None, 32), (1000, (128, 64), 15)]
 )
-def test_key_loops_of_few_tiles_are_pipelined_by_default(seq_kv, pad, tiles, pipelined):
-    """``prefill.default_pipeline``: up to ``PIPELINED_TILES`` key tiles (16 of 64 keys)
-    the key loop is software-pipelined, longer ones run synchronously; under a mask of
-    padded keys only, the loop of the inner tiles (whole tiles, a constant number)."""
+def test_key_loops_of_constant_tiles_are_pipelined_by_default(seq_kv, pad, tiles):
+    """``prefill.default_pipeline``: under mma.sync the key loop of a constant number of
+    tiles is software-pipelined in single buffers (``INTERLEAVED``), whatever its length;
+    under wgmma (double-buffered) up to ``PIPELINED_TILES`` key tiles (16 of 64 keys).
+    Under a mask of padded keys only, the loop of the inner tiles (whole tiles, a constant
+    number). Without the pipeline the choice's annotation goes and nothing else changes."""
     func = ops.attention(1, 1, 1, 128, seq_kv, 128, dtype="float16", variant=VARIANTS["global"], pad_to=pad)
-    assert prefill.default_pipeline(func, 64) is pipelined
-    sch = prefill.schedule_prefill(func)
-    (chosen,) = [l for l in _loops(sch.mod["main"]) if software_pipeline.CHOSEN in l.annotations]
-    assert int(chosen.extent) == tiles
-    assert int(chosen.annotations[software_pipeline.CHOSEN]) == pipelined
-    loops = _pipelined_loops(sch.mod)
-    assert [int(l.extent) for l in loops] == ([int(chosen.extent)] if pipelined else [])
-    # The choice's annotation is gone either way; nothing else changes without a pipeline.
-    applied = software_pipeline.apply_chosen_pipelines(sch.mod)
-    assert not any(software_pipeline.CHOSEN in l.annotations for l in _loops(applied["main"]))
-    if not pipelined:
-        unchosen = tvm.s_tir.Schedule(func, seed=1)
-        prefill.apply_prefill_schedule(unchosen, 128, 64, 4, 5)
-        assert tvm_ffi.structural_equal(applied, unchosen.mod)
+    assert prefill.default_pipeline(func, 64) is True
+    assert prefill.default_pipeline(func, 64, wgmma=True) is (tiles <= prefill.PIPELINED_TILES)
+    for pipeline, choice in [(None, software_pipeline.INTERLEAVED), (False, 0)]:
+        sch = prefill.schedule_prefill(func, prefill.PrefillConfig(pipeline=pipeline))
+        (chosen,) = [l for l in _loops(sch.mod["main"]) if software_pipeline.CHOSEN in l.annotations]
+        assert int(chosen.extent) == tiles
+        assert int(chosen.annotations[software_pipeline.CHOSEN]) == choice
+        assert [int(l.extent) for l in _pipelined_loops(sch.mod)] == ([tiles] if choice else [])
+        applied = software_pipeline.apply_chosen_pipelines(sch.mod)
+        assert not any(software_pipeline.CHOSEN in l.annotations for l in _loops(applied["main"]))
+    unchosen = tvm.s_tir.Schedule(func, seed=1)
+    prefill.apply_prefill_schedule(unchosen, 128, 64, 4, 5)
+    assert tvm_ffi.structural_equal(applied, unchosen.mod)
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,12 @@ epilogue, and walks the keys in tiles of ``keys``:
 
 * Q is copied to shared memory once, each K and V tile per key tile (128-bit copies
   by all threads of the block; Q's by ``cp.async`` where the pipelined key loop waits
-  for it, see :func:`build`); a key loop of up to :data:`PIPELINED_TILES` tiles is
-  software-pipelined (a design-space choice: :func:`default_pipeline`), the next
-  tile's K and V copied by ``cp.async`` into double-buffered shared memory while this
-  tile computes (with a mask: the inner tiles of padded keys, or a causal mask's in
-  runs of a block's rows);
+  for it, see :func:`build`); a key loop of a constant number of tiles (no mask, or the
+  inner tiles of padded keys) is software-pipelined FlashAttention-2's way (a
+  design-space choice: :func:`default_pipeline`): the next tile's K copied by
+  ``cp.async`` once Q·Kᵀ has read this tile's, its V once P·V has, into the same
+  shared buffers; a causal mask's inner tiles in runs of a block's rows, the next
+  tile's K and V copied into double-buffered shared memory while this tile computes;
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores stay in
   the accumulators (registers), or, where the score adds a bias from the key's position
@@ -97,8 +98,9 @@ class PrefillConfig:
     pv_split: int = 4  # passes over the head dimension in the P·V GEMM (register pressure)
     # ptxas's --register-usage-level (0-10); None: :func:`default_register_usage_level`
     register_usage_level: Optional[int] = None
-    # Whether a key loop of a constant number of tiles is software-pipelined (a causal
-    # mask's inner tiles always are, in runs); None: :func:`default_pipeline`
+    # Whether a key loop of a constant number of tiles is software-pipelined (in single
+    # buffers under mma.sync; a causal mask's inner tiles always are, double-buffered
+    # in runs); None: :func:`default_pipeline`
     pipeline: Optional[bool] = None
     # Query heads per thread block, of one grouped-query group (they share each K and V
     # tile), rows / heads rows of each; None: :func:`default_heads`
@@ -125,16 +127,19 @@ class PrefillConfig:
     overlap: bool = False
 
 
-def default_pipeline(func, keys):
+def default_pipeline(func, keys, wgmma=False):
     """Whether the prefill schedule of ``ops.attention`` function ``func`` with ``keys``
     keys per tile software-pipelines a key loop of a constant number of tiles (no mask, or
-    only padded keys'): up to :data:`PIPELINED_TILES` tiles. Longer loops run faster
-    synchronously, overlapped only by the other thread block on the multiprocessor.
-    Measured side by side on an H200 (ms, pipelined against not, 64-key tiles, global
-    unless named): b8 s1024 0.460/0.475, b8 s1000 (padded) 0.468/0.493, softcap b8 s1024
-    0.501/0.510, b16 s1000 0.966/0.966, b4 s2048 0.909/0.906, b8 s2048 1.851/1.773,
-    softcap b8 s2048 2.035/1.939, b8 s4096 7.31/7.00, b1 s16384 14.47/13.97."""
-    return _shape(tvm.s_tir.Schedule(func))[3] // keys <= PIPELINED_TILES
+    only padded keys'). With ``mma.sync`` always, in single buffers
+    (:func:`.software_pipeline.interleaved_annotations`); measured side by side on an
+    H200 (ms, global unless named, 64-key tiles; interleaved against the double-buffered
+    pipeline of up to :data:`PIPELINED_TILES` tiles and synchronous copies beyond): b8
+    s1024 0.446/0.459, b8 s4096 6.82/7.03, b1 s16384 13.65/13.84, softcap b8 s4096
+    7.36/7.45. Under wgmma (double-buffered) up to :data:`PIPELINED_TILES` tiles: longer
+    loops ran faster synchronously there, overlapped only by the other thread block on
+    the multiprocessor (mma.sync, double-buffered against synchronous: b8 s1024
+    0.460/0.475, b8 s2048 1.851/1.773, b8 s4096 7.31/7.00, b1 s16384 14.47/13.97)."""
+    return not wgmma or _shape(tvm.s_tir.Schedule(func))[3] // keys <= PIPELINED_TILES
 
 
 def default_heads(func, rows=128):
@@ -249,7 +254,7 @@ def schedule_prefill(func, config=PrefillConfig()):
     if config.register_usage_level is None:
         config = replace(config, register_usage_level=default_register_usage_level(func))
     if config.pipeline is None:
-        config = replace(config, pipeline=default_pipeline(func, config.keys))
+        config = replace(config, pipeline=default_pipeline(func, config.keys, config.wgmma))
     if config.heads is None:
         config = replace(config, heads=1 if config.wgmma else default_heads(func, config.rows))
     sch = tvm.s_tir.Schedule(func, seed=1)
@@ -299,7 +304,11 @@ def schedule_prefill(func, config=PrefillConfig()):
             "the overlapped key loop needs a key loop of a constant number of tiles (no causal or window mask)"
         )
     if loop is not None:
-        choice = software_pipeline.OVERLAPPED if config.overlap else int(config.pipeline)
+        choice = (
+            software_pipeline.OVERLAPPED if config.overlap
+            else software_pipeline.INTERLEAVED if config.pipeline and not config.wgmma
+            else int(config.pipeline)
+        )
         sch.annotate(loop, software_pipeline.CHOSEN, choice)
     return sch
 
@@ -310,7 +319,7 @@ def schedule_prefill(func, config=PrefillConfig()):
 KEY_TILES = (32, 64)
 PV_SPLITS = (1, 2, 4)
 REGISTER_USAGE_LEVELS = (5, 10)
-PIPELINES = (1, 0)
+PIPELINES = (software_pipeline.INTERLEAVED, 0)
 #: Key tiles up to which :func:`default_pipeline` pipelines.
 PIPELINED_TILES = 16
 #: Keys up to which :func:`default_heads` has a thread block take several query heads

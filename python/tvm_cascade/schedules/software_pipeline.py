@@ -1,8 +1,10 @@
 """Software pipelines of the prefill kernel's key loops, in TVM's annotations.
 
 A key loop whose first statements copy the K and V tiles to shared memory is pipelined
-in two stages: the copies of the next tile (``cp.async`` into double-buffered shared
-memory) while the rest computes this one. Whether a loop is pipelined can be a choice of
+in two stages: the copies of the next tile (``cp.async``) while the rest computes this
+one, either double-buffered (:func:`pipeline_annotations`) or, FlashAttention-2's way,
+in single buffers, each copy issued once the tile it overwrites is read
+(:func:`interleaved_annotations`). Whether a loop is pipelined can be a choice of
 the schedule (a MetaSchedule sample): the schedule then annotates the loop with
 :data:`CHOSEN`, whose value may be a sampled ``ExprRV``, and :func:`apply_chosen_pipelines`
 turns a chosen loop's annotation into TVM's at build time (a trace cannot write TVM's
@@ -19,9 +21,12 @@ STAGES = "software_pipeline_stage"
 ORDER = "software_pipeline_order"
 ASYNC_STAGES = "software_pipeline_async_stages"
 #: A loop annotation: 1 to pipeline the loop (:func:`apply_chosen_pipelines`), 0 not to,
-#: :data:`OVERLAPPED` for :func:`overlap_annotations`.
+#: :data:`OVERLAPPED` for :func:`overlap_annotations`, :data:`INTERLEAVED` for
+#: :func:`interleaved_annotations`.
 CHOSEN = "tvm_cascade.software_pipeline"
 OVERLAPPED = 2
+#: A :data:`CHOSEN` value: :func:`interleaved_annotations`.
+INTERLEAVED = 3
 
 
 def pipeline_statements(loop):
@@ -43,6 +48,30 @@ def pipeline_annotations(loop):
     copy the next tile's K and V asynchronously while the rest computes this one."""
     count = len(pipeline_statements(loop))
     return {STAGES: [0, 0] + [1] * (count - 2), ORDER: list(range(count)), ASYNC_STAGES: [0]}
+
+
+def interleaved_annotations(loop):
+    """TVM's annotations that pipeline the prefill kernel's key loop ``loop`` whose first
+    statements copy the K and V tiles, FlashAttention-2's way: the next tile's K copy
+    issued right after Q·Kᵀ (statement of a ``qk_update`` block) has read this tile's,
+    its V copy last, after P·V; both copies asynchronous, waited for at the next
+    iteration's Q·Kᵀ. Each is issued after the last read of the buffer it overwrites,
+    so TVM keeps one buffer of each (a third less shared memory than
+    :func:`pipeline_annotations`), and the K copy runs while the softmax and P·V do."""
+    names = [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+    scores = [k for k, blocks in enumerate(names) if any(name.startswith("qk_update") for name in blocks)]
+    # (The copies' blocks are named after the buffers they copy: K_shared..., V_shared....)
+    copies = {names[k][0][:2]: k for k in (0, 1) if len(names) > 2 and len(names[k]) == 1}
+    if len(scores) != 1 or sorted(copies) != ["K_", "V_"]:
+        raise ValueError("the interleaved key loop needs its K and V tile copies first and one Q·Kᵀ statement")
+    rest = range(2, len(names))
+    order = [k for k in rest if k <= scores[0]] + [copies["K_"]] + [k for k in rest if k > scores[0]] + [copies["V_"]]
+    # (TVM reads ORDER as each statement's position in the new body.)
+    return {
+        STAGES: [0, 0] + [1] * (len(names) - 2),
+        ORDER: [order.index(k) for k in range(len(names))],
+        ASYNC_STAGES: [0],
+    }
 
 
 def overlap_annotations(loop):
@@ -81,6 +110,8 @@ def _apply_choice(loop):
     choice = int(loop.annotations[CHOSEN])
     if choice == OVERLAPPED:
         annotations.update(overlap_annotations(loop))
+    elif choice == INTERLEAVED:
+        annotations.update(interleaved_annotations(loop))
     elif choice:
         annotations.update(pipeline_annotations(loop))
     return ir.copy_loop(loop, annotations=annotations)
@@ -88,7 +119,8 @@ def _apply_choice(loop):
 
 @tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.ApplyChosenPipelines")
 def apply_chosen_pipelines(func, _mod, _ctx):
-    """Loops annotated :data:`CHOSEN` 1 get TVM's software pipeline annotations
-    (:func:`pipeline_annotations`), those annotated 0 none; the choice's annotation goes.
+    """Loops annotated :data:`CHOSEN` get TVM's software pipeline annotations: 1
+    :func:`pipeline_annotations`, :data:`INTERLEAVED` :func:`interleaved_annotations`,
+    :data:`OVERLAPPED` :func:`overlap_annotations`, 0 none; the choice's annotation goes.
     For scheduled functions, before lowering."""
     return func.with_body(tvm_ffi.structural_map(func.body, (tirx.For, _apply_choice)))
