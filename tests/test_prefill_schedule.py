@@ -752,7 +752,7 @@ def test_interleaved_pipeline_refuses_a_loop_without_its_copies_first():
                 b[i, j] = T.float32(1)
 
     with pytest.raises(ValueError, match="K and V tile copies first and one Q·Kᵀ statement"):
-        software_pipeline.interleaved_annotations(two_stores.body.block.body)
+        software_pipeline.interleaved_annotations(two_stores.body)
 
 
 @pytest.mark.parametrize(
