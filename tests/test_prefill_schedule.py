@@ -712,27 +712,33 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     assert source.count("cp.async.cg.shared.global [%0], [%1], %2;") >= 1
     body = source[source.index("main_kernel(half* __restrict__ K_ptr"):]
     loop = body[body.index("for (int rj_0 = 0; rj_0 < 3; ++rj_0) {"):]
-    loop = loop[: loop.index("cp_async_wait_group", loop.index("cp_async_wait_group") + 1)]
+    loop = loop[: loop.index("wait_group_0()")]  # (up to the last tile's, peeled)
     copies = {
         operand: [m.start() for m in re.finditer(rf"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*{operand}_ptr", loop)]
         for operand in "KV"
     }
     mmas = [m.start() for m in re.finditer("mma.sync.aligned", loop)]
     commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", loop)]
+    waits = [m.start() for m in re.finditer(r"wait_group_1\(\);", loop)]
     assert len(copies["K"]) == len(copies["V"]) == 8 and len(mmas) == 16 + 128 and len(commits) == 2
-    assert loop.index("wait_group_0()") < mmas[0]
-    assert mmas[15] < min(copies["K"]) < max(copies["K"]) < commits[0] < mmas[16]
+    # (copy_waits.defer_copy_waits:) K's wait before Q·Kᵀ leaves V in flight, V's before
+    # P·V leaves the next K in flight.
+    assert len(waits) == 2
+    assert waits[0] < mmas[0] and mmas[15] < min(copies["K"]) < max(copies["K"]) < commits[0] < waits[1] < mmas[16]
     assert mmas[-1] < min(copies["V"]) < max(copies["V"]) < commits[1]
     # One buffer each: the copies write the same shared memory every iteration.
     assert "rj_0 + 1) & 1)" not in loop and "rj_0 & 1)" not in loop
     # The loop reads Q first: Q's cp.async are a commit group of their own, before the
-    # first K and V tile's (async_prologue_copies); the loop's first wait leaves both
-    # complete.
+    # first K tile's and the first V tile's (async_prologue_copies, defer_copy_waits);
+    # the loop's first wait leaves Q's and K's complete.
     q_copies = [m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*Q_ptr", body)]
     commits = [m.start() for m in re.finditer(r"cp_async_commit_group\w*\(\);", body)]
-    first_kv = min(m.start() for m in re.finditer(r"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*[KV]_ptr", body))
+    first_k, first_v = (
+        min(m.start() for m in re.finditer(rf"ptx_cp_async\w*\(buf_dyn_shmem_ptr, [^;]*{operand}_ptr", body))
+        for operand in "KV"
+    )
     assert len(q_copies) == 16 and "*(uint4*)(Q_ptr" not in body
-    assert max(q_copies) < commits[0] < first_kv < commits[1]
+    assert max(q_copies) < commits[0] < first_k < commits[1] < first_v < commits[2] < body.index("for (int rj_0")
     # A window's inner tiles need not come in whole runs of a block's rows: not pipelined.
     window = VARIANTS["window"]
     masked = prefill.schedule_prefill(ops.attention(1, 2, 2, 1024, 1024, 128, dtype="float16", variant=window))

@@ -149,6 +149,22 @@ def seq(items):
     return flat[0] if len(flat) == 1 else tvm.tirx.SeqStmt(flat)
 
 
+def contains(stmt, predicate) -> bool:
+    """Whether some node of ``stmt`` satisfies ``predicate``."""
+    found = []
+    tvm_ffi.structural_walk(stmt, lambda node: found.append(node) if not found and predicate(node) else None)
+    return bool(found)
+
+
+def is_block_barrier(node) -> bool:
+    """Whether ``node`` is a thread-block barrier (``tvm_storage_sync`` of shared memory)."""
+    return (
+        isinstance(node, ir_expr.Call)
+        and getattr(node.op, "name", "") == "tirx.tvm_storage_sync"
+        and str(node.args[0].value).startswith("shared")
+    )
+
+
 def nest(loops, body):
     """Wrap ``body`` in serial loops given as (var, extent), outermost first."""
     for var, extent in reversed(loops):

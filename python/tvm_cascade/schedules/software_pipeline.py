@@ -54,10 +54,11 @@ def interleaved_annotations(loop):
     """TVM's annotations that pipeline the prefill kernel's key loop ``loop`` whose first
     statements copy the K and V tiles, FlashAttention-2's way: the next tile's K copy
     issued right after Q·Kᵀ (statement of a ``qk_update`` block) has read this tile's,
-    its V copy last, after P·V; both copies asynchronous, waited for at the next
-    iteration's Q·Kᵀ. Each is issued after the last read of the buffer it overwrites,
-    so TVM keeps one buffer of each (a third less shared memory than
-    :func:`pipeline_annotations`), and the K copy runs while the softmax and P·V do."""
+    its V copy last, after P·V; both copies asynchronous (TVM waits for both before
+    Q·Kᵀ; :func:`.copy_waits.defer_copy_waits` waits for V before P·V instead). Each is
+    issued after the last read of the buffer it overwrites, so TVM keeps one buffer of
+    each (a third less shared memory than :func:`pipeline_annotations`); the K copy runs
+    while the softmax and P·V do, the V copy while the next Q·Kᵀ and softmax do."""
     names = [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
     scores = [k for k, blocks in enumerate(names) if any(name.startswith("qk_update") for name in blocks)]
     # (The copies' blocks are named after the buffers they copy: K_shared..., V_shared....)

@@ -9,6 +9,7 @@ from tvm.s_tir.stmt import SBlock
 
 from ..primitives import ir
 from . import dependent_launch, wgmma_batches
+from .copy_waits import defer_copy_waits
 from .cast_offsets import hoist_cast_offsets
 
 
@@ -42,8 +43,10 @@ def build(mod, target, register_usage_level=None, min_blocks=None):
     ``LowerWarpMemory`` (unrolled earlier, constant offsets hide the lane term from it
     too).
 
-    On sm_90 and later, a function of several kernels has them launched as programmatic
-    dependents (:mod:`.dependent_launch`).
+    A software-pipelined loop that commits several ``cp.async`` groups an iteration
+    waits for each where it is first read (:mod:`.copy_waits`). On sm_90 and later, a
+    function of several kernels has them launched as programmatic dependents
+    (:mod:`.dependent_launch`).
     """
     target = tvm.target.Target(target)
     if min_blocks is not None:
@@ -208,6 +211,7 @@ def _pipeline_factory():
         return tvm.transform.Sequential(
             [
                 _launch_bounds,
+                defer_copy_waits,
                 wgmma_batches.sync_batches,
                 _unalias_warp_buffers,
                 _lower_all_warp_memory,

@@ -46,7 +46,7 @@ def sync_batches(func, _mod, _ctx):
     threads stored, and their fences after the barrier could come after its
     instructions read (with two warpgroups a block, results were wrong one run in a few
     without)."""
-    if not _walk(func.body, _is_batch):
+    if not ir.contains(func.body, _is_batch):
         return func
     body = _Batches().region(func.body)
     return func.with_body(tvm_ffi.structural_map(body, (tvm.tirx.Evaluate, _fence_before_barrier)))
@@ -103,10 +103,10 @@ class _Batches:
             fences = substitute(_register_operands(inner, accumulators_only=True), self.steps)
             self.pending.append((fences, _register_names(inner)))
             return out
-        if _walk(stmt, _is_block_barrier):
+        if ir.contains(stmt, ir.is_block_barrier):
             # Past the barrier other threads may overwrite what the batches read.
             self.wait(0, out)
-        has_batches = _walk(stmt, _is_batch)
+        has_batches = ir.contains(stmt, _is_batch)
         if has_batches and _straight_line(stmt):
             if isinstance(stmt, tvm.tirx.For):
                 self.steps[stmt.loop_var] = stmt.min
@@ -153,13 +153,6 @@ def _is_batch(node):
 
 def _seq(stmts):
     return stmts[0] if len(stmts) == 1 else tvm.tirx.SeqStmt(stmts)
-
-
-def _walk(stmt, predicate):
-    """Whether some node of ``stmt`` satisfies ``predicate``."""
-    found = []
-    tvm_ffi.structural_walk(stmt, lambda node: found.append(node) if not found and predicate(node) else None)
-    return bool(found)
 
 
 def _buffer_names(stmt):
@@ -228,15 +221,7 @@ def _register_operands(loop, accumulators_only):
     return tvm_ffi.structural_map(tvm_ffi.structural_map(loop, (tvm.tirx.Evaluate, fences)), (tvm.tirx.For, unrolled))
 
 
-def _is_block_barrier(node):
-    return (
-        isinstance(node, ir_expr.Call)
-        and getattr(node.op, "name", "") == "tirx.tvm_storage_sync"
-        and str(node.args[0].value).startswith("shared")
-    )
-
-
 def _fence_before_barrier(evaluate):
-    if not _is_block_barrier(evaluate.value):
+    if not ir.is_block_barrier(evaluate.value):
         return evaluate
     return tvm.tirx.SeqStmt([tvm.tirx.Evaluate(T.ptx.fence.proxy.async_.shared__cta()), evaluate])
