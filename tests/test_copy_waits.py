@@ -10,7 +10,7 @@ from tvm.script import tirx as T
 from tvm_cascade.schedules.copy_waits import defer_copy_waits
 
 
-def _loop_of_two_groups(prologue_order="kv", barrier_before_v=True):
+def _loop_of_two_groups(prologue_order="kv", barrier_before_v=True, constant_depth=True):
     """TVM's pipeline of a loop that reads K, copies the next K, reads V, copies the next
     V (the prefill kernel's interleaved key loop, in small): one wait of depth 0 before
     the K reader."""
@@ -29,7 +29,7 @@ def _loop_of_two_groups(prologue_order="kv", barrier_before_v=True):
                 T.s_tir.cp_async_raw("float16", k_shared.data, 0, k.data, 0, 16)
         for j in range(3):
             with T.attr(0, "async_wait_queue_scope", 0):
-                with T.attr(0, "async_wait_inflight_count", 0):
+                with T.attr(0, "async_wait_inflight_count", 0 if constant_depth else T.if_then_else(j < 2, 0, 1)):
                     T.tvm_storage_sync("shared")
                     out[j, 0] = k_shared[0]
             with T.attr(0, "async_commit_queue_scope", 0):
@@ -92,4 +92,10 @@ def test_waits_stay_where_the_first_iteration_would_need_others():
 def test_waits_stay_where_a_reader_has_no_barrier_before_it():
     # Without a barrier between them, the wait would cover this thread's V copies only.
     func = _loop_of_two_groups(barrier_before_v=False)
+    assert tvm_ffi.structural_equal(_deferred_copy_waits(func), func)
+
+
+def test_waits_stay_where_a_depth_is_not_a_constant():
+    # (TVM's pipeline over a loop of a run-time trip count writes depths as expressions.)
+    func = _loop_of_two_groups(constant_depth=False)
     assert tvm_ffi.structural_equal(_deferred_copy_waits(func), func)

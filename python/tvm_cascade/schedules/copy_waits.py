@@ -80,13 +80,13 @@ def _rewrite_loop(loop, before):
 
 
 def _without_waits(body):
-    """The loop body's statements with TVM's waits (all of depth 0) unwrapped, or None
-    for a loop without waits or with others."""
+    """The loop body's statements with TVM's waits (all of constant depth 0) unwrapped,
+    or None for a loop without waits or with others."""
     stmts, found = [], False
     for stmt in body.seq if isinstance(body, tvm.tirx.SeqStmt) else [body]:
         if isinstance(stmt, tvm.tirx.AttrStmt) and stmt.attr_key == WAIT:
             inner = stmt.body
-            if not (isinstance(inner, tvm.tirx.AttrStmt) and inner.attr_key == IN_FLIGHT and int(inner.value) == 0):
+            if not (isinstance(inner, tvm.tirx.AttrStmt) and inner.attr_key == IN_FLIGHT and _is_zero(inner.value)):
                 return None
             stmts.extend(inner.body.seq if isinstance(inner.body, tvm.tirx.SeqStmt) else [inner.body])
             found = True
@@ -154,6 +154,11 @@ def _count(stmt, predicate):
     found = []
     tvm_ffi.structural_walk(stmt, lambda node: found.append(node) if predicate(node) else None)
     return len(found)
+
+
+def _is_zero(value):
+    # (A depth may be an expression, e.g. of a loop's extent.)
+    return isinstance(value, (int, tvm.tirx.IntImm)) and int(value) == 0
 
 
 def _is_commit(stmt):
