@@ -700,7 +700,7 @@ def test_unmasked_key_loop_prefetches_the_next_tile_asynchronously():
     assert len(loops) == 1 and list(loops[0].annotations["software_pipeline_async_stages"]) == [0]
     stages = list(loops[0].annotations["software_pipeline_stage"])
     assert stages[:2] == [0, 0] and set(stages[2:]) == {1}
-    names = [[b.name_hint for b in ir.blocks_in(s)] for s in software_pipeline.pipeline_statements(loops[0])]
+    names = software_pipeline.statement_blocks(loops[0])
     scores = next(k for k, blocks in enumerate(names) if "qk_update_o" in blocks)
     order = list(loops[0].annotations["software_pipeline_order"])
     v_copy, k_copy = (names.index([f"{operand}_shared.dyn"]) for operand in "VK")

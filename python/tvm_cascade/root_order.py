@@ -16,6 +16,8 @@ from typing import List, Sequence
 import tvm
 from tvm import s_tir, tirx
 
+from .primitives import ir
+
 
 def _nest_block(stmt) -> "s_tir.SBlock":
     """The single block at the bottom of a perfect loop nest."""
@@ -50,7 +52,7 @@ def reorder_root_blocks(func: tvm.tirx.PrimFunc, order: Sequence[str]) -> tvm.ti
     """
     realize = func.body
     root = realize.block
-    stmts = list(root.body.seq) if isinstance(root.body, tirx.SeqStmt) else [root.body]
+    stmts = ir.statements(root.body)
     blocks = [_nest_block(s) for s in stmts]
     names = [b.name_hint for b in blocks]
     if sorted(names) != sorted(order):

@@ -103,7 +103,7 @@ def accumulate_in_place(self: Schedule, block, init) -> None:
             f"accumulate_in_place: block '{name}' has an initial value; decompose_reduction it "
             "first, so that the running value is set before the first tile"
         )
-    statements = list(target.body) if isinstance(target.body, tvm.tirx.SeqStmt) else [target.body]
+    statements = ir.statements(target.body)
     fold = statements[-1]
     parts = _fold_parts(fold)
     if parts is None:

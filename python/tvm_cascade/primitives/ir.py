@@ -125,7 +125,7 @@ def rebuild_scope(stmt, replaced: dict, loop, appended: list, after: dict):
             return seq(items)
         raise TypeError(f"unexpected statement in a schedulable scope: {type(node).__name__}")
 
-    top = list(stmt) if isinstance(stmt, tvm.tirx.SeqStmt) else [stmt]
+    top = statements(stmt)
     items = []
     for item in top:
         items.append(go(item))
@@ -147,6 +147,11 @@ def seq(items):
     if not flat:
         return None
     return flat[0] if len(flat) == 1 else tvm.tirx.SeqStmt(flat)
+
+
+def statements(stmt) -> list:
+    """The statements of a sequence ``stmt``, or ``[stmt]``."""
+    return list(stmt.seq) if isinstance(stmt, tvm.tirx.SeqStmt) else [stmt]
 
 
 def contains(stmt, predicate) -> bool:

@@ -239,8 +239,7 @@ def _saves_and_update(block):
     """``(saves, update)`` of a reduction block whose body is the update, optionally
     after statements ``if cond: Y = X`` that save its accumulator; ``(None, None)`` for
     any other body."""
-    body = list(block.body) if isinstance(block.body, tvm.tirx.SeqStmt) else [block.body]
-    *saves, update = body
+    *saves, update = ir.statements(block.body)
     if not isinstance(update, tvm.tirx.BufferStore):
         return None, None
     for save in saves:

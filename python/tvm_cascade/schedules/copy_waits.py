@@ -83,12 +83,12 @@ def _without_waits(body):
     """The loop body's statements with TVM's waits (all of constant depth 0) unwrapped,
     or None for a loop without waits or with others."""
     stmts, found = [], False
-    for stmt in body.seq if isinstance(body, tvm.tirx.SeqStmt) else [body]:
+    for stmt in ir.statements(body):
         if isinstance(stmt, tvm.tirx.AttrStmt) and stmt.attr_key == WAIT:
             inner = stmt.body
             if not (isinstance(inner, tvm.tirx.AttrStmt) and inner.attr_key == IN_FLIGHT and _is_zero(inner.value)):
                 return None
-            stmts.extend(inner.body.seq if isinstance(inner.body, tvm.tirx.SeqStmt) else [inner.body])
+            stmts.extend(ir.statements(inner.body))
             found = True
         else:
             stmts.append(stmt)
@@ -135,7 +135,7 @@ def _split_commits(before, groups):
     if not commits:
         return list(before)
     last = before[commits[-1]]
-    parts = list(last.body.seq) if isinstance(last.body, tvm.tirx.SeqStmt) else [last.body]
+    parts = ir.statements(last.body)
     split, copied = [], []
     for part in parts:
         names = _copied(part)

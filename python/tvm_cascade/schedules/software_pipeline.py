@@ -35,12 +35,23 @@ def pipeline_statements(loop):
     loop's statements count one by one."""
     body = loop.body.block.body if isinstance(loop.body, SBlockRealize) else loop.body
     stmts = []
-    for child in body.seq if isinstance(body, tirx.SeqStmt) else [body]:
+    for child in ir.statements(body):
         lifted = (
             isinstance(child, tirx.For) and child.thread_binding is not None and isinstance(child.body, tirx.SeqStmt)
         )
         stmts.extend(child.body.seq if lifted else [child])
     return stmts
+
+
+def statement_blocks(loop):
+    """The names of the blocks of each of ``loop``'s :func:`pipeline_statements`."""
+    return [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+
+
+def _positions(order):
+    """TVM's ORDER for statements listed in their new ``order``: each statement's
+    position in the new body."""
+    return [order.index(k) for k in range(len(order))]
 
 
 def pipeline_annotations(loop):
@@ -59,7 +70,7 @@ def interleaved_annotations(loop):
     issued after the last read of the buffer it overwrites, so TVM keeps one buffer of
     each (a third less shared memory than :func:`pipeline_annotations`); the K copy runs
     while the softmax and P·V do, the V copy while the next Q·Kᵀ and softmax do."""
-    names = [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+    names = statement_blocks(loop)
     scores = [k for k, blocks in enumerate(names) if any(name.startswith("qk_update") for name in blocks)]
     # (The copies' blocks are named after the buffers they copy: K_shared..., V_shared....)
     copies = {names[k][0][:2]: k for k in (0, 1) if len(names) > 2 and len(names[k]) == 1}
@@ -67,12 +78,7 @@ def interleaved_annotations(loop):
         raise ValueError("the interleaved key loop needs its K and V tile copies first and one Q·Kᵀ statement")
     rest = range(2, len(names))
     order = [k for k in rest if k <= scores[0]] + [copies["K_"]] + [k for k in rest if k > scores[0]] + [copies["V_"]]
-    # (TVM reads ORDER as each statement's position in the new body.)
-    return {
-        STAGES: [0, 0] + [1] * (len(names) - 2),
-        ORDER: [order.index(k) for k in range(len(names))],
-        ASYNC_STAGES: [0],
-    }
+    return {STAGES: [0, 0] + [1] * (len(names) - 2), ORDER: _positions(order), ASYNC_STAGES: [0]}
 
 
 def overlap_annotations(loop):
@@ -84,7 +90,7 @@ def overlap_annotations(loop):
     Statements by their blocks' names: the copies before ``qk_init``, Q·Kᵀ
     (``qk_update``), the P·V statements (``pv_tile_init``, ``pv_tile_update``) and the
     fold (``pv_update``), each its own statement (the schedule leaves them so)."""
-    names = [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+    names = statement_blocks(loop)
 
     def index(prefix):
         found = [k for k, blocks in enumerate(names) if any(name.startswith(prefix) for name in blocks)]
@@ -100,8 +106,7 @@ def overlap_annotations(loop):
     softmax = [k for k in range(scores + 1, output_init)]
     order = list(range(scores + 1)) + [output_init, output] + softmax + [fold]
     stages = [0] * scores_init + [1] * (output_init - scores_init) + [2] * 3
-    # (TVM reads ORDER as each statement's position in the new body.)
-    return {STAGES: stages, ORDER: [order.index(k) for k in range(len(names))], ASYNC_STAGES: [0]}
+    return {STAGES: stages, ORDER: _positions(order), ASYNC_STAGES: [0]}
 
 
 def _apply_choice(loop):

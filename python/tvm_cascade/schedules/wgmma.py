@@ -166,8 +166,24 @@ def _description(kind, columns, a_element, b_element):
     return desc
 
 
-def _scores(columns):
+def _implementation(kind, columns, sources, flags):
+    """The implementation of intrinsic ``kind`` over ``columns`` columns: the warp's lanes
+    issue the warpgroup's instruction with their accumulators, the A and B operands
+    ``sources(A, B, tx)`` gives and the instruction's trailing ``flags``."""
     mma = _instruction(columns)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        A, B, C = T.meta_var(_operands(kind, columns, a, b, c))
+        with T.sblock("root"):
+            _root_regions(A, B, C)
+            for tx in T.thread_binding(WARP, "threadIdx.x"):
+                T.evaluate(mma(*[C[0, tx, r] for r in range(columns // 2)], *sources(A, B, tx), *flags))
+
+    return impl
+
+
+def _scores(columns):
     # A[row, depth] and B[column, depth], both K-major core matrices.
     desc = _description(
         "scores", columns,
@@ -175,29 +191,19 @@ def _scores(columns):
         lambda B, j, k: B[j // 8, k // 8, j % 8, k % 8],
     )
 
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle):
-        A, B, C = T.meta_var(_operands("scores", columns, a, b, c))
-        with T.sblock("root"):
-            _root_regions(A, B, C)
-            for tx in T.thread_binding(WARP, "threadIdx.x"):
-                # The warpgroup's A tile: the 64-row half (eight 8-row groups) that this
-                # warp's two row groups belong to, at the same depth.
-                T.evaluate(
-                    mma(
-                        *[C[0, tx, r] for r in range(columns // 2)],
-                        _descriptor(A, A.elem_offset // (8 * A.strides[0]) * (8 * A.strides[0]) + A.elem_offset % A.strides[0], A.strides[1], A.strides[0]),
-                        _descriptor(B, B.elem_offset, B.strides[1], B.strides[0]),
-                        T.bool(True), 1, 1, 0, 0,
-                    )
-                )
+    def sources(A, B, tx):
+        # The warpgroup's A tile: the 64-row half (eight 8-row groups) that this warp's
+        # two row groups belong to, at the same depth.
+        half = A.elem_offset // (8 * A.strides[0]) * (8 * A.strides[0]) + A.elem_offset % A.strides[0]
+        return [
+            _descriptor(A, half, A.strides[1], A.strides[0]),
+            _descriptor(B, B.elem_offset, B.strides[1], B.strides[0]),
+        ]
 
-    return desc, impl
+    return desc, _implementation("scores", columns, sources, (T.bool(True), 1, 1, 0, 0))
 
 
 def _output(columns):
-    mma = _instruction(columns)
-
     def pair(A, tx, element):
         # Two fp16 of the fragment as one register (low half first).
         return T.reinterpret("uint32", A.vload([0, 0, tx, element], "float16x2"))
@@ -209,21 +215,9 @@ def _output(columns):
         lambda B, j, k: B[k // 8, j // 8, k % 8, j % 8],
     )
 
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle):
-        A, B, C = T.meta_var(_operands("output", columns, a, b, c))
-        with T.sblock("root"):
-            _root_regions(A, B, C)
-            for tx in T.thread_binding(WARP, "threadIdx.x"):
-                # MN-major B (trans_b = 1): the leading offset steps along the depth (keys),
-                # the stride offset along the columns.
-                T.evaluate(
-                    mma(
-                        *[C[0, tx, r] for r in range(columns // 2)],
-                        pair(A, tx, 0), pair(A, tx, 2), pair(A, tx, 4), pair(A, tx, 6),
-                        _descriptor(B, B.elem_offset, B.strides[0], B.strides[1]),
-                        T.bool(True), 1, 1, 1,
-                    )
-                )
+    def sources(A, B, tx):
+        # MN-major B (trans_b = 1): the leading offset steps along the depth (keys), the
+        # stride offset along the columns.
+        return [*(pair(A, tx, element) for element in (0, 2, 4, 6)), _descriptor(B, B.elem_offset, B.strides[0], B.strides[1])]
 
-    return desc, impl
+    return desc, _implementation("output", columns, sources, (T.bool(True), 1, 1, 1))
