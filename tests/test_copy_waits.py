@@ -99,3 +99,24 @@ def test_waits_stay_where_a_depth_is_not_a_constant():
     # (TVM's pipeline over a loop of a run-time trip count writes depths as expressions.)
     func = _loop_of_two_groups(constant_depth=False)
     assert tvm_ffi.structural_equal(_deferred_copy_waits(func), func)
+
+
+def test_depths_written_as_expressions_of_constants_become_constants():
+    """TVM's pipeline over a loop of a run-time trip count writes its epilogue's depths as
+    ``if_then_else(True & True, d, d)``; PTX wants the constant."""
+
+    def wait(depth):
+        @T.prim_func(private=True)
+        def func(k: T.Buffer((8,), "float16"), out: T.Buffer((1,), "float16")):
+            k_shared = T.alloc_buffer((8,), "float16", scope="shared")
+            with T.attr(0, "async_commit_queue_scope", 0):
+                T.s_tir.cp_async_raw("float16", k_shared.data, 0, k.data, 0, 16)
+            with T.attr(0, "async_wait_queue_scope", 0):
+                with T.attr(0, "async_wait_inflight_count", depth):
+                    T.tvm_storage_sync("shared")
+                    out[0] = k_shared[0]
+
+        return tvm.IRModule({"main": func})
+
+    after = defer_copy_waits(wait(T.if_then_else(T.bool(True) & T.bool(True), 0, 0)))
+    tvm.ir.assert_structural_equal(after, wait(0))

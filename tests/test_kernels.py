@@ -25,6 +25,10 @@ CONFIGS = [
     ("softcap", 2, 8, 4, 4, 300),
     ("gqa", 1, 32, 2, 2, 500),
     ("causal", 1, 4, 4, 256, 256),
+    # A causal mask's inner and boundary tiles in one pipelined loop (one head a block).
+    ("causal", 2, 4, 4, 1024, 1024),
+    ("alibi", 1, 4, 4, 512, 512),
+    ("gqa", 1, 8, 2, 1280, 1280),
     ("window", 1, 4, 4, 200, 300),
     ("gqa", 1, 8, 2, 130, 195),
     ("gqa", 1, 8, 1, 384, 384),

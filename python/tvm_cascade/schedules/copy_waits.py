@@ -28,11 +28,28 @@ IN_FLIGHT = "async_wait_inflight_count"
 COMMIT = "async_commit_queue_scope"
 
 
+_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
+
+
+def _constant_depth(attr):
+    """A wait's depth simplified: TVM's pipeline over a loop of a run-time trip count (a
+    causal mask's merged tiles) writes its epilogue's as ``if_then_else(True & True, 0,
+    0)``, and PTX wants constants."""
+    if attr.attr_key != IN_FLIGHT or isinstance(attr.value, tvm.tirx.IntImm):
+        return attr
+    depth = tvm.sym.Analyzer().simplify(attr.value)
+    # (The analyzer keeps a branch on a bitwise and of constants: equal branches decide it.)
+    if isinstance(depth, ir_expr.Call) and depth.op.same_as(_IF_THEN_ELSE) and tvm_ffi.structural_equal(*depth.args[1:]):
+        depth = depth.args[1]
+    return tvm.tirx.AttrStmt(attr.node, IN_FLIGHT, depth, attr.body)
+
+
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.DeferCopyWaits")
 def defer_copy_waits(func, _mod, _ctx):
     """Each software-pipelined loop that commits several ``cp.async`` groups an iteration
     waits for each group before the barrier ahead of the first statement that touches
     its shared memory (see the module's docstring); other loops are left as they are."""
+    func = func.with_body(tvm_ffi.structural_map(func.body, (tvm.tirx.AttrStmt, _constant_depth)))
     commits = _count(func.body, _is_commit)
 
     def rewrite(seq):

@@ -13,12 +13,13 @@ epilogue, and walks the keys in tiles of ``keys``:
   inner tiles of padded keys) is software-pipelined FlashAttention-2's way (a
   design-space choice: :func:`default_pipeline`): the next tile's K copied by
   ``cp.async`` once Q·Kᵀ has read this tile's, its V once P·V has, into the same
-  shared buffers; a causal mask's inner tiles in runs of a block's rows, the next
-  tile's K and V copied into double-buffered shared memory while this tile computes;
+  shared buffers; so is a causal mask's one loop over a block's inner and boundary
+  tiles (:mod:`.merged_tiles`);
 * ``qk`` (Q·Kᵀ of the tile) runs on tensor cores: ldmatrix from shared memory and
   ``mma.sync`` m16n8k16 with fp32 accumulators, each warp its rows; the scores stay in
   the accumulators (registers), or, where the score adds a bias from the key's position
-  (ALiBi), the scores are computed once into registers in their place;
+  (ALiBi) or a causal mask applies, the scores are computed once into registers in
+  their place;
 * the per-tile max and sum (``split_tile_accumulation`` of the rolled ``max`` and
   ``sum``) are split again by the lanes that hold a row's keys: each lane reduces its
   own elements of a row in registers to one partial; the row statistics (the tile's
@@ -57,12 +58,13 @@ import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
 
+from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params, uses_var
 from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .async_prologue import async_prologue_copies
 from .padding import inline_padding
-from . import software_pipeline, tensor_cores, wgmma
+from . import merged_tiles, software_pipeline, tensor_cores, wgmma
 from .tensor_cores import cuda_intrinsics
 
 
@@ -99,8 +101,8 @@ class PrefillConfig:
     # ptxas's --register-usage-level (0-10); None: :func:`default_register_usage_level`
     register_usage_level: Optional[int] = None
     # Whether a key loop of a constant number of tiles is software-pipelined (in single
-    # buffers under mma.sync; a causal mask's inner tiles always are, double-buffered
-    # in runs); None: :func:`default_pipeline`
+    # buffers under mma.sync; a causal mask's merged tile loop always is); None:
+    # :func:`default_pipeline`
     pipeline: Optional[bool] = None
     # Query heads per thread block, of one grouped-query group (they share each K and V
     # tile), rows / heads rows of each; None: :func:`default_heads`
@@ -149,9 +151,9 @@ def default_heads(func, rows=128):
     sharing each K and V tile and each head's rows cut 32 at a time (a causal mask's
     diagonal wastes less), where the lengths are whole blocks and tiles (as measured on
     the GPU; :func:`schedule_prefill` takes any key length and a query length that is a
-    multiple of 32); else 1. Longer key loops lose by it: a causal mask's inner tiles
-    are pipelined in runs of two 64-key tiles, which needs 128 rows of one head per
-    block. Measured side by side on an H200 (ms, 1 against 4 heads per block, 32 query /
+    multiple of 32); else 1. Longer key loops lose by it: a causal mask's tiles are
+    pipelined in one loop (:mod:`.merged_tiles`) where a block has two or more
+    diagonal tiles, 128 rows of one head. Measured side by side on an H200 (ms, 1 against 4 heads per block, 32 query /
     8 kv heads, 64-key tiles): causal b8 s1024 0.298/0.282, b8 s4096 3.679/3.752, b1
     s16384 7.178/7.334; no mask b8 s1024 0.471/0.466, b8 s4096 6.930/6.953."""
     q, k = buffer_params(func)[:2]
@@ -186,12 +188,28 @@ def default_register_usage_level(func):
 def sliding_window(func):
     """Whether the mask of ``ops.attention`` function ``func`` bounds the key from below
     by a bound that rises with the query row (a sliding window)."""
+    return _key_bound_rises_with_row(func, below=True)
+
+
+def causal_mask(func):
+    """Whether the mask of ``ops.attention`` function ``func`` bounds the key from above
+    by a bound that rises with the query row, and not from below (a causal mask: the
+    thread blocks see different numbers of key tiles)."""
+    return _key_bound_rises_with_row(func, below=False) and not sliding_window(func)
+
+
+def _key_bound_rises_with_row(func, below):
+    """Whether a conjunct of the mask of ``ops.attention`` function ``func`` bounds the
+    key from ``below`` (else from above) by a bound that rises with the query row."""
     block, mask = _score(func)
     row, key = (iv.var for iv in block.iter_vars[-2:])
     analyzer = tvm.sym.Analyzer()
+    # (A conjunct holds iff its difference is <= 0: a lower bound on the key has the key
+    # with a negative slope.)
+    sign = -1 if below else 1
     for difference, _ in linear_conjuncts(mask) if mask is not None else ():
         (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
-        if along_key is not None and along_row is not None and along_key < 0 < along_row:
+        if along_key is not None and along_row is not None and sign * along_key > 0 > sign * along_row:
             return True
     return False
 
@@ -213,7 +231,7 @@ def build(mod, target):
     (:func:`~.async_prologue.async_prologue_copies`)."""
     level = _chosen(mod, REGISTER_USAGE_LEVEL, "ptxas register usage levels")
     min_blocks = _chosen(mod, MIN_BLOCKS, "thread blocks per multiprocessor")
-    mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(mod))
+    mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(merged_tiles.merge_tile_loops(mod)))
     return tensor_cores.build(mod, target, register_usage_level=level, min_blocks=min_blocks)
 
 
@@ -395,11 +413,16 @@ def apply_prefill_schedule(
     apart for :func:`.software_pipeline.overlap_annotations` (one pass). Returns the key
     loop whose software pipeline is the caller's choice
     (:data:`~.software_pipeline.CHOSEN`): the key loop without a mask, the inner tiles'
-    loop under a mask of padded keys only; else None (a causal mask's inner tiles are
-    pipelined in runs, other masks' not)."""
+    loop under a mask of padded keys only; else None (a causal mask's tiles are
+    pipelined in one loop, :func:`_pipeline_inner_tiles`, a window's not)."""
     use_wgmma = wgmma_warp_rows is not None
     warps = rows // (wgmma_warp_rows or WARP)
-    scores_kept = position_bias(sch.mod["main"])
+    # A causal mask's inner and boundary tiles run in one loop whose statements that
+    # the mask changes branch on the tile's kind (:mod:`.merged_tiles`): with the scores
+    # kept that is one statement (the masked copy of the scores), inlined it would be
+    # three (the max, the sum, the exps), and ptxas spills (296 B at b8 s4096).
+    causal = causal_mask(sch.mod["main"])
+    scores_kept = position_bias(sch.mod["main"]) or causal
     # FlashAttention form, each warp's rows below the key loop, one loop nest per stage:
     # qk, score, max_tile, max, exp, sum_scale, sum_tile, sum, pv_scale, pv_tile, pv.
     b, h, i0, ty, j0, i1 = row_tiles(sch, rows, keys, warps, per_tile=("pv", "max", "sum"), heads=heads)
@@ -498,11 +521,12 @@ def apply_prefill_schedule(
     # and only the tiles its rows see in part compute the mask.
     masked = sch.get_sblock("score" if scores_kept else "max_tile_tile")
     if mask_condition(sch.get(masked)) is not None:
+        if sch.get(j0).extent.value == 1:
+            # (One key tile: none to skip or to unmask.)
+            return None
         sch.skip_masked_tiles(masked, j0)
         sch.unmask_inner_tiles(sch.get_loops(sch.get_sblock("max_update"))[2])
-        # Runs as long as a block's rows in the largest key tile: a literal in the trace,
-        # it has to divide the inner tiles for whichever key tile a replay samples.
-        return _pipeline_inner_tiles(sch, rows // max(KEY_TILES))
+        return _pipeline_inner_tiles(sch, use_wgmma, merge=causal)
     return j0
 
 
@@ -580,13 +604,22 @@ def _quad(row, replica):
     return row // 8, QUAD * (row % 8) + replica
 
 
-def _pipeline_inner_tiles(sch, group):
+def _pipeline_inner_tiles(sch, use_wgmma, merge):
     """A mask's inner tiles: where their number is a constant of two or more (a mask of
-    padded keys only), returns their loop, whose pipeline is a choice. Otherwise their
-    loop's extent depends on the block, which TVM cannot pipeline (see
-    :func:`_pipeline_copies`), but where it is a multiple of ``group`` for every block (a
-    causal mask's inner tiles end at the block's first row) the loop splits without a
-    predicate into runs of ``group`` tiles, each pipelined."""
+    padded keys only), returns their loop, whose pipeline is a choice. Where it depends
+    on the block (a causal mask's inner tiles end at the block's first row: none for the
+    first block), TVM cannot pipeline their loop (its prologue would run under a
+    condition, where its barrier planner places no barrier); with ``merge`` (a causal
+    mask, its scores kept) the loop is annotated to merge with the boundary tiles' at
+    build time (:mod:`.merged_tiles`), a loop of two or more tiles for every block,
+    pipelined as a loop of a constant number of tiles is by default (interleaved;
+    double-buffered under wgmma). (A window's inner tiles stay unpipelined: merged, its
+    masked max, sum and exps would branch, and the barrier planner refuses the warp
+    barriers of the branches.) Measured side by side on an H200
+    (ms, pipelined runs of two inner tiles against the merged loop): causal b8 s1024
+    0.306 / 0.281, b8 s4096 3.787 / 3.704, b1 s16384 7.282 / 7.317; GQA b8 s4096 3.718 /
+    3.624, b1 s16384 7.254 / 7.223; ALiBi b8 s4096 3.912 / 3.921, b1 s16384 7.562 /
+    7.568."""
     if not any(b.name_hint == "max_update_inner" for b in ir.blocks_in(sch.mod["main"].body.block)):
         return None
     loops = sch.get_loops(sch.get_sblock("max_update_inner"))
@@ -598,24 +631,18 @@ def _pipeline_inner_tiles(sch, group):
     for above in loops[:2]:
         node = sch.get(above)
         analyzer.bind(node.loop_var, tvm.ir.Range.from_min_extent(node.min, node.extent))
-    if group > 1 and analyzer.can_prove(tvm.tirx.floormod(extent, group) == 0):
-        # (A run is never one tile, so its loop stays a loop without KEEP_LOOP.)
-        sch.unannotate(loops[2], KEEP_LOOP)
-        _, run = sch.split(loops[2], [None, group])
-        _pipeline_copies(sch, run)
+    # (The boundary tiles' extent names the inner tiles' count, bound before their loop.)
+    bound = {}
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.Bind):
+            bound[node.var] = node.value
+
+    tvm_ffi.structural_walk(sch.mod["main"].body, visit)
+    boundary = sch.get(sch.get_loops(sch.get_sblock("max_update"))[2]).extent
+    if merge and analyzer.can_prove(substitute(extent + boundary, bound) >= 2):
+        sch.annotate(loops[2], merged_tiles.MERGE, 1 if use_wgmma else software_pipeline.INTERLEAVED)
     return None
-
-
-def _pipeline_copies(sch, loop):
-    """Software-pipeline ``loop`` so that its first statements, the K and V tile copies,
-    load the next tile (cp.async, double-buffered) while the rest computes this one.
-
-    Only for a loop of constant extent: over the masks' tile ranges (extents that depend
-    on the block) TVM's pipeline guards its prologue and epilogue with conditions, where
-    its barrier planner cannot place the copies' barriers, and its ``cp.async`` wait
-    counts would depend on the extent, which its PTX codegen rejects."""
-    for key, value in software_pipeline.pipeline_annotations(sch.get(loop)).items():
-        sch.annotate(loop, key, value)
 
 
 def _head_dim(sch):

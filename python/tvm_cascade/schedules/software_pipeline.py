@@ -12,7 +12,7 @@ list-valued annotations from a sampled decision).
 """
 import tvm_ffi
 from tvm import tirx
-from tvm.s_tir.stmt import SBlockRealize
+from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from ..primitives import ir
 
@@ -44,8 +44,15 @@ def pipeline_statements(loop):
 
 
 def statement_blocks(loop):
-    """The names of the blocks of each of ``loop``'s :func:`pipeline_statements`."""
-    return [[block.name_hint for block in ir.blocks_in(stmt)] for stmt in pipeline_statements(loop)]
+    """The names of the blocks of each of ``loop``'s :func:`pipeline_statements` (a
+    statement is a loop nest, or a branch between two)."""
+
+    def names(stmt):
+        found = []
+        tvm_ffi.structural_walk(stmt, lambda node: found.append(node.name_hint) if isinstance(node, SBlock) else None)
+        return found
+
+    return [names(stmt) for stmt in pipeline_statements(loop)]
 
 
 def _positions(order):
