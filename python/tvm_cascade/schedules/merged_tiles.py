@@ -50,45 +50,48 @@ def _merge_in(seq):
 
 def _merge(inner, boundary):
     j = tvm.tirx.Var(inner.loop_var.name, inner.loop_var.ty.dtype)
-    count = inner.extent
-    in_inner = [_simplified(stmt) for stmt in substitute(ir.statements(inner.body), {inner.loop_var: j})]
-    in_boundary = [_simplified(stmt) for stmt in substitute(ir.statements(boundary.body), {boundary.loop_var: j - count})]
+    end = inner.min + inner.extent  # the merged loop's first boundary tile
+    in_inner = _statements(inner, {inner.loop_var: j})
+    in_boundary = _statements(boundary, {boundary.loop_var: j - end + boundary.min})
     if len(in_inner) != len(in_boundary):
-        raise ValueError(f"the tile loops '{inner.loop_var.name}' and '{boundary.loop_var.name}' differ in their statements")
+        raise ValueError(
+            f"the tile loops '{inner.loop_var.name}' and '{boundary.loop_var.name}' differ in their statements"
+        )
     # The inner tiles' statements on the boundary tiles' intermediate buffers
     # (unmask_inner_tiles gave the inner ones copies, X_inner for X): one set for both.
     by_name = {var.name: var for var in _vars(in_boundary)}
-    in_inner = substitute(
-        in_inner,
-        {var: by_name[var.name[: -len(_INNER)]] for var in _vars(in_inner) if var.name[: -len(_INNER)] in by_name and var.name.endswith(_INNER)},
-    )
+    twins = {var: by_name.get(var.name[: -len(_INNER)]) for var in _vars(in_inner) if var.name.endswith(_INNER)}
+    in_inner = substitute(in_inner, {var: twin for var, twin in twins.items() if twin is not None})
     # A statement the mask changes becomes a branch on the tile's kind; one it does not
     # change stays one statement (a branch around a statement that needs warp barriers
     # is refused by TVM's barrier planner). The copies are the boundary tiles'.
     body = [
-        b if _copies_to_shared(b) or tvm_ffi.structural_equal(a, b) else tvm.tirx.IfThenElse(j < count, a, b)
+        b if _copies_to_shared(b) or tvm_ffi.structural_equal(a, b) else tvm.tirx.IfThenElse(j < end, a, b)
         for a, b in zip(in_inner, in_boundary)
     ]
     annotations = {k: v for k, v in inner.annotations.items() if k != MERGE}
     annotations[software_pipeline.CHOSEN] = inner.annotations[MERGE]
-    extent = tvm.sym.Analyzer().simplify(count + boundary.extent)
+    extent = tvm.sym.Analyzer().simplify(inner.extent + boundary.extent)
     return ir.copy_loop(inner, loop_var=j, extent=extent, body=tvm.tirx.SeqStmt(body), annotations=annotations)
+
+
+def _statements(loop, vmap):
+    """The statements of ``loop``'s body, variables replaced as ``vmap`` says, their
+    blocks' bindings and predicates simplified."""
+    analyzer = tvm.sym.Analyzer()
+
+    def realize(node):
+        values = [analyzer.simplify(v) for v in node.iter_values]
+        return SBlockRealize(values, analyzer.simplify(node.predicate), node.block)
+
+    statements = substitute(ir.statements(loop.body), vmap)
+    return [tvm_ffi.structural_map(stmt, (SBlockRealize, realize)) for stmt in statements]
 
 
 def _copies_to_shared(stmt):
     """Whether every block of ``stmt`` writes shared memory only."""
     writes = [region.source for block in _nodes(stmt, SBlock) for region in block.writes]
     return bool(writes) and all(buffer.scope().startswith("shared") for buffer in writes)
-
-
-def _simplified(stmt):
-    """``stmt`` with its blocks' bindings and predicates simplified."""
-    analyzer = tvm.sym.Analyzer()
-
-    def realize(node):
-        return SBlockRealize([analyzer.simplify(v) for v in node.iter_values], analyzer.simplify(node.predicate), node.block)
-
-    return tvm_ffi.structural_map(stmt, (SBlockRealize, realize))
 
 
 _INNER = "_inner"

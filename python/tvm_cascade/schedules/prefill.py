@@ -153,8 +153,9 @@ def default_heads(func, rows=128):
     the GPU; :func:`schedule_prefill` takes any key length and a query length that is a
     multiple of 32); else 1. Longer key loops lose by it: a causal mask's tiles are
     pipelined in one loop (:mod:`.merged_tiles`) where a block has two or more
-    diagonal tiles, 128 rows of one head. Measured side by side on an H200 (ms, 1 against 4 heads per block, 32 query /
-    8 kv heads, 64-key tiles): causal b8 s1024 0.298/0.282, b8 s4096 3.679/3.752, b1
+    diagonal tiles, 128 rows of one head. Measured side by side on an H200 (ms, 1
+    against 4 heads per block, 32 query / 8 kv heads, 64-key tiles; before the merged
+    loop): causal b8 s1024 0.298/0.282, b8 s4096 3.679/3.752, b1
     s16384 7.178/7.334; no mask b8 s1024 0.471/0.466, b8 s4096 6.930/6.953."""
     q, k = buffer_params(func)[:2]
     warps = rows // WARP
@@ -613,13 +614,13 @@ def _pipeline_inner_tiles(sch, use_wgmma, merge):
     mask, its scores kept) the loop is annotated to merge with the boundary tiles' at
     build time (:mod:`.merged_tiles`), a loop of two or more tiles for every block,
     pipelined as a loop of a constant number of tiles is by default (interleaved;
-    double-buffered under wgmma). (A window's inner tiles stay unpipelined: merged, its
-    masked max, sum and exps would branch, and the barrier planner refuses the warp
-    barriers of the branches.) Measured side by side on an H200
-    (ms, pipelined runs of two inner tiles against the merged loop): causal b8 s1024
-    0.306 / 0.281, b8 s4096 3.787 / 3.704, b1 s16384 7.282 / 7.317; GQA b8 s4096 3.718 /
-    3.624, b1 s16384 7.254 / 7.223; ALiBi b8 s4096 3.912 / 3.921, b1 s16384 7.562 /
-    7.568."""
+    double-buffered under wgmma). (A window's inner tiles stay unpipelined: merged as
+    they are, with the scores inlined into the max, the sum and the exps, TVM's barrier
+    planner refused the loop, "Cannot insert syncs inside condition".) Measured side by
+    side on an H200 (ms, pipelined runs of two inner tiles against the merged loop):
+    causal b8 s1024 0.306 / 0.281, b8 s4096 3.787 / 3.704, b1 s16384 7.282 / 7.317; GQA
+    b8 s4096 3.718 / 3.624, b1 s16384 7.254 / 7.223; ALiBi b8 s4096 3.912 / 3.921, b1
+    s16384 7.562 / 7.568."""
     if not any(b.name_hint == "max_update_inner" for b in ir.blocks_in(sch.mod["main"].body.block)):
         return None
     loops = sch.get_loops(sch.get_sblock("max_update_inner"))
