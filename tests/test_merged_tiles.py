@@ -4,45 +4,39 @@ branches on the tile's kind. The kernels' numerics on the GPU: ``tests/test_kern
 (causal, ALiBi and GQA at whole tiles)."""
 import pytest
 import tvm
-import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 from tvm.script import tirx as T
 
 from tvm_cascade import kernels, ops
+from tvm_cascade.primitives import ir
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.schedules import prefill, software_pipeline
 from tvm_cascade.schedules.merged_tiles import MERGE, merge_tile_loops
 
 
-def _nodes(root, kind):
-    found = []
-    tvm_ffi.structural_walk(root, lambda n: found.append(n) if isinstance(n, kind) else None)
-    return found
-
-
 def _names(stmt):
-    return [block.name_hint for block in _nodes(stmt, SBlock)]
+    return [block.name_hint for block in ir.nodes(stmt, SBlock)]
 
 
 def test_inner_and_boundary_tiles_run_in_one_loop_that_branches_on_the_score():
     func = ops.attention(1, 2, 2, 512, 512, 128, dtype="float16", variant=VARIANTS["causal"], pad_to=kernels.PAD_TO["prefill"])
     before = prefill.schedule_prefill(func).mod
-    marked = [loop for loop in _nodes(before["main"].body, tvm.tirx.For) if MERGE in loop.annotations]
+    marked = [loop for loop in ir.nodes(before["main"].body, tvm.tirx.For) if MERGE in loop.annotations]
     assert len(marked) == 1 and int(marked[0].annotations[MERGE]) == software_pipeline.INTERLEAVED
     after = merge_tile_loops(before)["main"]
-    loops = [loop for loop in _nodes(after.body, tvm.tirx.For) if software_pipeline.CHOSEN in loop.annotations]
-    assert len(loops) == 1 and not any(MERGE in loop.annotations for loop in _nodes(after.body, tvm.tirx.For))
+    loops = [loop for loop in ir.nodes(after.body, tvm.tirx.For) if software_pipeline.CHOSEN in loop.annotations]
+    assert len(loops) == 1 and not any(MERGE in loop.annotations for loop in ir.nodes(after.body, tvm.tirx.For))
     loop = loops[0]
     assert int(loop.annotations[software_pipeline.CHOSEN]) == software_pipeline.INTERLEAVED
     # 4 row tiles of 128 rows over 64-key tiles: block b sees 2 (b % 4) inner tiles and
     # its 2 diagonal ones.
     (block,) = [
         l.loop_var
-        for l in _nodes(after.body, tvm.tirx.For)
+        for l in ir.nodes(after.body, tvm.tirx.For)
         if l.thread_binding is not None and l.thread_binding.thread_tag == "blockIdx.x"
     ]
     assert tvm.sym.Analyzer().can_prove_equal(loop.extent, block % 4 * 2 + 2)
-    (branch,) = _nodes(loop.body, tvm.tirx.IfThenElse)
+    (branch,) = ir.nodes(loop.body, tvm.tirx.IfThenElse)
     assert tvm.sym.Analyzer().can_prove_equal(branch.condition.b, block % 4 * 2) and branch.condition.a.same_as(loop.loop_var)
     assert _names(branch.then_case) == ["score_inner"] and _names(branch.else_case) == ["score"]
     # The copies are the boundary tiles' (unconditional), every other statement is one
@@ -50,7 +44,7 @@ def test_inner_and_boundary_tiles_run_in_one_loop_that_branches_on_the_score():
     statements = software_pipeline.pipeline_statements(loop)
     assert [_names(s) for s in statements[:2]] == [["V_shared.dyn"], ["K_shared.dyn"]]
     assert sum(isinstance(s, tvm.tirx.IfThenElse) for s in statements) == 1
-    inner = {v.name for v in _nodes(loop.body, tvm.ir.expr.Var) if v.name.endswith("_inner")}
+    inner = {v.name for v in ir.nodes(loop.body, tvm.ir.expr.Var) if v.name.endswith("_inner")}
     assert not inner
 
 

@@ -50,8 +50,13 @@ def replace_root(sch, root_sref, new_root, reuse):
 
 def blocks_in(root: SBlock) -> list:
     """Every block below ``root``."""
+    return nodes(root.body, SBlock)
+
+
+def nodes(node, kind) -> list:
+    """Every node of type ``kind`` in ``node`` (itself included), in walk order."""
     found = []
-    tvm_ffi.structural_walk(root.body, lambda node: found.append(node) if isinstance(node, SBlock) else None)
+    tvm_ffi.structural_walk(node, lambda n: found.append(n) if isinstance(n, kind) else None)
     return found
 
 

@@ -12,16 +12,18 @@ takes the software pipeline the inner loop's :data:`MERGE` annotation names.
 """
 import tvm
 import tvm_ffi
-from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock, SBlockRealize
 
 from ..analysis.chain import substitute
+from ..analysis.scope import vars_in
 from ..primitives import ir
 from . import software_pipeline
 
 #: A loop annotation (on the inner tiles' loop): merge with the next loop, the boundary
 #: tiles', and give the merged loop this :data:`.software_pipeline.CHOSEN` value.
 MERGE = "tvm_cascade.merge_with_boundary_tiles"
+#: The suffix of the inner tiles' copies of intermediate buffers (``unmask_inner_tiles``).
+_INNER = "_inner"
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.MergeTileLoops")
@@ -29,7 +31,7 @@ def merge_tile_loops(func, _mod, _ctx):
     """Each loop annotated :data:`MERGE` merged with the boundary tiles' loop after it
     (see the module's docstring). For scheduled functions, before lowering."""
     body = tvm_ffi.structural_map(func.body, (tvm.tirx.SeqStmt, _merge_in))
-    for loop in _nodes(body, tvm.tirx.For):
+    for loop in ir.nodes(body, tvm.tirx.For):
         if MERGE in loop.annotations:
             raise ValueError(f"loop '{loop.loop_var.name}' is marked to merge, but no tile loop follows it")
     return func.with_body(body)
@@ -59,8 +61,8 @@ def _merge(inner, boundary):
         )
     # The inner tiles' statements on the boundary tiles' intermediate buffers
     # (unmask_inner_tiles gave the inner ones copies, X_inner for X): one set for both.
-    by_name = {var.name: var for var in _vars(in_boundary)}
-    twins = {var: by_name.get(var.name[: -len(_INNER)]) for var in _vars(in_inner) if var.name.endswith(_INNER)}
+    by_name = {var.name: var for var in vars_in(in_boundary)}
+    twins = {var: by_name.get(var.name[: -len(_INNER)]) for var in vars_in(in_inner) if var.name.endswith(_INNER)}
     in_inner = substitute(in_inner, {var: twin for var, twin in twins.items() if twin is not None})
     # A statement the mask changes becomes a branch on the tile's kind; one it does not
     # change stays one statement (a branch around a statement that needs warp barriers
@@ -90,20 +92,5 @@ def _statements(loop, vmap):
 
 def _copies_to_shared(stmt):
     """Whether every block of ``stmt`` writes shared memory only."""
-    writes = [region.source for block in _nodes(stmt, SBlock) for region in block.writes]
+    writes = [region.source for block in ir.nodes(stmt, SBlock) for region in block.writes]
     return bool(writes) and all(buffer.scope().startswith("shared") for buffer in writes)
-
-
-_INNER = "_inner"
-
-
-def _vars(node):
-    found = {}
-    tvm_ffi.structural_walk(node, lambda n: found.setdefault(n, None) if isinstance(n, ir_expr.Var) else None)
-    return list(found)
-
-
-def _nodes(stmt, kind):
-    found = []
-    tvm_ffi.structural_walk(stmt, lambda n: found.append(n) if isinstance(n, kind) else None)
-    return found

@@ -189,30 +189,31 @@ def default_register_usage_level(func):
 def sliding_window(func):
     """Whether the mask of ``ops.attention`` function ``func`` bounds the key from below
     by a bound that rises with the query row (a sliding window)."""
-    return _key_bound_rises_with_row(func, below=True)
+    return "below" in _rising_key_bounds(func)
 
 
 def causal_mask(func):
     """Whether the mask of ``ops.attention`` function ``func`` bounds the key from above
     by a bound that rises with the query row, and not from below (a causal mask: the
     thread blocks see different numbers of key tiles)."""
-    return _key_bound_rises_with_row(func, below=False) and not sliding_window(func)
+    return _rising_key_bounds(func) == {"above"}
 
 
-def _key_bound_rises_with_row(func, below):
-    """Whether a conjunct of the mask of ``ops.attention`` function ``func`` bounds the
-    key from ``below`` (else from above) by a bound that rises with the query row."""
+def _rising_key_bounds(func):
+    """The sides (``"below"``, ``"above"``) from which a conjunct of the mask of
+    ``ops.attention`` function ``func`` bounds the key by a bound that rises with the
+    query row."""
     block, mask = _score(func)
     row, key = (iv.var for iv in block.iter_vars[-2:])
     analyzer = tvm.sym.Analyzer()
+    sides = set()
     # (A conjunct holds iff its difference is <= 0: a lower bound on the key has the key
-    # with a negative slope.)
-    sign = -1 if below else 1
+    # with a negative slope, the row with a positive one.)
     for difference, _ in linear_conjuncts(mask) if mask is not None else ():
         (along_key, _), (along_row, _) = (linear_slope(analyzer, difference, v) for v in (key, row))
-        if along_key is not None and along_row is not None and sign * along_key > 0 > sign * along_row:
-            return True
-    return False
+        if along_key is not None and along_row is not None and along_key * along_row < 0:
+            sides.add("below" if along_key < 0 else "above")
+    return sides
 
 
 def _score(func):

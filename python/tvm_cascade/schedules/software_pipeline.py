@@ -46,13 +46,7 @@ def pipeline_statements(loop):
 def statement_blocks(loop):
     """The names of the blocks of each of ``loop``'s :func:`pipeline_statements` (a
     statement is a loop nest, or a branch between two)."""
-
-    def names(stmt):
-        found = []
-        tvm_ffi.structural_walk(stmt, lambda node: found.append(node.name_hint) if isinstance(node, SBlock) else None)
-        return found
-
-    return [names(stmt) for stmt in pipeline_statements(loop)]
+    return [[block.name_hint for block in ir.nodes(stmt, SBlock)] for stmt in pipeline_statements(loop)]
 
 
 def _positions(order):
