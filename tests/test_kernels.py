@@ -93,8 +93,41 @@ def _check_against_the_reference(
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant, batch, heads_q, heads_kv, seq_q, seq_kv", CONFIGS)
 def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv):
+    """Decode, and prefill on the mma.sync schedule (on an H100/H200 whole tiles would
+    otherwise take the warp-specialised kernel, tested below)."""
+    from tvm_cascade.schedules.prefill import PrefillConfig
+
+    config = PrefillConfig() if kernels.kind_of(seq_q) == "prefill" else None
     _check_against_the_reference(
-        variant, batch, heads_q, heads_kv, seq_q, seq_kv, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}
+        variant, batch, heads_q, heads_kv, seq_q, seq_kv, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}, config=config
+    )
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "variant, batch, heads_q, heads_kv, seq_q, seq_kv, choices",
+    [
+        ("global", 1, 4, 4, 256, 256, {}),
+        ("causal", 2, 4, 4, 512, 512, {}),
+        ("alibi", 1, 4, 4, 384, 384, {}),
+        ("softcap", 1, 4, 2, 256, 512, {}),
+        ("window", 1, 4, 4, 768, 768, {}),
+        ("gqa", 1, 8, 2, 384, 640, {}),  # the causal diagonal offset by 256 keys
+        ("causal", 1, 2, 2, 128, 384, {}),
+        ("causal", 1, 4, 4, 512, 512, {"overlap": False, "pingpong": False, "stages": 2}),
+        ("global", 1, 4, 4, 512, 512, {"pingpong": False}),
+        ("alibi", 1, 4, 4, 512, 512, {"pingpong": False}),
+    ],
+)
+def test_warp_specialized_prefill_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv, choices):
+    """The warp-specialised Hopper kernel (TMA, wgmma, mbarriers; needs an sm_90 GPU)."""
+    from tvm_cascade.schedules.warp_specialized import WarpSpecializedConfig
+
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("the warp-specialised kernel needs an sm_90 GPU")
+    _check_against_the_reference(
+        variant, batch, heads_q, heads_kv, seq_q, seq_kv, 128, "float16", {"rtol": 2e-2, "atol": 5e-3},
+        config=WarpSpecializedConfig(**choices),
     )
 
 

@@ -11,7 +11,8 @@ tuned first only when asked.
 
 Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
 (:mod:`tvm_cascade.schedules.decode`) is used, beyond it the tensor-core prefill schedule
-(:mod:`tvm_cascade.schedules.prefill`). Records are MetaSchedule JSON databases
+(:mod:`tvm_cascade.schedules.prefill`), or on sm_90 GPUs the warp-specialised prefill
+kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are MetaSchedule JSON databases
 (:class:`tvm_cascade.trace.JSONDatabase`); by default those of a source checkout,
 ``benchmarks/tuned/decode`` and ``benchmarks/tuned/prefill`` (``TVM_CASCADE_TUNED`` and
 ``TVM_CASCADE_TUNED_PREFILL`` name others). A configuration without a record gets the
@@ -30,8 +31,9 @@ import tvm_ffi
 from . import ops
 from .analysis.scope import buffer_params
 from .ops.variants import AttentionVariant
-from .schedules import decode, mma16x8, prefill, tensor_cores
+from .schedules import decode, mma16x8, prefill, tensor_cores, warp_specialized
 from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
+from .schedules.warp_specialized import WarpSpecializedConfig
 from .trace import JSONDatabase
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
@@ -98,18 +100,38 @@ def compile_attention(
     machine's GPU), its records written to ``records``. ``config`` (a
     :class:`~tvm_cascade.schedules.decode.DecodeConfig` for :data:`DECODE_QUERIES` query
     rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
-    heuristic schedule's choices and skips the records. Returns the compiled module; its
-    ``"main"`` takes ``q, k, v, out``."""
+    heuristic schedule's choices and skips the records.
+
+    Prefill on an sm_90 GPU (H100, H200) is served by the warp-specialised kernel
+    (:mod:`~tvm_cascade.schedules.warp_specialized`: TMA, wgmma, FlashAttention-3's
+    structure) where it supports the configuration (fp16, head dim 128, lengths of whole
+    128-row/128-key tiles), it is preferred (no sliding window:
+    :func:`~tvm_cascade.schedules.warp_specialized.preferred`) and neither tuning nor a
+    ``PrefillConfig`` is asked for; a
+    :class:`~tvm_cascade.schedules.warp_specialized.WarpSpecializedConfig` asks for it
+    with those choices (a configuration it does not support is then refused). Returns
+    the compiled module; its ``"main"`` takes ``q, k, v, out``."""
     kind = kind_of(seq_q)
-    expected = DecodeConfig if kind == "decode" else prefill.PrefillConfig
+    expected = (DecodeConfig,) if kind == "decode" else (prefill.PrefillConfig, WarpSpecializedConfig)
     if config is not None and not isinstance(config, expected):
-        raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {expected.__name__}")
+        names = " or ".join(c.__name__ for c in expected)
+        raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {names}")
+    if target is None:
+        target = tvm.target.Target.from_device(tvm.cuda(0))
+    chosen = isinstance(config, WarpSpecializedConfig)
+    if kind == "prefill" and not tune_trials and (chosen or config is None and warp_specialized.preferred(variant)):
+        reason = warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+        if reason is None:
+            func = warp_specialized.attention(
+                batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config or WarpSpecializedConfig()
+            )
+            return tvm.compile(tvm.IRModule({"main": func}), target=warp_specialized.sm90a(target))
+        if config is not None:
+            raise ValueError(reason)
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
         pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, config),
     )
-    if target is None:
-        target = tvm.target.Target.from_device(tvm.cuda(0))
     records = Path(records) if records is not None else default_records(kind)
     if tune_trials:
         tune(func, target, records, tune_trials)

@@ -1,0 +1,434 @@
+"""Warp-specialised prefill attention for Hopper (sm_90a): FlashAttention-3's structure as a
+TVMScript kernel template, compiled by TVM's own CUDA codegen.
+
+A thread block of three warpgroups owns :data:`ROWS` query rows of one head:
+
+* warpgroup 0, the producer (registers cut to ``producer_registers`` by ``setmaxnreg``):
+  one thread issues TMA copies (``cp.async.bulk.tensor``, tensor maps encoded on the
+  host) of the Q tile once and of each K and V tile of :data:`KEYS` keys into a ring of
+  ``stages`` shared-memory stages; ``full[s]`` mbarriers count the bytes in
+  (``expect_tx``), ``empty[s]`` mbarriers tell it a stage may be overwritten;
+* warpgroups 1 and 2, the consumers (registers raised to ``consumer_registers``), 64 rows
+  each: Q·Kᵀ as ``wgmma`` m64n128k16 from shared memory (Q and K 128-byte swizzled, as
+  TMA writes them), the scores in registers in the wgmma accumulator layout, the online
+  softmax there (row max and sum by quad shuffles), the exps converted to fp16 in place:
+  they are already the register A operand of P·V (``wgmma`` with V from shared memory,
+  MN-major core matrices), accumulated onto the output in registers; the epilogue
+  divides by the row sums and stores.
+
+The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives for the
+softmax cascade (``m = max s``, ``l = Σ exp(s - m)``, ``o = Σ exp(s - m)·v``): per tile the
+running ``l`` and ``o`` are repaired by ``exp(m_old - m_new)`` (in base 2 here: the
+scores are scaled by log2(e) once). With ``overlap`` the consumers issue tile j+1's Q·Kᵀ
+and tile j's P·V together and wait only for Q·Kᵀ before the softmax (P·V runs under it);
+with ``pingpong`` the two consumer warpgroups take turns issuing their GEMMs (named
+barriers), so that one's softmax runs under the other's GEMMs.
+
+Masks: the key tiles a block's rows cannot see (causal, sliding window) are not visited;
+tiles entirely visible are computed without mask arithmetic; only tiles that straddle
+the mask's edge (a uniform run-time test per tile) mask their scores, with the same
+masked score as :mod:`tvm_cascade.ops` (``finfo(float32).min``, so a row that sees no
+key of a tile is repaired exactly). ALiBi's bias and the softcap are applied to every
+score. Grouped-query heads read their group's K and V.
+
+Supported: fp16, head dim 128, query and key lengths multiples of 128, the causal offset
+``seq_kv - seq_q`` not negative; :func:`unsupported` names what is not.
+"""
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm.script import tirx as T
+
+from .wgmma_batches import FENCE_OPERAND, FENCE_OPERAND_SOURCE
+
+#: Query rows per thread block (two consumer warpgroups of 64).
+ROWS = 128
+#: Keys per tile.
+KEYS = 128
+HEAD_DIM = 128
+#: Threads per block: the producer warpgroup and two consumer warpgroups.
+THREADS = 384
+#: The score of a masked key, as in :mod:`tvm_cascade.ops` (finite: while a row has seen
+#: only masked keys their exps are exp2(0) = 1, and the repair at its first visible key,
+#: exp2(MASKED_SCORE - m), zeroes them; never NaN).
+MASKED_SCORE = float(np.finfo(np.float32).min)
+_TILE = KEYS * HEAD_DIM  # elements of a K or V stage
+_LOG2E = math.log2(math.e)
+_ALL_LANES = 0xFFFFFFFF
+_TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16
+# The named barriers of the consumer warpgroups' ping-pong: consumer w waits on
+# _PINGPONG + w for its turn (barrier 0 is __syncthreads').
+_PINGPONG = 3
+
+
+@dataclass(frozen=True)
+class WarpSpecializedConfig:
+    """Choices of the warp-specialised kernel. Measured side by side on an H200 (ms,
+    global b8 s4096 / b1 s16384; stages 3): without overlap or ping-pong 4.82 / 9.91,
+    overlap 4.87 / 9.21, overlap and ping-pong 4.58 / 8.57."""
+
+    stages: int = 3  # K/V stages in shared memory (3 is the most 227 KB hold)
+    overlap: bool = True
+    pingpong: bool = True
+    producer_registers: int = 40
+    consumer_registers: int = 232
+
+
+def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target):
+    """Why the kernel cannot serve this configuration on ``target``, or None."""
+    target = tvm.target.Target(target)
+    if target.kind.name != "cuda" or str(target.attrs.get("arch", "")) not in ("sm_90", "sm_90a"):
+        return f"the warp-specialised kernel needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}"
+    if dtype != "float16":
+        return f"the warp-specialised kernel computes in float16, not {dtype}"
+    if head_dim != HEAD_DIM:
+        return f"the warp-specialised kernel takes head dim {HEAD_DIM}, not {head_dim}"
+    if seq_q % ROWS or seq_kv % KEYS:
+        return f"the warp-specialised kernel takes lengths of whole tiles ({ROWS} rows, {KEYS} keys), not {seq_q} x {seq_kv}"
+    if heads_q % heads_kv:
+        return f"{heads_q} query heads do not form groups of {heads_kv} key/value heads"
+    if variant.is_causal and seq_kv < seq_q:
+        return f"a causal mask with more queries ({seq_q}) than keys ({seq_kv}) leaves rows without keys"
+    return None
+
+
+def preferred(variant):
+    """Whether ``compile_attention`` takes this kernel by default where it is supported:
+    not under a sliding window, whose blocks see too few key tiles to repay the kernel's
+    set-up (H200, window 256, ms at b8 s1024 / b8 s4096 / b1 s16384: this kernel 0.217 /
+    0.857 / 0.446 against Flex 0.195 / 0.791 / 0.418 in one run; the mma.sync schedule
+    0.193 / 0.773 / 0.400 against Flex 0.192 / 0.780 / 0.412 in another)."""
+    return variant.window is None
+
+
+def sm90a(target):
+    """``target`` with the arch-specific features of sm_90 (wgmma, setmaxnreg) named:
+    ``Target.from_device`` reports an H100/H200 as sm_90."""
+    config = dict(tvm.target.Target(target).export())
+    config["arch"] = "sm_90a"
+    return tvm.target.Target(config)
+
+
+def key_tiles(r0, seq_q, seq_kv, variant):
+    """``(lo, hi)``: the key tiles ``[lo, hi)`` that some of query rows ``r0`` to
+    ``r0 + ROWS - 1`` see (ints or expressions, as ``r0`` is)."""
+    offset = seq_kv - seq_q
+    hi = seq_kv // KEYS
+    if variant.is_causal:
+        hi = T.min(hi, (r0 + ROWS - 1 + offset) // KEYS + 1)
+    lo = 0
+    if variant.window is not None:
+        lo = T.max(0, r0 + offset - variant.window + 1) // KEYS
+    return lo, hi
+
+
+def straddles(r0, t, seq_q, seq_kv, variant):
+    """Whether key tile ``t`` holds a key that one of rows ``r0``.. cannot see."""
+    offset = seq_kv - seq_q
+    edges = []
+    if variant.is_causal:
+        edges.append(t * KEYS + KEYS - 1 > r0 + offset)
+    if variant.window is not None:
+        edges.append(r0 + ROWS - 1 + offset - t * KEYS >= variant.window)
+    return functools.reduce(T.Or, edges, T.bool(False))
+
+
+def visible(row, key, seq_q, seq_kv, variant):
+    """Whether query ``row`` sees ``key`` (as :class:`~tvm_cascade.ops.variants.AttentionVariant` defines)."""
+    offset = seq_kv - seq_q
+    ok = key <= row + offset
+    if variant.window is not None:
+        ok = T.And(ok, row + offset - key < variant.window)
+    return ok
+
+
+def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig()):
+    """The kernel's PrimFunc for ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out`` (like
+    ``ops.attention``'s ``main``); :func:`unsupported` must hold None for it."""
+    stages, overlap, pingpong = config.stages, config.overlap, config.pingpong
+    causal = variant.is_causal
+    group = heads_q // heads_kv
+    offset = seq_kv - seq_q
+    q_tiles = seq_q // ROWS
+    scale = 1.0 / math.sqrt(head_dim)
+    k_base = ROWS * head_dim
+    v_base = k_base + stages * _TILE
+    shared = v_base + stages * _TILE
+
+    # Scores go to log2 units in one multiply-add: with a softcap, the inner term
+    # s·scale/cap + bias/cap, times cap·log2(e) after the tanh.
+    inner = 1.0 / variant.softcap if variant.softcap is not None else _LOG2E
+    multiplier = scale * inner
+
+    def score(s, bias):
+        """The score (log2 units) from the dot product ``s`` and ``bias``, the ALiBi bias
+        times ``inner``."""
+        s = s * T.float32(multiplier) + bias if variant.alibi else s * T.float32(multiplier)
+        if variant.softcap is not None:
+            s = T.float32(variant.softcap * _LOG2E) * T.tanh(s)
+        return s
+
+    def fence(x):
+        return T.cuda.func_call(FENCE_OPERAND, x, source_code=FENCE_OPERAND_SOURCE)
+
+    def descriptor(smem, offset, leading, stride, swizzle):
+        """wgmma shared-memory matrix descriptor of ``smem[offset]`` (byte offsets)."""
+        address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(smem.ptr_to([offset])))
+        bits = (
+            ((address >> T.uint64(4)) & T.uint64(0x3FFF))
+            | (T.uint64(leading >> 4) << T.uint64(16))
+            | (T.uint64(stride >> 4) << T.uint64(32))
+        )
+        return bits | T.uint64(1 << 62) if swizzle else bits
+
+    def q_operand(smem, ks, cw):
+        # Q: two 64-column panels of ROWS rows, 128-byte swizzled; depth step ks is 32 B
+        # into the swizzled row of panel ks // 4.
+        return descriptor(smem, ks // 4 * (ROWS * 64) + cw * 64 * 64 + ks % 4 * 16, 16, 1024, True)
+
+    def k_operand(smem, st, ks):
+        return descriptor(smem, k_base + st * _TILE + ks // 4 * (KEYS * 64) + ks % 4 * 16, 16, 1024, True)
+
+    def v_operand(smem, st, ks):
+        # V: core matrices (key // 8, d // 8, key % 8, d % 8), MN-major: the leading byte
+        # offset steps along the keys (8-key groups), the stride along d.
+        return descriptor(smem, v_base + st * _TILE + ks * 2 * (8 * head_dim), 16 * head_dim, 128, False)
+
+    @T.macro
+    def wait(bar, t):
+        T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
+
+    @T.macro
+    def fence_scores(S):
+        for i in T.unroll(64):
+            T.evaluate(fence(S[i]))
+
+    @T.macro
+    def fence_output(O_acc, P):
+        for i in T.unroll(64):
+            T.evaluate(fence(O_acc[i]))
+        for i in T.unroll(32):
+            T.evaluate(fence(P.vload([2 * i], "float16x2")))
+
+    @T.macro
+    def issue_scores(S, smem, st, cw):
+        for ks in T.unroll(head_dim // 16):
+            T.evaluate(_MMA(*[S[i] for i in range(64)], q_operand(smem, ks, cw), k_operand(smem, st, ks), ks > 0, 1, 1, 0, 0))
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def issue_output(O_acc, P, smem, st):
+        for ks in T.unroll(KEYS // 16):
+            T.evaluate(
+                _MMA(
+                    *[O_acc[i] for i in range(64)],
+                    *[T.reinterpret("uint32", P.vload([8 * ks + 2 * q], "float16x2")) for q in range(4)],
+                    v_operand(smem, st, ks), True, 1, 1, 1,
+                )
+            )
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def softmax(S, m, l, m_new, repair, slope, bias, t, r0, cw, w, lane):
+        # Accumulator element 4 n + 2 g + e of lane `lane` in warp w: row 16 w + lane / 4 + 8 g
+        # of the warpgroup's 64, key 8 n + 2 (lane % 4) + e of the tile.
+        edge = straddles(r0, t, seq_q, seq_kv, variant)
+        if variant.alibi:
+            for g in T.unroll(2):
+                # the bias of the row's key 2 (lane % 4) of the tile; key 8 n + e adds (8 n + e) slopes
+                bias[g] = slope[0] * T.Cast(
+                    "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + offset)
+                )
+        for n in T.unroll(16):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    S[4 * n + 2 * g + e] = score(S[4 * n + 2 * g + e], bias[g] + slope[0] * T.float32(8 * n + e))
+                    if causal:
+                        row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
+                        key = t * KEYS + 8 * n + 2 * (lane % 4) + e
+                        if edge and not visible(row, key, seq_q, seq_kv, variant):
+                            S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
+        for g in T.unroll(2):
+            m_new[g] = m[g]
+        for n in T.unroll(16):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    m_new[g] = T.max(m_new[g], S[4 * n + 2 * g + e])
+        for g in T.unroll(2):
+            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 1, 32))
+            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 2, 32))
+            repair[g] = T.exp2(m[g] - m_new[g])
+            m[g] = m_new[g]
+            l[g] = l[g] * repair[g]
+        for n in T.unroll(16):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    S[4 * n + 2 * g + e] = T.exp2(S[4 * n + 2 * g + e] - m[g])
+                    l[g] = l[g] + S[4 * n + 2 * g + e]
+
+    @T.macro
+    def repair_output(S, P, O_acc, repair):
+        for i in T.unroll(64):
+            P[i] = T.Cast("float16", S[i])
+            O_acc[i] = O_acc[i] * repair[i % 4 // 2]
+
+    rows_q = batch * heads_q * seq_q
+    rows_kv = batch * heads_kv * seq_kv
+
+    @T.prim_func
+    def main(
+        Q: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
+        K: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
+        V: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
+        out: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
+    ):
+        q_map = T.tvm_stack_alloca("tensormap", 1)
+        k_map = T.tvm_stack_alloca("tensormap", 1)
+        v_map = T.tvm_stack_alloca("tensormap", 1)
+        # Q and K as [rows, d] in 64-column boxes, 128-byte swizzled; V as
+        # (d % 8, key % 8, d // 8, key // 8) boxes, which land as MN-major core matrices.
+        T.tensormap_encode_tiled(q_map, Q.data, head_dim, rows_q, head_dim * 2, 64, ROWS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
+        T.tensormap_encode_tiled(k_map, K.data, head_dim, rows_kv, head_dim * 2, 64, KEYS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
+        T.tensormap_encode_tiled(
+            v_map, V.data, 8, 8, head_dim // 8, rows_kv // 8, head_dim * 2, 16, head_dim * 16,
+            8, 8, head_dim // 8, KEYS // 8, 1, 1, 1, 1, descriptor_dtype="float16", rank=4, swizzle=0,
+        )
+        bx = T.launch_thread("blockIdx.x", batch * heads_q * q_tiles)
+        tx = T.launch_thread("threadIdx.x", THREADS)
+        # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        smem = T.alloc_buffer((shared,), "float16", scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        q_full = T.alloc_shared((1,), "uint64")
+        S = T.alloc_local((64,), "float32")
+        O_acc = T.alloc_local((64,), "float32")
+        P = T.alloc_local((64,), "float16")
+        m = T.alloc_local((2,), "float32")
+        l = T.alloc_local((2,), "float32")
+        m_new = T.alloc_local((2,), "float32")
+        repair = T.alloc_local((2,), "float32")
+        slope = T.alloc_local((1,), "float32")
+        bias = T.alloc_local((2,), "float32")
+        warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
+        bh = bx // q_tiles
+        b = bh // heads_q
+        h = bh % heads_q
+        # Under a causal mask the last row tiles see the most keys: they start first.
+        qt = T.if_then_else(causal, q_tiles - 1 - bx % q_tiles, bx % q_tiles)
+        r0 = qt * ROWS
+        kv_row = (b * heads_kv + h // group) * seq_kv
+        if variant.alibi:
+            slope[0] = T.pow(T.float32(2.0), T.Cast("float32", -8 * (h + 1)) / T.float32(heads_q)) * T.float32(inner)
+        lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant))
+        n_tiles = hi - lo
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
+            T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if warpgroup == 0:
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+            if tx == 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
+                for p in T.unroll(head_dim // 64):
+                    T.ptx[_TMA.format(2)](
+                        smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64),
+                        T.int32((b * heads_q + h) * seq_q + r0), q_full.ptr_to([0]),
+                    )
+                for i in range(n_tiles):
+                    st = i % stages
+                    T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * _TILE * 2))
+                    for p in T.unroll(head_dim // 64):
+                        T.ptx[_TMA.format(2)](
+                            smem.ptr_to([k_base + st * _TILE + p * KEYS * 64]), T.address_of(k_map),
+                            T.int32(p * 64), T.int32(kv_row + (lo + i) * KEYS), full.ptr_to([st]),
+                        )
+                    T.ptx[_TMA.format(4)](
+                        smem.ptr_to([v_base + st * _TILE]), T.address_of(v_map), T.int32(0), T.int32(0),
+                        T.int32(0), T.int32((kv_row + (lo + i) * KEYS) // 8), full.ptr_to([st]),
+                    )
+        else:
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+            cw = warpgroup - 1
+            w = (tx // 32) % 4
+            lane = tx % 32
+            for g in T.unroll(2):
+                m[g] = T.float32("-inf")
+                l[g] = T.float32(0)
+            for i in T.unroll(64):
+                O_acc[i] = T.float32(0)
+            T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
+            if overlap:
+                wait(full, 0)
+                fence_scores(S)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_scores(S, smem, 0, cw)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_scores(S)
+                softmax(S, m, l, m_new, repair, slope, bias, lo, r0, cw, w, lane)
+                repair_output(S, P, O_acc, repair)
+                if pingpong:
+                    # The first warpgroup issues first.
+                    if cw == 1 and n_tiles > 1:
+                        T.ptx.bar.arrive(T.uint32(_PINGPONG), T.uint32(256))
+                for i in range(1, n_tiles):
+                    wait(full, i)
+                    if pingpong:
+                        T.ptx.bar.sync(T.uint32(_PINGPONG) + T.Cast("uint32", cw), T.uint32(256))
+                    fence_scores(S)
+                    fence_output(O_acc, P)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_scores(S, smem, i % stages, cw)
+                    issue_output(O_acc, P, smem, (i - 1) % stages)
+                    if pingpong:
+                        # (The second warpgroup's last turn has no one to hand over to.)
+                        if cw == 0 or i < n_tiles - 1:
+                            T.ptx.bar.arrive(T.uint32(_PINGPONG + 1) - T.Cast("uint32", cw), T.uint32(256))
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    fence_scores(S)
+                    softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, cw, w, lane)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_output(O_acc, P)
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(i - 1) % stages]), T.uint32(1))
+                    repair_output(S, P, O_acc, repair)
+                fence_output(O_acc, P)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_output(O_acc, P, smem, (n_tiles - 1) % stages)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_output(O_acc, P)
+                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(n_tiles - 1) % stages]), T.uint32(1))
+            else:
+                for i in range(n_tiles):
+                    wait(full, i)
+                    fence_scores(S)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_scores(S, smem, i % stages, cw)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_scores(S)
+                    softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, cw, w, lane)
+                    repair_output(S, P, O_acc, repair)
+                    fence_output(O_acc, P)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_output(O_acc, P, smem, i % stages)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    fence_output(O_acc, P)
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([i % stages]), T.uint32(1))
+            for g in T.unroll(2):
+                l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
+                l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
+            for n in T.unroll(16):
+                for g in T.unroll(2):
+                    for e in T.unroll(2):
+                        out[b, h, r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, 8 * n + 2 * (lane % 4) + e] = T.Cast(
+                            "float16", O_acc[4 * n + 2 * g + e] / l[g]
+                        )
+
+    return main

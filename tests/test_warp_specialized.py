@@ -1,0 +1,153 @@
+"""The warp-specialised Hopper prefill kernel (``schedules/warp_specialized.py``): which
+key tiles a block visits and masks (against a numpy mask), what it refuses, that
+``compile_attention`` takes it on sm_90 for whole tiles, and that ptxas assembles it
+without spills, ignored ``setmaxnreg`` or serialised wgmma. Its numerics are checked on
+the GPU (``tests/test_kernels.py``)."""
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+
+from tvm_cascade import kernels
+from tvm_cascade.bench import VARIANTS
+from tvm_cascade.ops.variants import AttentionVariant
+from tvm_cascade.schedules import warp_specialized as ws
+from tvm_cascade.schedules.prefill import PrefillConfig
+
+HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+def _value(expr):
+    return int(tvm.sym.Analyzer().simplify(expr)) if isinstance(expr, tvm.ir.expr.Expr) else int(expr)
+
+
+@pytest.mark.parametrize(
+    "variant, seq_q, seq_kv",
+    [
+        (VARIANTS["global"], 384, 512),
+        (VARIANTS["causal"], 512, 512),
+        (VARIANTS["causal"], 256, 640),  # the mask's diagonal offset by 384 keys
+        (AttentionVariant("w", causal=True, window=256), 768, 768),
+        (AttentionVariant("w", causal=True, window=100), 640, 896),  # window within one tile, offset
+        (AttentionVariant("w", causal=True, window=300), 512, 512),
+        (AttentionVariant("w", causal=True, window=129), 512, 512),  # a window ending on a tile's edge
+    ],
+)
+def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q, seq_kv):
+    rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)
+    keys = np.arange(seq_kv)[None, :]
+    seen = np.ones((seq_q, seq_kv), bool)
+    if variant.is_causal:
+        seen &= keys <= rows
+    if variant.window is not None:
+        seen &= rows - keys < variant.window
+    for r0 in range(0, seq_q, ws.ROWS):
+        block = seen[r0 : r0 + ws.ROWS].reshape(ws.ROWS, -1, ws.KEYS)  # [row, tile, key]
+        tiles = np.flatnonzero(block.any(axis=(0, 2)))
+        lo, hi = (_value(x) for x in ws.key_tiles(r0, seq_q, seq_kv, variant))
+        assert (lo, hi) == (tiles[0], tiles[-1] + 1), r0
+        assert np.array_equal(tiles, np.arange(lo, hi)), "the visited tiles are contiguous"
+        for t in range(lo, hi):
+            edge = bool(_value(ws.straddles(r0, t, seq_q, seq_kv, variant)))
+            assert edge == (not block[:, t].all()), (r0, t)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((32, 32, 256, 256, 128, VARIANTS["global"], "float16", {"kind": "cuda", "arch": "sm_80"}), "needs sm_90a"),
+        ((32, 32, 256, 256, 128, VARIANTS["global"], "bfloat16", HOPPER), "computes in float16, not bfloat16"),
+        ((32, 32, 256, 256, 64, VARIANTS["global"], "float16", HOPPER), "head dim 128, not 64"),
+        ((32, 32, 300, 256, 128, VARIANTS["global"], "float16", HOPPER), "not 300 x 256"),
+        ((32, 32, 512, 256, 128, VARIANTS["causal"], "float16", HOPPER), "more queries \\(512\\) than keys \\(256\\)"),
+    ],
+)
+def test_unsupported_configurations_are_named(args, message):
+    assert ws.unsupported(*args) is not None
+    assert __import__("re").search(message, ws.unsupported(*args))
+
+
+def test_supported_configurations_are_not_refused():
+    assert ws.unsupported(32, 8, 1024, 2048, 128, VARIANTS["causal"], "float16", HOPPER) is None
+    assert ws.sm90a(HOPPER).attrs["arch"] == "sm_90a"
+
+
+def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
+    source = kernels.compile_attention(
+        1, 4, 2, 256, 384, 128, variant=VARIANTS["causal"], target=HOPPER, records=tmp_path
+    ).mod.imports[0].inspect_source()
+    for instruction in (
+        "cp.async.bulk.tensor.2d",
+        "cp.async.bulk.tensor.4d",
+        "setmaxnreg.dec.sync.aligned.u32 40",
+        "setmaxnreg.inc.sync.aligned.u32 232",
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
+        "mbarrier.arrive.expect_tx",
+    ):
+        assert instruction in source, instruction
+    # Lengths of part tiles, a PrefillConfig, a sliding window (not preferred): the
+    # mma.sync prefill schedule.
+    assert not ws.preferred(VARIANTS["window"]) and ws.preferred(VARIANTS["alibi"])
+    for variant, seq, config in (("causal", 200, None), ("causal", 256, PrefillConfig()), ("window", 256, None)):
+        other = kernels.compile_attention(
+            1, 4, 2, seq, seq, 128, variant=VARIANTS[variant], target=HOPPER, records=tmp_path, config=config
+        ).mod.imports[0].inspect_source()
+        assert "setmaxnreg" not in other and "mma.sync" in other
+    with pytest.raises(ValueError, match="lengths of whole tiles"):
+        kernels.compile_attention(1, 4, 2, 200, 200, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
+    with pytest.raises(ValueError, match="config must be a PrefillConfig or WarpSpecializedConfig"):
+        kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to assemble the kernel")
+@pytest.mark.parametrize(
+    "variant, heads_kv, config",
+    [
+        ("global", 4, ws.WarpSpecializedConfig()),
+        ("alibi", 4, ws.WarpSpecializedConfig()),
+        ("softcap", 2, ws.WarpSpecializedConfig()),
+        ("window", 4, ws.WarpSpecializedConfig()),
+        ("gqa", 1, ws.WarpSpecializedConfig(pingpong=False)),
+        ("causal", 4, ws.WarpSpecializedConfig(overlap=False, pingpong=False, stages=2)),
+    ],
+)
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, tmp_path):
+    source = kernels.compile_attention(
+        1, 4, heads_kv, 512, 512, 128, variant=VARIANTS[variant], target=HOPPER, config=config
+    ).mod.imports[0].inspect_source()
+    path = tmp_path / "kernel.cu"
+    path.write_text(source)
+    command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
+    report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in report
+    # C7508: setmaxnreg ignored; C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
+    for remark in ("C7508", "C7514", "C7519", "is injected"):
+        assert remark not in report, report
+
+
+@pytest.mark.parametrize("variant", ["global", "causal", "alibi", "softcap", "window"])
+def test_the_kernels_repair_is_the_one_rolling_update_proves(variant):
+    """The kernel repairs its running sum and output by exp2(m2_old - m2_new) of maxima in
+    log2 units, i.e. exp(m_old - m_new): the repair the algebra derives and proves for
+    ``ops.attention``'s sum and P·V under a partial max, for every variant."""
+    import sympy
+
+    from tvm_cascade import ops
+    from tvm_cascade.algebra.repair import RUNNING
+    from tvm_cascade.analysis.chain import Chain
+    from tvm_cascade.analysis.scope import buffer_params
+    from tvm_cascade.primitives.fusion import derive
+    from tvm_cascade.primitives.rolling_update import scope_of
+
+    func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS[variant])
+    sch = tvm.s_tir.Schedule(func)
+    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, ws.KEYS])
+    for name in ("sum", "pv"):
+        block = sch.get_sblock(name)
+        scope, root = scope_of(sch, block)
+        fusion = derive(Chain(root.stmt, buffer_params(scope), sch.get(block), sch.get(key_tiles), "rolling_update"))
+        (old,), (new,) = fusion.repair.old, fusion.repair.new
+        assert sympy.simplify(fusion.repair.h - RUNNING * sympy.exp(old - new)) == 0, fusion.describe()
