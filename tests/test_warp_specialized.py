@@ -151,3 +151,27 @@ def test_the_kernels_repair_is_the_one_rolling_update_proves(variant):
         fusion = derive(Chain(root.stmt, buffer_params(scope), sch.get(block), sch.get(key_tiles), "rolling_update"))
         (old,), (new,) = fusion.repair.old, fusion.repair.new
         assert sympy.simplify(fusion.repair.h - RUNNING * sympy.exp(old - new)) == 0, fusion.describe()
+
+
+@pytest.mark.parametrize("variant", ["causal", "alibi", "window"])
+def test_only_tiles_on_the_masks_edge_compute_it(variant):
+    """Every masked score is stored in the then-branch of a per-tile branch whose else
+    computes the tile's scores without the mask: one for the overlapped loop's peeled
+    first tile, one for the loop."""
+    from tvm_cascade.primitives import ir
+
+    func = ws.attention(1, 4, 4, 512, 512, 128, VARIANTS[variant])
+
+    def masked_stores(node):
+        return [
+            s for s in ir.nodes(node, tvm.tirx.BufferStore)
+            if isinstance(s.value, tvm.tirx.FloatImm) and s.value.value == ws.MASKED_SCORE
+        ]
+
+    edges = [
+        branch for branch in ir.nodes(func.body, tvm.tirx.IfThenElse)
+        if branch.else_case is not None and masked_stores(branch.then_case) and not masked_stores(branch.else_case)
+        and len(ir.nodes(branch.else_case, tvm.tirx.BufferStore)) > 0
+    ]
+    assert len(edges) == 2
+    assert len(masked_stores(func.body)) == sum(len(masked_stores(b.then_case)) for b in edges) > 0

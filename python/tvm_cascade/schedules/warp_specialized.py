@@ -233,25 +233,36 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
+    def scores(S, bias, slope, t, r0, cw, w, lane, masked):
+        for n in T.unroll(16):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    S[4 * n + 2 * g + e] = score(S[4 * n + 2 * g + e], bias[g] + slope[0] * T.float32(8 * n + e))
+                    if masked:
+                        row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
+                        key = t * KEYS + 8 * n + 2 * (lane % 4) + e
+                        if not visible(row, key, seq_q, seq_kv, variant):
+                            S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
+
+    @T.macro
     def softmax(S, m, l, m_new, repair, slope, bias, t, r0, cw, w, lane):
         # Accumulator element 4 n + 2 g + e of lane `lane` in warp w: row 16 w + lane / 4 + 8 g
         # of the warpgroup's 64, key 8 n + 2 (lane % 4) + e of the tile.
-        edge = straddles(r0, t, seq_q, seq_kv, variant)
         if variant.alibi:
             for g in T.unroll(2):
                 # the bias of the row's key 2 (lane % 4) of the tile; key 8 n + e adds (8 n + e) slopes
                 bias[g] = slope[0] * T.Cast(
                     "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + offset)
                 )
-        for n in T.unroll(16):
-            for g in T.unroll(2):
-                for e in T.unroll(2):
-                    S[4 * n + 2 * g + e] = score(S[4 * n + 2 * g + e], bias[g] + slope[0] * T.float32(8 * n + e))
-                    if causal:
-                        row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
-                        key = t * KEYS + 8 * n + 2 * (lane % 4) + e
-                        if edge and not visible(row, key, seq_q, seq_kv, variant):
-                            S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
+        if causal:
+            # Only a tile on the mask's edge computes it (a uniform branch; as one
+            # predicate per score, nvcc would select on every tile).
+            if straddles(r0, t, seq_q, seq_kv, variant):
+                scores(S, bias, slope, t, r0, cw, w, lane, True)
+            else:
+                scores(S, bias, slope, t, r0, cw, w, lane, False)
+        else:
+            scores(S, bias, slope, t, r0, cw, w, lane, False)
         for g in T.unroll(2):
             m_new[g] = m[g]
         for n in T.unroll(16):
