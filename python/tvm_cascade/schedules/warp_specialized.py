@@ -26,10 +26,10 @@ barriers), so that one's softmax runs under the other's GEMMs.
 
 Masks: the key tiles a block's rows cannot see (causal, sliding window) are not visited;
 tiles entirely visible are computed without mask arithmetic; only tiles that straddle
-the mask's edge (a uniform run-time test per tile) mask their scores, with the same
-masked score as :mod:`tvm_cascade.ops` (``finfo(float32).min``, so a row that sees no
-key of a tile is repaired exactly). ALiBi's bias and the softcap are applied to every
-score. Grouped-query heads read their group's K and V.
+the mask's edge (a uniform branch per tile) mask their scores, with the masked score of
+:mod:`tvm_cascade.ops` (:data:`MASKED_SCORE`). ALiBi's bias and the softcap are applied
+to every score. Grouped-query heads read their group's K and V (each head its own
+copy: the heads of a group do not share a tile in one block).
 
 Supported: fp16, head dim 128, query and key lengths multiples of 128, the causal offset
 ``seq_kv - seq_q`` not negative; :func:`unsupported` names what is not.
@@ -176,7 +176,8 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         return T.cuda.func_call(FENCE_OPERAND, x, source_code=FENCE_OPERAND_SOURCE)
 
     def descriptor(smem, offset, leading, stride, swizzle):
-        """wgmma shared-memory matrix descriptor of ``smem[offset]`` (byte offsets)."""
+        """wgmma shared-memory matrix descriptor of element ``smem[offset]``, the leading and
+        stride byte offsets ``leading`` and ``stride``, 128-byte swizzled or not."""
         address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(smem.ptr_to([offset])))
         bits = (
             ((address >> T.uint64(4)) & T.uint64(0x3FFF))
