@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
@@ -130,27 +131,18 @@ def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv
 
 @pytest.mark.parametrize("variant", ["global", "causal", "alibi", "softcap", "window"])
 def test_the_kernels_repair_is_the_one_rolling_update_proves(variant):
-    """The kernel repairs its running sum and output by exp2(m2_old - m2_new) of maxima in
-    log2 units, i.e. exp(m_old - m_new): the repair the algebra derives and proves for
-    ``ops.attention``'s sum and P·V under a partial max, for every variant."""
+    """The kernel emits the repair the algebra derives and proves for ``ops.attention``'s
+    sum and P·V under a partial max, t·exp(m_old - m_new) for every variant: with maxima
+    in log2 units, exp2(m_old - m_new)."""
     import sympy
 
-    from tvm_cascade import ops
     from tvm_cascade.algebra.repair import RUNNING
-    from tvm_cascade.analysis.chain import Chain
-    from tvm_cascade.analysis.scope import buffer_params
-    from tvm_cascade.primitives.fusion import derive
-    from tvm_cascade.primitives.rolling_update import scope_of
 
-    func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS[variant])
-    sch = tvm.s_tir.Schedule(func)
-    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, ws.KEYS])
-    for name in ("sum", "pv"):
-        block = sch.get_sblock(name)
-        scope, root = scope_of(sch, block)
-        fusion = derive(Chain(root.stmt, buffer_params(scope), sch.get(block), sch.get(key_tiles), "rolling_update"))
+    for fusion in ws.derived_repairs(VARIANTS[variant]):
         (old,), (new,) = fusion.repair.old, fusion.repair.new
         assert sympy.simplify(fusion.repair.h - RUNNING * sympy.exp(old - new)) == 0, fusion.describe()
+    m_old, m_new = tvm.tirx.Var("m_old", "float32"), tvm.tirx.Var("m_new", "float32")
+    assert tvm_ffi.structural_equal(ws.repair_factor(VARIANTS[variant], m_old, m_new), tvm.tirx.exp2(m_old - m_new))
 
 
 @pytest.mark.parametrize("variant", ["causal", "alibi", "window"])

@@ -16,10 +16,11 @@ A thread block of three warpgroups owns :data:`ROWS` query rows of one head:
   MN-major core matrices), accumulated onto the output in registers; the epilogue
   divides by the row sums and stores.
 
-The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives for the
-softmax cascade (``m = max s``, ``l = Σ exp(s - m)``, ``o = Σ exp(s - m)·v``): per tile the
-running ``l`` and ``o`` are repaired by ``exp(m_old - m_new)`` (in base 2 here: the
-scores are scaled by log2(e) once). With ``overlap`` the consumers issue tile j+1's Q·Kᵀ
+The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives and
+proves for the function's softmax cascade (``m = max s``, ``l = Σ exp(s - m)``,
+``o = Σ exp(s - m)·v``; :func:`derived_repairs`): per tile the running ``l`` and ``o``
+are repaired by its factor, ``exp(m_old - m_new)``, emitted from the derivation
+(:func:`repair_factor`; in base 2 here: the scores are scaled by log2(e) once). With ``overlap`` the consumers issue tile j+1's Q·Kᵀ
 and tile j's P·V together and wait only for Q·Kᵀ before the softmax (P·V runs under it);
 with ``pingpong`` the two consumer warpgroups take turns issuing their GEMMs (named
 barriers), so that one's softmax runs under the other's GEMMs.
@@ -39,9 +40,18 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import sympy
 import tvm
 from tvm.script import tirx as T
 
+from .. import ops
+from ..algebra.convert import to_tir
+from ..algebra.repair import RUNNING
+from ..analysis.chain import Chain
+from ..analysis.scope import buffer_params
+from ..errors import FusionError
+from ..primitives.fusion import derive
+from ..primitives.rolling_update import scope_of
 from .wgmma_batches import FENCE_OPERAND, FENCE_OPERAND_SOURCE
 
 #: Query rows per thread block (two consumer warpgroups of 64).
@@ -144,6 +154,54 @@ def visible(row, key, seq_q, seq_kv, variant):
     if variant.window is not None:
         ok = T.And(ok, row + offset - key < variant.window)
     return ok
+
+
+@functools.lru_cache(maxsize=None)
+def derived_repairs(variant):
+    """The repairs :meth:`~tvm.s_tir.Schedule.rolling_update` derives and proves for
+    ``ops.attention``'s running sum and output (its ``sum`` and ``pv`` blocks over key
+    tiles) when the running max moves: their
+    :class:`~tvm_cascade.primitives.fusion.Fusion`. The algebra does not depend on the
+    shapes, so a small instance of ``variant`` serves."""
+    func = ops.attention(1, 1, 1, KEYS, KEYS, 16, dtype="float16", variant=variant)
+    sch = tvm.s_tir.Schedule(func)
+    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
+    fusions = []
+    for name in ("sum", "pv"):
+        block = sch.get_sblock(name)
+        scope, root = scope_of(sch, block)
+        fusions.append(derive(Chain(root.stmt, buffer_params(scope), sch.get(block), sch.get(key_tiles), "rolling_update")))
+    return tuple(fusions)
+
+
+_OLD, _NEW = sympy.symbols("m_old m_new", real=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _repair_factor(variant):
+    factors = []
+    for fusion in derived_repairs(variant):
+        factor = sympy.simplify(fusion.repair.h / RUNNING)
+        if len(fusion.repair.old) != 1 or RUNNING in factor.free_symbols:
+            raise FusionError(
+                f"the warp-specialised kernel repairs the running sum and output by one factor of "
+                f"the running max; the repair of '{fusion.target_buffer}' is {fusion.describe()}"
+            )
+        # The kernel keeps maxima in log2 units (m = m2 ln 2).
+        (old,), (new,) = fusion.repair.old, fusion.repair.new
+        log2 = {old: _OLD * sympy.log(2), new: _NEW * sympy.log(2)}
+        factors.append(sympy.simplify(factor.subs(log2, simultaneous=True)))
+    if any(sympy.simplify(f - factors[0]) != 0 for f in factors[1:]):
+        raise FusionError(f"the running sum and output take different repairs: {factors}")
+    return factors[0]
+
+
+def repair_factor(variant, m_old, m_new):
+    """The factor that repairs the running sum and output when the running max (in log2
+    units) moves from ``m_old`` to ``m_new``, as TIR: :func:`derived_repairs`' repair,
+    which must be one factor shared by both (for softmax attention ``exp2(m_old -
+    m_new)``); FusionError otherwise."""
+    return to_tir(_repair_factor(variant), {_OLD: m_old, _NEW: m_new}, "float32")
 
 
 def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig()):
@@ -273,7 +331,7 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         for g in T.unroll(2):
             m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 1, 32))
             m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 2, 32))
-            repair[g] = T.exp2(m[g] - m_new[g])
+            repair[g] = repair_factor(variant, m[g], m_new[g])
             m[g] = m_new[g]
             l[g] = l[g] * repair[g]
         for n in T.unroll(16):
