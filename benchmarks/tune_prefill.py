@@ -10,7 +10,10 @@ model over :func:`tvm_cascade.schedules.prefill.prefill_design_space` (its choic
 with :func:`tvm_cascade.schedules.tensor_cores.build` (every warp fragment lowered to
 registers). Records go to a JSON database in ``--work-dir`` (default
 ``benchmarks/tuned/prefill``), which :func:`tvm_cascade.kernels.compile_attention` reads
-back; MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored).
+back; MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored). On an
+H100/H200 the records serve only the configurations the warp-specialised kernel does not
+(:mod:`tvm_cascade.schedules.warp_specialized`: its few choices are a config measured
+side by side, not a design space).
 """
 import sys
 from pathlib import Path
