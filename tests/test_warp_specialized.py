@@ -71,6 +71,12 @@ def test_unsupported_configurations_are_named(args, message):
     assert __import__("re").search(message, ws.unsupported(*args))
 
 
+@pytest.mark.parametrize("stages", [0, 4])
+def test_stages_must_fit_in_shared_memory(stages):
+    with pytest.raises(ValueError, match=f"{stages} K/V stages need .* bytes of shared memory; an sm_90 block has 232448"):
+        ws.attention(1, 4, 4, 256, 256, 128, VARIANTS["global"], ws.WarpSpecializedConfig(stages=stages))
+
+
 def test_supported_configurations_are_not_refused():
     assert ws.unsupported(32, 8, 1024, 2048, 128, VARIANTS["causal"], "float16", HOPPER) is None
     assert ws.sm90a(HOPPER).attrs["arch"] == "sm_90a"

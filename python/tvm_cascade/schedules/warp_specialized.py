@@ -61,6 +61,8 @@ KEYS = 128
 HEAD_DIM = 128
 #: Threads per block: the producer warpgroup and two consumer warpgroups.
 THREADS = 384
+#: Dynamic shared memory an sm_90 thread block may have (227 KB).
+SHARED_BYTES = 227 * 1024
 #: The score of a masked key, as in :mod:`tvm_cascade.ops` (finite: while a row has seen
 #: only masked keys their exps are exp2(0) = 1, and the repair at its first visible key,
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
@@ -216,6 +218,10 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     k_base = ROWS * head_dim
     v_base = k_base + stages * _TILE
     shared = v_base + stages * _TILE
+    if stages < 1 or shared * 2 > SHARED_BYTES:
+        raise ValueError(
+            f"{stages} K/V stages need {shared * 2} bytes of shared memory; an sm_90 block has {SHARED_BYTES}"
+        )
 
     # Scores go to log2 units in one multiply-add: with a softcap, the inner term
     # s·scale/cap + bias/cap, times cap·log2(e) after the tanh.
