@@ -12,7 +12,8 @@ tuned first only when asked.
 Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
 (:mod:`tvm_cascade.schedules.decode`) is used, beyond it the tensor-core prefill schedule
 (:mod:`tvm_cascade.schedules.prefill`), or on sm_90 GPUs the warp-specialised prefill
-kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are MetaSchedule JSON databases
+kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are
+MetaSchedule JSON databases
 (:class:`tvm_cascade.trace.JSONDatabase`); by default those of a source checkout,
 ``benchmarks/tuned/decode`` and ``benchmarks/tuned/prefill`` (``TVM_CASCADE_TUNED`` and
 ``TVM_CASCADE_TUNED_PREFILL`` name others). A configuration without a record gets the
