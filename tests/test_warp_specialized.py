@@ -4,7 +4,6 @@ key tiles a block visits and masks (against a numpy mask), what it refuses, that
 without spills, ignored ``setmaxnreg`` or serialised wgmma. Its numerics are checked on
 the GPU (``tests/test_kernels.py``)."""
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.variants import AttentionVariant
 from tvm_cascade.schedules import warp_specialized as ws
 from tvm_cascade.schedules.prefill import PrefillConfig
+
+from ptxas import ptxas_report
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -125,10 +126,7 @@ def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv
     source = kernels.compile_attention(
         1, 4, heads_kv, 512, 512, 128, variant=VARIANTS[variant], target=HOPPER, config=config
     ).mod.imports[0].inspect_source()
-    path = tmp_path / "kernel.cu"
-    path.write_text(source)
-    command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
-    report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    report = ptxas_report(source, tmp_path / "kernel.cu")
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7514", "C7519", "is injected"):

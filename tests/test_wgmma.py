@@ -3,7 +3,6 @@ ISA's, the batch synchronisation pass as exact IR, and the scheduled kernel comp
 sm_90a and checked by ptxas. No GPU here: the kernels' numerics are checked on a GPU by
 ``tests/test_kernels.py`` and ``python -m benchmarks.wgmma_check``."""
 import re
-import subprocess
 
 import pytest
 import tvm
@@ -14,6 +13,8 @@ from tvm.script import tirx as T
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.schedules import prefill, software_pipeline, wgmma, wgmma_batches
+
+from ptxas import ptxas_report
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -273,9 +274,7 @@ def test_ptxas_keeps_the_wgmma_kernel_asynchronous(wgmma_source, overlapped_sour
 
 
 def _check_ptxas(source, path):
-    path.write_text(source)
-    command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
-    report = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    report = ptxas_report(source, path)
     assert "Compiling entry function 'main_kernel' for 'sm_90a'" in report
     assert "is injected" not in report
 
@@ -307,3 +306,4 @@ def test_wgmma_config_reaches_the_compiled_kernel():
         config=prefill.PrefillConfig(wgmma=True),
     )
     assert "wgmma.mma_async" in compiled.mod.imports[0].inspect_source()
+

@@ -24,6 +24,14 @@ def scope_of(sch, block_rv):
     )
 
 
+def chain_of(sch, block_rv, loop_rv, kind=Chain, primitive="rolling_update"):
+    """``(root block sref, buffer params, chain)``: the ``kind`` chain of ``block_rv``
+    reduced across ``loop_rv`` in the root scope of its PrimFunc, for ``primitive``."""
+    func, root_sref = scope_of(sch, block_rv)
+    params = buffer_params(func)
+    return root_sref, params, kind(root_sref.stmt, params, sch.get(block_rv), sch.get(loop_rv), primitive)
+
+
 def tile_start(axis_var, tile):
     return tvm.tirx.floormod(axis_var, tile) == tvm.tirx.const(0, dtype_of(axis_var))
 
@@ -41,13 +49,10 @@ def add_snapshot(block: SBlock, axis_var, tile):
 
 def rolling_update(sch, block_rv, loop_rv) -> None:
     """Rewrite the IR for ``Schedule.rolling_update`` (the public method documents it)."""
-    func, root_sref = scope_of(sch, block_rv)
-    root = root_sref.stmt
-    params = buffer_params(func)
-    chain = Chain(root, params, sch.get(block_rv), sch.get(loop_rv), "rolling_update")
+    root_sref, params, chain = chain_of(sch, block_rv, loop_rv)
     fusion = derive(chain)
 
-    edit = ScopeRewrite(chain, params, root)
+    edit = ScopeRewrite(chain, params, root_sref.stmt)
 
     # Producers keep a copy of their value from before each tile: the repair's old values.
     prev_loads = []

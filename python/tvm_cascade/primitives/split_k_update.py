@@ -4,25 +4,22 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import REDUCE, accumulator_store, buffer_params, dtype_of, uses_var
+from ..analysis.scope import REDUCE, accumulator_store, dtype_of, uses_var
 from ..analysis.split_chain import SplitKChain
 from ..analysis.chain import substitute
 from . import ir
 from .fusion import derive, repair_to_tir
 from .rewrite import ScopeRewrite
-from .rolling_update import scope_of
+from .rolling_update import chain_of
 
 DATA_PAR = 0
 
 
 def split_k_update(sch, block_rv, loop_rv) -> None:
     """Rewrite the IR for ``Schedule.split_k_update`` (the public method documents it)."""
-    func, root_sref = scope_of(sch, block_rv)
-    root = root_sref.stmt
-    params = buffer_params(func)
-    chain = SplitKChain(root, params, sch.get(block_rv), sch.get(loop_rv), "split_k_update")
+    root_sref, params, chain = chain_of(sch, block_rv, loop_rv, SplitKChain, "split_k_update")
     fusion = derive(chain, required=not chain.target_is_under)
-    edit = ScopeRewrite(chain, params, root)
+    edit = ScopeRewrite(chain, params, root_sref.stmt)
     target = chain.target
     acc = accumulator_store(target.block).buffer
     partial = edit.add_buffer(_chunked_buffer(chain, acc))

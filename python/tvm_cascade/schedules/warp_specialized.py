@@ -47,12 +47,11 @@ from tvm.script import tirx as T
 from .. import ops
 from ..algebra.convert import to_tir
 from ..algebra.repair import RUNNING
-from ..analysis.chain import Chain
-from ..analysis.scope import buffer_params
 from ..errors import FusionError
 from ..primitives.fusion import derive
-from ..primitives.rolling_update import scope_of
-from .wgmma_batches import FENCE_OPERAND, FENCE_OPERAND_SOURCE
+from ..primitives.rolling_update import chain_of
+from .wgmma import descriptor
+from .wgmma_batches import fence_operand
 
 #: Query rows per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -168,12 +167,7 @@ def derived_repairs(variant):
     func = ops.attention(1, 1, 1, KEYS, KEYS, 16, dtype="float16", variant=variant)
     sch = tvm.s_tir.Schedule(func)
     key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
-    fusions = []
-    for name in ("sum", "pv"):
-        block = sch.get_sblock(name)
-        scope, root = scope_of(sch, block)
-        fusions.append(derive(Chain(root.stmt, buffer_params(scope), sch.get(block), sch.get(key_tiles), "rolling_update")))
-    return tuple(fusions)
+    return tuple(derive(chain_of(sch, sch.get_sblock(name), key_tiles)[2]) for name in ("sum", "pv"))
 
 
 _OLD, _NEW = sympy.symbols("m_old m_new", real=True)
@@ -236,32 +230,18 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
             s = T.float32(variant.softcap * _LOG2E) * T.tanh(s)
         return s
 
-    def fence(x):
-        return T.cuda.func_call(FENCE_OPERAND, x, source_code=FENCE_OPERAND_SOURCE)
-
-    def descriptor(smem, offset, leading, stride, swizzle):
-        """wgmma shared-memory matrix descriptor of element ``smem[offset]``, the leading and
-        stride byte offsets ``leading`` and ``stride``, 128-byte swizzled or not."""
-        address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(smem.ptr_to([offset])))
-        bits = (
-            ((address >> T.uint64(4)) & T.uint64(0x3FFF))
-            | (T.uint64(leading >> 4) << T.uint64(16))
-            | (T.uint64(stride >> 4) << T.uint64(32))
-        )
-        return bits | T.uint64(1 << 62) if swizzle else bits
-
     def q_operand(smem, ks, cw):
         # Q: two 64-column panels of ROWS rows, 128-byte swizzled; depth step ks is 32 B
         # into the swizzled row of panel ks // 4.
-        return descriptor(smem, ks // 4 * (ROWS * 64) + cw * 64 * 64 + ks % 4 * 16, 16, 1024, True)
+        return descriptor(smem.ptr_to([ks // 4 * (ROWS * 64) + cw * 64 * 64 + ks % 4 * 16]), 16, 1024, swizzle=True)
 
     def k_operand(smem, st, ks):
-        return descriptor(smem, k_base + st * _TILE + ks // 4 * (KEYS * 64) + ks % 4 * 16, 16, 1024, True)
+        return descriptor(smem.ptr_to([k_base + st * _TILE + ks // 4 * (KEYS * 64) + ks % 4 * 16]), 16, 1024, swizzle=True)
 
     def v_operand(smem, st, ks):
         # V: core matrices (key // 8, d // 8, key % 8, d % 8), MN-major: the leading byte
         # offset steps along the keys (8-key groups), the stride along d.
-        return descriptor(smem, v_base + st * _TILE + ks * 2 * (8 * head_dim), 16 * head_dim, 128, False)
+        return descriptor(smem.ptr_to([v_base + st * _TILE + ks * 2 * (8 * head_dim)]), 16 * head_dim, 128)
 
     @T.macro
     def wait(bar, t):
@@ -270,14 +250,14 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     @T.macro
     def fence_scores(S):
         for i in T.unroll(64):
-            T.evaluate(fence(S[i]))
+            T.evaluate(fence_operand(S[i]))
 
     @T.macro
     def fence_output(O_acc, P):
         for i in T.unroll(64):
-            T.evaluate(fence(O_acc[i]))
+            T.evaluate(fence_operand(O_acc[i]))
         for i in T.unroll(32):
-            T.evaluate(fence(P.vload([2 * i], "float16x2")))
+            T.evaluate(fence_operand(P.vload([2 * i], "float16x2")))
 
     @T.macro
     def issue_scores(S, smem, st, cw):

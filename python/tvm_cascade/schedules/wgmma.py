@@ -100,17 +100,23 @@ def _register(kind, columns):
     return name
 
 
-def _descriptor(buf, offset, leading, stride):
-    """A shared-memory matrix descriptor (no swizzle) of ``buf``'s element ``offset``,
-    the leading and stride byte offsets given in elements."""
-    pointer = T.tvm_access_ptr(T.type_annotation("float16"), buf.data, offset, 1, 1)
+def descriptor(pointer, leading, stride, swizzle=False):
+    """The wgmma shared-memory matrix descriptor of the matrix at ``pointer``: its leading
+    and stride byte offsets, its layout 128-byte swizzled or not."""
     address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(pointer))
-    field = lambda elements: T.Cast("uint64", (elements * 2) >> 4)  # noqa: E731  (bytes >> 4)
-    return (
+    bits = (
         ((address >> T.uint64(4)) & T.uint64(0x3FFF))
-        | (field(leading) << T.uint64(16))
-        | (field(stride) << T.uint64(32))
+        | (T.Cast("uint64", leading >> 4) << T.uint64(16))
+        | (T.Cast("uint64", stride >> 4) << T.uint64(32))
     )
+    return bits | T.uint64(1 << 62) if swizzle else bits
+
+
+def _descriptor(buf, offset, leading, stride):
+    """:func:`descriptor` (no swizzle) of ``buf``'s fp16 element ``offset``, the leading
+    and stride offsets given in elements."""
+    pointer = T.tvm_access_ptr(T.type_annotation("float16"), buf.data, offset, 1, 1)
+    return descriptor(pointer, leading * 2, stride * 2)
 
 
 def _instruction(columns):

@@ -36,6 +36,12 @@ __forceinline__ __device__ void {FENCE_OPERAND}(half2& r) {{
 """
 
 
+def fence_operand(register):
+    """The operand fence (:data:`FENCE_OPERAND`) of ``register``, a load of a float32 or a
+    ``float16x2`` register."""
+    return T.cuda.func_call(FENCE_OPERAND, register, source_code=FENCE_OPERAND_SOURCE)
+
+
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.SyncWgmmaBatches")
 def sync_batches(func, _mod, _ctx):
     """Each loop annotated :data:`.wgmma.BATCH` is fenced before (shared memory for the
@@ -205,10 +211,7 @@ def _register_operands(loop, accumulators_only):
         if not (isinstance(call, ir_expr.Call) and getattr(call.op, "name", "") in _INSTRUCTIONS):
             return evaluate
         return tvm.tirx.SeqStmt(
-            [
-                tvm.tirx.Evaluate(T.cuda.func_call(FENCE_OPERAND, load, source_code=FENCE_OPERAND_SOURCE))
-                for load in _register_loads(call, accumulators_only)
-            ]
+            [tvm.tirx.Evaluate(fence_operand(load)) for load in _register_loads(call, accumulators_only)]
         )
 
     def unrolled(node):
