@@ -103,7 +103,8 @@ def test_waits_stay_where_a_depth_is_not_a_constant():
 
 def test_depths_written_as_expressions_of_constants_become_constants():
     """TVM's pipeline over a loop of a run-time trip count writes its epilogue's depths as
-    ``if_then_else(True & True, d, d)``; PTX wants the constant."""
+    ``if_then_else(True & True, d, d')`` (d = d' in the interleaved pipeline, not in the
+    double-buffered one of wgmma's merged causal loop); PTX wants the constant."""
 
     def wait(depth):
         @T.prim_func(private=True)
@@ -119,4 +120,8 @@ def test_depths_written_as_expressions_of_constants_become_constants():
         return tvm.IRModule({"main": func})
 
     after = defer_copy_waits(wait(T.if_then_else(T.bool(True) & T.bool(True), 0, 0)))
+    tvm.ir.assert_structural_equal(after, wait(0))
+    after = defer_copy_waits(wait(T.if_then_else(T.bool(True) & T.bool(True), 1, 0)))
+    tvm.ir.assert_structural_equal(after, wait(1))
+    after = defer_copy_waits(wait(T.if_then_else(T.bool(True) | T.bool(False), 0, 1) + T.if_then_else(T.bool(False) | T.bool(False), 1, 0)))
     tvm.ir.assert_structural_equal(after, wait(0))

@@ -307,3 +307,13 @@ def test_wgmma_config_reaches_the_compiled_kernel():
     )
     assert "wgmma.mma_async" in compiled.mod.imports[0].inspect_source()
 
+
+def test_wgmma_causal_tiles_build_in_one_double_buffered_loop():
+    """A causal mask's merged tile loop (a run-time trip count) under wgmma: double
+    buffered, its epilogue's waits written by TVM as ``if_then_else(True & True, 1, 0)``,
+    which must reach PTX as the constant 1 (before, codegen refused the expression)."""
+    func = ops.attention(1, 2, 2, 512, 512, 128, dtype="float16", variant=VARIANTS["causal"])
+    sch = prefill.schedule_prefill(func, prefill.PrefillConfig(wgmma=True))
+    source = prefill.build(sch.mod, CUDA).mod.imports[0].inspect_source()
+    assert "wgmma.mma_async" in source
+    assert re.findall(r"cp\.async\.wait_group (\d+);", source) and "wait_group 1;" in source

@@ -20,7 +20,9 @@ where a group's first reader has no barrier before it, keeps TVM's waits.
 import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
+from tvm.ir.prim import expr as prim
 
+from ..analysis.scope import dtype_of
 from ..primitives import ir
 
 WAIT = "async_wait_queue_scope"
@@ -28,20 +30,21 @@ IN_FLIGHT = "async_wait_inflight_count"
 COMMIT = "async_commit_queue_scope"
 
 
-_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
-
-
 def _constant_depth(attr):
     """A wait's depth simplified: TVM's pipeline over a loop of a run-time trip count (a
-    causal mask's merged tiles) writes its epilogue's as ``if_then_else(True & True, 0,
-    0)``, and PTX wants constants."""
+    causal mask's merged tiles) writes its epilogue's as ``if_then_else(True & True, d,
+    d')``, and PTX wants constants."""
     if attr.attr_key != IN_FLIGHT or isinstance(attr.value, tvm.tirx.IntImm):
         return attr
-    depth = tvm.sym.Analyzer().simplify(attr.value)
-    # (The analyzer keeps a branch on a bitwise and of constants: equal branches decide it.)
-    if isinstance(depth, ir_expr.Call) and depth.op.same_as(_IF_THEN_ELSE) and tvm_ffi.structural_equal(*depth.args[1:]):
-        depth = depth.args[1]
-    return tvm.tirx.AttrStmt(attr.node, IN_FLIGHT, depth, attr.body)
+    # The analyzer decides logical and/or of constants, not the bitwise ones of bools.
+    logical = tvm_ffi.structural_map(attr.value, [(prim.BitwiseAnd, _logical), (prim.BitwiseOr, _logical)])
+    return tvm.tirx.AttrStmt(attr.node, IN_FLIGHT, tvm.sym.Analyzer().simplify(logical), attr.body)
+
+
+def _logical(op):
+    if dtype_of(op.a) != "bool":
+        return op
+    return (prim.And if isinstance(op, prim.BitwiseAnd) else prim.Or)(op.a, op.b)
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.DeferCopyWaits")
