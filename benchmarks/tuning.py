@@ -8,11 +8,15 @@ from pathlib import Path
 from .configs import suite
 
 
-def parse_args(prog: str, doc: str, default_trials: int, default_work_dir: Path, argv=None):
+def parse_args(prog: str, doc: str, default_trials: int, default_work_dir: Path, argv=None, spaces=None):
+    """The command line; with ``spaces`` (names of design spaces), a ``--spaces`` option
+    that picks some of them (default: all)."""
     parser = argparse.ArgumentParser(prog=prog, description=doc)
     parser.add_argument("--only", nargs="*", default=[], help="config name substrings")
     parser.add_argument("--trials", type=int, default=default_trials, help="trials per configuration")
     parser.add_argument("--work-dir", type=Path, default=default_work_dir)
+    if spaces is not None:
+        parser.add_argument("--spaces", nargs="+", choices=spaces, default=list(spaces), help="design spaces searched")
     return parser.parse_args(argv)
 
 
@@ -34,7 +38,8 @@ def tune_suite(kind: str, args) -> int:
             dtype=cfg.dtype, variant=VARIANTS[op.variant],
         )
         print(f"tuning {cfg.name}: {args.trials} trials", flush=True)
-        best = kernels.tune(func, target, args.work_dir, args.trials)
+        spaces = {"spaces": tuple(args.spaces)} if "spaces" in args else {}
+        best = kernels.tune(func, target, args.work_dir, args.trials, VARIANTS[op.variant], **spaces)
         if best is not None:
             print(f"  best {1e3 * best:.4f} ms", flush=True)
         else:

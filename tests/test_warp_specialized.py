@@ -3,6 +3,7 @@ key tiles a block visits and masks (against a numpy mask), what it refuses, that
 ``compile_attention`` takes it on sm_90 for whole tiles, and that ptxas assembles it
 without spills, ignored ``setmaxnreg`` or serialised wgmma. Its numerics are checked on
 the GPU (``tests/test_kernels.py``)."""
+import functools
 import shutil
 
 import numpy as np
@@ -12,6 +13,7 @@ import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
+from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.variants import AttentionVariant
 from tvm_cascade.schedules import warp_specialized as ws
@@ -171,3 +173,126 @@ def test_only_tiles_on_the_masks_edge_compute_it(variant):
     ]
     assert len(edges) == 2
     assert len(masked_stores(func.body)) == sum(len(masked_stores(b.then_case)) for b in edges) > 0
+
+
+def _source(lib):
+    return lib.mod.imports[0].inspect_source()
+
+
+def _kernel_source(func, variant, config):
+    """The CUDA source of the kernel template for ``ops.attention`` function ``func``."""
+    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = ([int(x) for x in p.shape] for p in buffer_params(func)[:2])
+    kernel = ws.attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config)
+    return _source(tvm.compile(tvm.IRModule({"main": kernel}), target=ws.sm90a(HOPPER)))
+
+
+def _samples(trace):
+    return [i for i in trace.insts if i.kind.name == "SampleCategorical"]
+
+
+def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
+    """A sample of the design space is ``rolling_update``'s fusion of the chain over
+    128-key tiles with the sampled choices annotated on the key-tile loop; every decision
+    replays (also through JSON) into :func:`ws.schedule` of those choices, which
+    ``prefill.build`` compiles to exactly the template's kernel."""
+    import itertools
+    import json
+
+    from tvm_cascade import ops
+    from tvm_cascade import trace as cascade_trace
+    from tvm_cascade.schedules import prefill
+
+    variant = VARIANTS["alibi"]
+    func = ops.attention(1, 4, 2, 256, 384, 128, dtype="float16", variant=variant)
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    ws.design_space(variant)(sch)
+    samples = _samples(sch.trace)
+    assert [[int(c) for c in i.attrs[0]] for i in samples] == [list(ws.STAGE_CHOICES), list(range(len(ws.FORMS)))]
+    assert [i.kind.name for i in sch.trace.insts].count("RollingUpdate") == 2
+    for stages, form in itertools.product(range(len(ws.STAGE_CHOICES)), range(len(ws.FORMS))):
+        trace = sch.trace
+        for inst, decision in zip(samples, (stages, form)):
+            trace = trace.with_decision(inst, decision, remove_postproc=True)
+        replayed = tvm.s_tir.Schedule(func)
+        trace.apply_to_schedule(replayed, remove_postproc=True)
+        overlap, pingpong = ws.FORMS[form]
+        config = ws.WarpSpecializedConfig(stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong)
+        assert tvm_ffi.structural_equal(replayed.mod, ws.schedule(func, variant, config).mod), (stages, form)
+        assert _source(prefill.build(replayed.mod, HOPPER)) == _kernel_source(func, variant, config), (stages, form)
+    as_json = json.loads(json.dumps(cascade_trace.trace_to_json(trace, remove_postproc=True)))
+    reloaded = tvm.s_tir.Schedule(func)
+    cascade_trace.apply_json_to_schedule(as_json, reloaded)
+    assert tvm_ffi.structural_equal(reloaded.mod, replayed.mod)
+
+
+def test_build_lowers_only_the_fused_key_tile_loop_of_a_supported_function():
+    from tvm_cascade import ops
+
+    variant = VARIANTS["causal"]
+    func = ops.attention(1, 4, 4, 256, 256, 128, dtype="float16", variant=variant)
+    # The key loop annotated without rolling_update's fusion, or split into other tiles.
+    for tile, fuse in ((ws.KEYS, False), (64, True)):
+        sch = tvm.s_tir.Schedule(func)
+        loop, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, tile])
+        if fuse:
+            for name in ("sum", "pv"):
+                sch.rolling_update(sch.get_sblock(name), loop)
+        ws._annotate(sch, loop, variant, 3, 2)
+        with pytest.raises(ValueError, match="must be max's loop over 128-key tiles with sum and pv fused into it"):
+            ws.build(sch.mod, HOPPER)
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        ws.build(ws.schedule(func, variant).mod, {"kind": "cuda", "arch": "sm_80"})
+    bf16 = ops.attention(1, 4, 4, 256, 256, 128, dtype="bfloat16", variant=variant)
+    with pytest.raises(ValueError, match="computes in float16, not bfloat16"):
+        ws.build(ws.schedule(bf16, variant).mod, HOPPER)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS.values()) + [AttentionVariant("x", window=7, alibi=True, softcap=2.5)])
+def test_variants_round_trip_through_their_annotation(variant):
+    assert ws.variant_of(ws.variant_text(variant)) == variant
+    assert '"' not in ws.variant_text(variant)
+
+
+def test_compile_attention_takes_the_best_record_that_serves_the_target(tmp_path):
+    """A database holding a warp-specialised record (faster) and a tensor-core one: on
+    sm_90 the first compiles to the template's kernel of its choices; on sm_80 the other."""
+    from tvm_cascade import ops
+    from tvm_cascade.schedules import prefill
+
+    from tuning_records import write_records
+
+    variant = VARIANTS["causal"]
+    func = ops.attention(1, 4, 2, 256, 256, 128, dtype="float16", variant=variant)
+    mma, = write_records(tmp_path, func, prefill.prefill_design_space(), HOPPER, [(1, 2e-5)])
+    warp, = write_records(tmp_path, func, ws.design_space(variant), HOPPER, [(2, 1e-5)])
+    stages, form = (int(warp.decisions[i]) for i in _samples(warp))
+    overlap, pingpong = ws.FORMS[form]
+    config = ws.WarpSpecializedConfig(stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong)
+    compiled = kernels.compile_attention(1, 4, 2, 256, 256, 128, variant=variant, target=HOPPER, records=tmp_path)
+    assert _source(compiled) == _kernel_source(func, variant, config)
+    ampere = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+    expected = tvm.s_tir.Schedule(func)
+    mma.apply_to_schedule(expected, remove_postproc=True)
+    assert tvm_ffi.structural_equal(kernels.tuned_schedule(func, ampere, tmp_path).mod, expected.mod)
+
+
+def test_tuning_builder_processes_build_warp_specialised_samples():
+    """MetaSchedule's builder processes, as ``kernels.tune`` starts them for the
+    warp-specialised space alone (no tensor intrinsics), build its samples."""
+    from pathlib import Path
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade import ops
+    from tvm_cascade.schedules import prefill
+
+    func = ops.attention(1, 2, 2, 128, 128, 128, dtype="float16", variant=VARIANTS["global"])
+    sch = tvm.s_tir.Schedule(func, seed=1)
+    ws.design_space(VARIANTS["global"])(sch)
+    builder = ms.builder.LocalBuilder(
+        f_build=prefill.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, "prefill", False),
+        timeout_sec=120, max_workers=1,
+    )
+    result, = builder.build([ms.builder.BuilderInput(sch.mod, HOPPER)])
+    assert result.error_msg is None, result.error_msg
+    assert Path(result.artifact_path).stat().st_size > 0

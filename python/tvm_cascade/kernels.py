@@ -11,7 +11,7 @@ tuned first only when asked.
 
 Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
 (:mod:`tvm_cascade.schedules.decode`) is used, beyond it the tensor-core prefill schedule
-(:mod:`tvm_cascade.schedules.prefill`), or on sm_90 GPUs the warp-specialised prefill
+(:mod:`tvm_cascade.schedules.prefill`) or, on sm_90 GPUs, the warp-specialised prefill
 kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are
 MetaSchedule JSON databases
 (:class:`tvm_cascade.trace.JSONDatabase`); by default those of a source checkout,
@@ -48,6 +48,12 @@ PAD_TO = {
     "decode": (1, decode.PAD_KEYS),
     "prefill": (prefill.PrefillConfig().rows, max(prefill.KEY_TILES)),
 }
+#: Prefill design spaces :func:`tune` searches: the tensor-core schedule's
+#: (:func:`~tvm_cascade.schedules.prefill.prefill_design_space`) and the warp-specialised
+#: kernel's (:func:`~tvm_cascade.schedules.warp_specialized.design_space`).
+PREFILL_SPACES = ("mma", "warp-specialized")
+#: Records of a workload :func:`tuned_schedule` considers, best first.
+_RECORDS_READ = 64
 #: Candidates MetaSchedule measures per search round.
 _TRIALS_PER_ROUND = {"decode": 16, "prefill": 8}
 #: MetaSchedule's evolutionary search, per kind (decode: its defaults). Prefill's design
@@ -103,12 +109,13 @@ def compile_attention(
     rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
     heuristic schedule's choices and skips the records.
 
-    Prefill on an sm_90 GPU (H100, H200) is served by the warp-specialised kernel
+    On an sm_90 GPU (H100, H200) prefill may take the warp-specialised kernel
     (:mod:`~tvm_cascade.schedules.warp_specialized`: TMA, wgmma, FlashAttention-3's
     structure) where it supports the configuration (fp16, head dim 128, lengths of whole
-    128-row/128-key tiles), it is preferred (no sliding window:
-    :func:`~tvm_cascade.schedules.warp_specialized.preferred`) and neither tuning nor a
-    ``PrefillConfig`` is asked for; a
+    128-row/128-key tiles): its design space joins the tensor-core schedule's in tuning
+    (``variant`` names its variant), its records serve like any other, and without a
+    record it is the heuristic choice where it is preferred (no sliding window:
+    :func:`~tvm_cascade.schedules.warp_specialized.preferred`). A
     :class:`~tvm_cascade.schedules.warp_specialized.WarpSpecializedConfig` asks for it
     with those choices (a configuration it does not support is then refused). Returns
     the compiled module; its ``"main"`` takes ``q, k, v, out``."""
@@ -119,34 +126,48 @@ def compile_attention(
         raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {names}")
     if target is None:
         target = tvm.target.Target.from_device(tvm.cuda(0))
-    chosen = isinstance(config, WarpSpecializedConfig)
-    if kind == "prefill" and not tune_trials and (chosen or config is None and warp_specialized.preferred(variant)):
+    warp_specialize = isinstance(config, WarpSpecializedConfig)
+    if warp_specialize:
         reason = warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
-        if reason is None:
-            func = warp_specialized.attention(
-                batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config or WarpSpecializedConfig()
-            )
-            return tvm.compile(tvm.IRModule({"main": func}), target=warp_specialized.sm90a(target))
-        if config is not None:
+        if reason is not None:
             raise ValueError(reason)
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
-        pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, config),
+        pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, None if warp_specialize else config),
     )
     records = Path(records) if records is not None else default_records(kind)
     if tune_trials:
-        tune(func, target, records, tune_trials)
-    sch = schedule(func, target, records) if config is None else heuristic_schedule(func, config)
+        tune(func, target, records, tune_trials, variant)
+    if warp_specialize:
+        sch = warp_specialized.schedule(func, variant, config)
+    elif config is None:
+        sch = schedule(func, target, records, variant)
+    else:
+        sch = heuristic_schedule(func, config)
     return prefill.build(sch.mod, target) if kind == "prefill" else tensor_cores.build(sch.mod, target)
 
 
-def schedule(func, target, records):
+def schedule(func, target, records, variant=None):
     """The schedule of ``ops.attention`` function ``func``: the best record of the
-    database at ``records`` for ``target``, else the heuristic one."""
+    database at ``records`` that serves ``target``, else the heuristic one: for prefill
+    of ``variant`` on an sm_90 ``target`` the warp-specialised kernel's
+    (:func:`~tvm_cascade.schedules.warp_specialized.schedule`) where it supports the
+    function and is preferred for the variant, else the tensor-core schedule's."""
     tuned = tuned_schedule(func, target, records)
     if tuned is not None:
         return tuned
+    if variant is not None and _warp_specialized(func, variant, target) and warp_specialized.preferred(variant):
+        return warp_specialized.schedule(func, variant)
     return heuristic_schedule(func)
+
+
+def _warp_specialized(func, variant, target):
+    """Whether the warp-specialised kernel serves ``ops.attention`` function ``func``."""
+    heads_q, heads_kv, seq_q, head_dim = _dims(func)
+    if kind_of(seq_q) != "prefill":
+        return False
+    seq_kv, dtype = _shape(buffer_params(func)[1])[2], str(buffer_params(func)[0].dtype)
+    return warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target) is None
 
 
 def heuristic_schedule(func, config=None):
@@ -160,12 +181,22 @@ def heuristic_schedule(func, config=None):
 
 def tuned_schedule(func, target, records):
     """The best tuned schedule of ``func`` for ``target`` in the database at ``records``,
-    or None (no database, or no valid record of this workload)."""
+    or None (no database, or no valid record of this workload): records of the
+    warp-specialised kernel (:func:`~tvm_cascade.schedules.warp_specialized.lowers`)
+    serve only an sm_90 ``target``."""
     records = Path(records)
     if not (records / "database_tuning_record.json").exists():
         return None
     database = _database(records, kind_of(_dims(func)[2]), allow_missing=False)
-    return database.query_schedule(tvm.IRModule({"main": func}), target, "main")
+    mod = tvm.IRModule({"main": func})
+    if not database.has_workload(mod):
+        return None
+    for record in database.get_top_k(database.commit_workload(mod), _RECORDS_READ):
+        sch = tvm.s_tir.Schedule(func)
+        record.trace.apply_to_schedule(sch, remove_postproc=False)
+        if warp_specialized.serves_target(target) or not warp_specialized.lowers(sch.mod):
+            return sch
+    return None
 
 
 def _database(records, kind, allow_missing=True):
@@ -175,11 +206,14 @@ def _database(records, kind, allow_missing=True):
     return JSONDatabase(work_dir=str(records), allow_missing=allow_missing)
 
 
-def tune(func, target, records, trials):
+def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
     """MetaSchedule's evolutionary search with the xgboost cost model over the design
     space of ``func``'s schedule, ``trials`` candidates measured on this machine's GPU;
     the records go to the JSON database at ``records``, MetaSchedule's logs below its
-    ``logs`` folder. Returns the best valid run time in seconds, or None."""
+    ``logs`` folder. Prefill's design space is the union of ``spaces``
+    (:data:`PREFILL_SPACES`): the tensor-core schedule's and, for ``func`` of
+    ``variant`` on an sm_90 ``target`` where it serves, the warp-specialised kernel's.
+    Returns the best valid run time in seconds, or None."""
     from tvm.s_tir import meta_schedule as ms
 
     if not tvm.cuda(0).exist:
@@ -187,10 +221,16 @@ def tune(func, target, records, trials):
     heads_q, heads_kv, seq_q, head_dim = _dims(func)
     kind = kind_of(seq_q)
     if kind == "prefill":
+        fns = [prefill.prefill_design_space()] if "mma" in spaces else []
+        if "warp-specialized" in spaces and variant is not None and _warp_specialized(func, variant, target):
+            fns.append(warp_specialized.design_space(variant))
+        if not fns:
+            raise ValueError(f"no design space of {spaces} serves this function on {target}")
         # No VerifyGPUCode: it holds shared memory to the static 48 KB, and the kernel's
         # dynamic shared memory is larger by design.
-        space = ms.space_generator.ScheduleFn(
-            prefill.prefill_design_space(), sch_rules=[], postprocs=[], mutator_probs={}
+        space = ms.space_generator.SpaceGeneratorUnion(
+            [ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs={}) for fn in fns],
+            sch_rules=[], postprocs=[], mutator_probs={},
         )
     else:
         space = ms.space_generator.ScheduleFn(
@@ -199,7 +239,7 @@ def tune(func, target, records, trials):
         )
     builder = ms.builder.LocalBuilder(
         f_build=prefill.BUILD_FUNC if kind == "prefill" else tensor_cores.BUILD_FUNC,
-        initializer=functools.partial(builder_init, kind),
+        initializer=functools.partial(builder_init, kind, kind != "prefill" or "mma" in spaces),
         timeout_sec=120,
     )
     records = Path(records)
@@ -222,12 +262,13 @@ def tune(func, target, records, trials):
     return min(secs) if secs and min(secs) < 1e9 else None
 
 
-def builder_init(kind):
+def builder_init(kind, tensor_intrinsics=True):
     """MetaSchedule builder-process initializer for ``kind`` candidates: importing this
-    module registers the build function; prefill's also needs TVM's CUDA tensor intrinsics
-    (half a minute, once per process rather than per build), whose index maps the CUDA
-    codegen reads."""
-    if kind == "prefill":
+    module registers the build function; prefill's tensor-core schedules also need TVM's
+    CUDA tensor intrinsics (half a minute, once per process rather than per build), whose
+    index maps the CUDA codegen reads (``tensor_intrinsics``: whether the candidates
+    include them)."""
+    if kind == "prefill" and tensor_intrinsics:
         tensor_cores.cuda_intrinsics()
 
 

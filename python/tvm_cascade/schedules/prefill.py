@@ -64,7 +64,7 @@ from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from .async_prologue import async_prologue_copies
 from .padding import inline_padding
-from . import merged_tiles, software_pipeline, tensor_cores, wgmma
+from . import merged_tiles, software_pipeline, tensor_cores, warp_specialized, wgmma
 from .tensor_cores import cuda_intrinsics
 
 
@@ -230,7 +230,11 @@ def build(mod, target):
     loops it chose to pipeline pipelined
     (:func:`~.software_pipeline.apply_chosen_pipelines`), and the Q tile's copy issued
     asynchronously where the pipeline covers it
-    (:func:`~.async_prologue.async_prologue_copies`)."""
+    (:func:`~.async_prologue.async_prologue_copies`). A module whose key-tile loop asks for
+    the warp-specialised kernel (:func:`.warp_specialized.lowers`, a sample of its design
+    space) is compiled to that kernel (:func:`.warp_specialized.build`)."""
+    if warp_specialized.lowers(mod):
+        return warp_specialized.build(mod, target)
     level = _chosen(mod, REGISTER_USAGE_LEVEL, "ptxas register usage levels")
     min_blocks = _chosen(mod, MIN_BLOCKS, "thread blocks per multiprocessor")
     mod = async_prologue_copies(software_pipeline.apply_chosen_pipelines(merged_tiles.merge_tile_loops(mod)))

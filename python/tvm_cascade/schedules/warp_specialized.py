@@ -35,6 +35,7 @@ copy: the heads of a group do not share a tile in one block).
 Supported: fp16, head dim 128, query and key lengths multiples of 128, the causal offset
 ``seq_kv - seq_q`` not negative; :func:`unsupported` names what is not.
 """
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -42,12 +43,16 @@ from dataclasses import dataclass
 import numpy as np
 import sympy
 import tvm
+import tvm_ffi
+from tvm.s_tir.stmt import SBlock
 from tvm.script import tirx as T
 
 from .. import ops
 from ..algebra.convert import to_tir
 from ..algebra.repair import RUNNING
+from ..analysis.scope import buffer_params
 from ..errors import FusionError
+from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .wgmma import descriptor
@@ -71,6 +76,17 @@ _LOG2E = math.log2(math.e)
 _ALL_LANES = 0xFFFFFFFF
 _TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16
+#: The design space's choices (:func:`design_space`): K/V stages, and the consumers'
+#: form, ``(overlap, pingpong)``.
+STAGE_CHOICES = (2, 3)
+FORMS = ((False, False), (True, False), (True, True))
+#: Annotations of the key-tile loop that :func:`build` lowers to this kernel: the
+#: variant (:func:`variant_text`), the stages, the index of the form in :data:`FORMS`, the
+#: registers ``[producer, consumer]``.
+VARIANT = "tvm_cascade.warp_specialized"
+STAGES = "tvm_cascade.warp_specialized_stages"
+FORM = "tvm_cascade.warp_specialized_form"
+REGISTERS = "tvm_cascade.warp_specialized_registers"
 # The named barriers of the consumer warpgroups' ping-pong: consumer w waits on
 # _PINGPONG + w for its turn (barrier 0 is __syncthreads').
 _PINGPONG = 3
@@ -89,10 +105,15 @@ class WarpSpecializedConfig:
     consumer_registers: int = 232
 
 
+def serves_target(target):
+    """Whether ``target`` is a GPU this kernel runs on (sm_90, sm_90a)."""
+    target = tvm.target.Target(target)
+    return target.kind.name == "cuda" and str(target.attrs.get("arch", "")) in ("sm_90", "sm_90a")
+
+
 def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target):
     """Why the kernel cannot serve this configuration on ``target``, or None."""
-    target = tvm.target.Target(target)
-    if target.kind.name != "cuda" or str(target.attrs.get("arch", "")) not in ("sm_90", "sm_90a"):
+    if not serves_target(target):
         return f"the warp-specialised kernel needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}"
     if dtype != "float16":
         return f"the warp-specialised kernel computes in float16, not {dtype}"
@@ -488,3 +509,113 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                         )
 
     return main
+
+
+def design_space(variant):
+    """A MetaSchedule design space (``fn(sch)``) of this kernel over ``ops.attention``
+    function of ``variant``: the traced ``rolling_update`` fuses the running sum and
+    output into max's loop over key tiles (:func:`fuse_key_tiles`), whose annotations ask
+    :func:`build` for the kernel; the stages (:data:`STAGE_CHOICES`) and the consumers'
+    form (:data:`FORMS`) are ``sample_categorical`` decisions."""
+
+    def space(sch):
+        def sample(options):
+            return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
+
+        _annotate(sch, fuse_key_tiles(sch), variant, sample(STAGE_CHOICES), sample(range(len(FORMS))))
+
+    return space
+
+
+def schedule(func, variant, config=WarpSpecializedConfig()):
+    """The schedule of ``ops.attention`` function ``func`` (of ``variant``) that
+    :func:`build` lowers to this kernel with ``config``'s choices."""
+    sch = tvm.s_tir.Schedule(func)
+    form = FORMS.index((config.overlap, config.overlap and config.pingpong))
+    registers = (config.producer_registers, config.consumer_registers)
+    _annotate(sch, fuse_key_tiles(sch), variant, config.stages, form, registers)
+    return sch
+
+
+def fuse_key_tiles(sch):
+    """Split ``max``'s key loop into tiles of :data:`KEYS` and fuse ``sum`` and ``pv``
+    into it by ``rolling_update`` (which derives and proves their repair); returns the
+    loop over key tiles."""
+    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
+    for name in ("sum", "pv"):
+        sch.rolling_update(sch.get_sblock(name), key_tiles)
+    return key_tiles
+
+
+def _annotate(sch, loop, variant, stages, form, registers=None):
+    config = WarpSpecializedConfig()
+    sch.annotate(loop, VARIANT, variant_text(variant))
+    sch.annotate(loop, STAGES, stages)
+    sch.annotate(loop, FORM, form)
+    sch.annotate(loop, REGISTERS, list(registers or (config.producer_registers, config.consumer_registers)))
+
+
+def variant_text(variant):
+    """``variant`` as the text of an annotation, ``field=value`` pairs (no quotes: a
+    printed trace stays Python)."""
+    return ",".join(f"{f.name}={'' if v is None else v}" for f in dataclasses.fields(variant) for v in [getattr(variant, f.name)])
+
+
+_FIELDS = {"name": str, "causal": "True".__eq__, "window": int, "alibi": "True".__eq__, "softcap": float}
+
+
+def variant_of(text):
+    """The :class:`~tvm_cascade.ops.variants.AttentionVariant` of :func:`variant_text`."""
+    values = dict(pair.split("=", 1) for pair in text.split(","))
+    if set(values) != set(_FIELDS):
+        raise ValueError(f"'{text}' does not give the fields of an attention variant, {sorted(_FIELDS)}")
+    return ops.AttentionVariant(**{k: _FIELDS[k](v) if v else None for k, v in values.items()})
+
+
+def lowers(mod):
+    """Whether a loop of ``mod`` asks for this kernel (:func:`build`)."""
+    return bool(_annotated_loops(mod))
+
+
+def _annotated_loops(mod):
+    return [
+        (func, loop)
+        for func in mod.functions.values()
+        if isinstance(func, tvm.tirx.PrimFunc)
+        for loop in ir.nodes(func.body, tvm.tirx.For)
+        if VARIANT in loop.annotations
+    ]
+
+
+def build(mod, target):
+    """Compile ``mod``, a schedule of ``ops.attention`` whose key-tile loop
+    :func:`design_space` or :func:`schedule` annotated, to this kernel for ``target``:
+    the annotated loop, into which ``rolling_update`` fused the chain, is lowered to the
+    kernel of its variant and choices (as TVM lowers a loop's software-pipeline
+    annotations). ValueError if the loop is not that loop or the kernel does not
+    support the function."""
+    loops = _annotated_loops(mod)
+    if len(loops) != 1:
+        raise ValueError(f"the warp-specialised kernel lowers one annotated key-tile loop; the module has {len(loops)}")
+    (func, loop), = loops
+    annotations = loop.annotations
+    variant = variant_of(str(annotations[VARIANT]))
+    overlap, pingpong = FORMS[int(annotations[FORM])]
+    producer, consumer = (int(r) for r in annotations[REGISTERS])
+    config = WarpSpecializedConfig(int(annotations[STAGES]), overlap, pingpong, producer, consumer)
+    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = (
+        [int(x) for x in p.shape] for p in buffer_params(func)[:2]
+    )
+    fused = {block.name_hint for block in ir.nodes(loop.body, SBlock)}
+    if int(loop.extent) != seq_kv // KEYS or not {"max", "sum", "pv"} <= fused:
+        raise ValueError(
+            f"the loop annotated for the warp-specialised kernel must be max's loop over {KEYS}-key tiles "
+            f"with sum and pv fused into it by rolling_update; it has {loop.extent} iterations and "
+            f"the blocks {sorted(fused)}"
+        )
+    dtype = str(buffer_params(func)[0].dtype)
+    reason = unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+    if reason is not None:
+        raise ValueError(reason)
+    kernel = attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config)
+    return tvm.compile(tvm.IRModule({"main": kernel}), target=sm90a(target))
