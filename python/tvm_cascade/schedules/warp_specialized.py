@@ -34,6 +34,11 @@ copy: the heads of a group do not share a tile in one block).
 
 Supported: fp16, head dim 128, query and key lengths multiples of 128, the causal offset
 ``seq_kv - seq_q`` not negative; :func:`unsupported` names what is not.
+
+Tuning: the kernel's choices are a MetaSchedule design space (:func:`design_space`).
+Its samples, like :func:`schedule`'s, are schedules of ``ops.attention``: the traced
+``rolling_update`` fuses the chain over 128-key tiles and annotations on that loop carry
+the choices; :func:`build` lowers the annotated loop to this kernel.
 """
 import dataclasses
 import functools
