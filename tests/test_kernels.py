@@ -117,6 +117,14 @@ def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv,
         ("causal", 1, 4, 4, 512, 512, {"overlap": False, "pingpong": False, "stages": 2}),
         ("global", 1, 4, 4, 512, 512, {"pingpong": False}),
         ("alibi", 1, 4, 4, 512, 512, {"pingpong": False}),
+        # Part tiles: rows past seq_q and keys past seq_kv (the next head's, or TMA's zeros).
+        ("global", 2, 4, 4, 200, 200, {}),
+        ("causal", 1, 4, 4, 300, 456, {}),
+        ("alibi", 2, 4, 4, 136, 136, {}),
+        ("softcap", 1, 4, 2, 1000, 1000, {}),
+        ("window", 1, 4, 4, 520, 520, {}),
+        ("gqa", 1, 8, 2, 72, 1000, {}),
+        ("global", 1, 2, 2, 128, 8, {}),
     ],
 )
 def test_warp_specialized_prefill_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv, choices):

@@ -38,6 +38,12 @@ def _value(expr):
         (AttentionVariant("w", causal=True, window=100), 640, 896),  # window within one tile, offset
         (AttentionVariant("w", causal=True, window=300), 512, 512),
         (AttentionVariant("w", causal=True, window=129), 512, 512),  # a window ending on a tile's edge
+        # Part tiles: rows past seq_q see nothing, keys past seq_kv are not seen.
+        (VARIANTS["global"], 200, 200),
+        (VARIANTS["causal"], 300, 456),
+        (VARIANTS["global"], 72, 8),
+        (AttentionVariant("w", causal=True, window=100), 520, 520),
+        (AttentionVariant("w", causal=True, window=256), 130, 1000),
     ],
 )
 def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q, seq_kv):
@@ -48,8 +54,11 @@ def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q,
         seen &= keys <= rows
     if variant.window is not None:
         seen &= rows - keys < variant.window
+    whole = (-(-seq_q // ws.ROWS) * ws.ROWS, -(-seq_kv // ws.KEYS) * ws.KEYS)
+    seen = np.pad(seen, [(0, whole[0] - seq_q), (0, whole[1] - seq_kv)])
+    real = np.arange(whole[0]) < seq_q
     for r0 in range(0, seq_q, ws.ROWS):
-        block = seen[r0 : r0 + ws.ROWS].reshape(ws.ROWS, -1, ws.KEYS)  # [row, tile, key]
+        block = seen[r0 : r0 + ws.ROWS][real[r0 : r0 + ws.ROWS]].reshape(-1, whole[1] // ws.KEYS, ws.KEYS)  # [row, tile, key]
         tiles = np.flatnonzero(block.any(axis=(0, 2)))
         lo, hi = (_value(x) for x in ws.key_tiles(r0, seq_q, seq_kv, variant))
         assert (lo, hi) == (tiles[0], tiles[-1] + 1), r0
@@ -57,6 +66,9 @@ def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q,
         for t in range(lo, hi):
             edge = bool(_value(ws.straddles(r0, t, seq_q, seq_kv, variant)))
             assert edge == (not block[:, t].all()), (r0, t)
+            for row in (r0, min(r0 + ws.ROWS, seq_q) - 1):
+                for key in range(t * ws.KEYS, (t + 1) * ws.KEYS):
+                    assert bool(_value(ws.visible(row, key, seq_q, seq_kv, variant))) == seen[row, key], (row, key)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +77,7 @@ def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q,
         ((32, 32, 256, 256, 128, VARIANTS["global"], "float16", {"kind": "cuda", "arch": "sm_80"}), "needs sm_90a"),
         ((32, 32, 256, 256, 128, VARIANTS["global"], "bfloat16", HOPPER), "computes in float16, not bfloat16"),
         ((32, 32, 256, 256, 64, VARIANTS["global"], "float16", HOPPER), "head dim 128, not 64"),
-        ((32, 32, 300, 256, 128, VARIANTS["global"], "float16", HOPPER), "not 300 x 256"),
+        ((32, 32, 300, 250, 128, VARIANTS["global"], "float16", HOPPER), "groups of 8 keys: 250 keys"),
         ((32, 32, 512, 256, 128, VARIANTS["causal"], "float16", HOPPER), "more queries \\(512\\) than keys \\(256\\)"),
     ],
 )
@@ -82,6 +94,7 @@ def test_stages_must_fit_in_shared_memory(stages):
 
 def test_supported_configurations_are_not_refused():
     assert ws.unsupported(32, 8, 1024, 2048, 128, VARIANTS["causal"], "float16", HOPPER) is None
+    assert ws.unsupported(32, 8, 1000, 1000, 128, VARIANTS["causal"], "float16", HOPPER) is None
     assert ws.sm90a(HOPPER).attrs["arch"] == "sm_90a"
 
 
@@ -98,35 +111,41 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         "mbarrier.arrive.expect_tx",
     ):
         assert instruction in source, instruction
-    # Lengths of part tiles, a PrefillConfig, a sliding window (not preferred): the
+    part = kernels.compile_attention(
+        1, 4, 2, 200, 200, 128, variant=VARIANTS["causal"], target=HOPPER, records=tmp_path
+    ).mod.imports[0].inspect_source()
+    assert "setmaxnreg" in part
+    # Keys not in groups of 8, a PrefillConfig, a sliding window (not preferred): the
     # mma.sync prefill schedule.
     assert not ws.preferred(VARIANTS["window"]) and ws.preferred(VARIANTS["alibi"])
-    for variant, seq, config in (("causal", 200, None), ("causal", 256, PrefillConfig()), ("window", 256, None)):
+    for variant, seq, config in (("causal", 203, None), ("causal", 256, PrefillConfig()), ("window", 256, None)):
         other = kernels.compile_attention(
             1, 4, 2, seq, seq, 128, variant=VARIANTS[variant], target=HOPPER, records=tmp_path, config=config
         ).mod.imports[0].inspect_source()
         assert "setmaxnreg" not in other and "mma.sync" in other
-    with pytest.raises(ValueError, match="lengths of whole tiles"):
-        kernels.compile_attention(1, 4, 2, 200, 200, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
+    with pytest.raises(ValueError, match="groups of 8 keys"):
+        kernels.compile_attention(1, 4, 2, 200, 203, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
     with pytest.raises(ValueError, match="config must be a PrefillConfig or WarpSpecializedConfig"):
         kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to assemble the kernel")
 @pytest.mark.parametrize(
-    "variant, heads_kv, config",
+    "variant, heads_kv, config, seq_q, seq_kv",
     [
-        ("global", 4, ws.WarpSpecializedConfig()),
-        ("alibi", 4, ws.WarpSpecializedConfig()),
-        ("softcap", 2, ws.WarpSpecializedConfig()),
-        ("window", 4, ws.WarpSpecializedConfig()),
-        ("gqa", 1, ws.WarpSpecializedConfig(pingpong=False)),
-        ("causal", 4, ws.WarpSpecializedConfig(overlap=False, pingpong=False, stages=2)),
+        ("global", 4, ws.WarpSpecializedConfig(), 512, 512),
+        ("alibi", 4, ws.WarpSpecializedConfig(), 512, 512),
+        ("softcap", 2, ws.WarpSpecializedConfig(), 512, 512),
+        ("window", 4, ws.WarpSpecializedConfig(), 512, 512),
+        ("gqa", 1, ws.WarpSpecializedConfig(pingpong=False), 512, 512),
+        ("causal", 4, ws.WarpSpecializedConfig(overlap=False, pingpong=False, stages=2), 512, 512),
+        ("global", 4, ws.WarpSpecializedConfig(), 200, 200),  # part tiles
+        ("causal", 4, ws.WarpSpecializedConfig(), 300, 456),
     ],
 )
-def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, tmp_path):
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, seq_q, seq_kv, tmp_path):
     source = kernels.compile_attention(
-        1, 4, heads_kv, 512, 512, 128, variant=VARIANTS[variant], target=HOPPER, config=config
+        1, 4, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant], target=HOPPER, config=config
     ).mod.imports[0].inspect_source()
     report = ptxas_report(source, tmp_path / "kernel.cu")
     assert "0 bytes spill stores, 0 bytes spill loads" in report
@@ -151,14 +170,14 @@ def test_the_kernels_repair_is_the_one_rolling_update_proves(variant):
     assert tvm_ffi.structural_equal(ws.repair_factor(VARIANTS[variant], m_old, m_new), tvm.tirx.exp2(m_old - m_new))
 
 
-@pytest.mark.parametrize("variant", ["causal", "alibi", "window"])
-def test_only_tiles_on_the_masks_edge_compute_it(variant):
+@pytest.mark.parametrize("variant, seq", [("causal", 512), ("alibi", 512), ("window", 512), ("global", 200)])
+def test_only_tiles_on_the_masks_edge_compute_it(variant, seq):
     """Every masked score is stored in the then-branch of a per-tile branch whose else
     computes the tile's scores without the mask: one for the overlapped loop's peeled
-    first tile, one for the loop."""
+    first tile, one for the loop (without a mask: for the part tile's padded keys)."""
     from tvm_cascade.primitives import ir
 
-    func = ws.attention(1, 4, 4, 512, 512, 128, VARIANTS[variant])
+    func = ws.attention(1, 4, 4, seq, seq, 128, VARIANTS[variant])
 
     def masked_stores(node):
         return [

@@ -111,8 +111,8 @@ def compile_attention(
 
     On an sm_90 GPU (H100, H200) prefill may take the warp-specialised kernel
     (:mod:`~tvm_cascade.schedules.warp_specialized`: TMA, wgmma, FlashAttention-3's
-    structure) where it supports the configuration (fp16, head dim 128, lengths of whole
-    128-row/128-key tiles): its design space joins the tensor-core schedule's in tuning
+    structure) where it supports the configuration (fp16, head dim 128, keys in groups
+    of 8): its design space joins the tensor-core schedule's in tuning
     (``variant`` names its variant), its records serve like any other, and without a
     record it is the heuristic choice where it is preferred (no sliding window:
     :func:`~tvm_cascade.schedules.warp_specialized.preferred`). A

@@ -32,8 +32,11 @@ the mask's edge (a uniform branch per tile) mask their scores, with the masked s
 to every score. Grouped-query heads read their group's K and V (each head its own
 copy: the heads of a group do not share a tile in one block).
 
-Supported: fp16, head dim 128, query and key lengths multiples of 128, the causal offset
-``seq_kv - seq_q`` not negative; :func:`unsupported` names what is not.
+Lengths need not be whole tiles: a part tile's TMA boxes read the next head's rows (or
+zeros past the tensor), its rows past ``seq_q`` are not stored and its keys past
+``seq_kv`` are masked on the edge tile. Supported: fp16, head dim 128, keys in groups of
+8 (V's tensor map addresses 8-key core matrices), the causal offset ``seq_kv - seq_q``
+not negative; :func:`unsupported` names what is not.
 
 Tuning: the kernel's choices are a MetaSchedule design space (:func:`design_space`).
 Its samples, like :func:`schedule`'s, are schedules of ``ops.attention``: the traced
@@ -77,6 +80,8 @@ SHARED_BYTES = 227 * 1024
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
 MASKED_SCORE = float(np.finfo(np.float32).min)
 _TILE = KEYS * HEAD_DIM  # elements of a K or V stage
+# V lands as core matrices of 8 keys: its tensor map addresses groups of 8 rows.
+_V_GROUP = 8
 _LOG2E = math.log2(math.e)
 _ALL_LANES = 0xFFFFFFFF
 _TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -124,8 +129,8 @@ def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, targ
         return f"the warp-specialised kernel computes in float16, not {dtype}"
     if head_dim != HEAD_DIM:
         return f"the warp-specialised kernel takes head dim {HEAD_DIM}, not {head_dim}"
-    if seq_q % ROWS or seq_kv % KEYS:
-        return f"the warp-specialised kernel takes lengths of whole tiles ({ROWS} rows, {KEYS} keys), not {seq_q} x {seq_kv}"
+    if seq_kv % _V_GROUP:
+        return f"the warp-specialised kernel reads V in groups of {_V_GROUP} keys: {seq_kv} keys are not whole groups"
     if heads_q % heads_kv:
         return f"{heads_q} query heads do not form groups of {heads_kv} key/value heads"
     if variant.is_causal and seq_kv < seq_q:
@@ -152,11 +157,11 @@ def sm90a(target):
 
 def key_tiles(r0, seq_q, seq_kv, variant):
     """``(lo, hi)``: the key tiles ``[lo, hi)`` that some of query rows ``r0`` to
-    ``r0 + ROWS - 1`` see (ints or expressions, as ``r0`` is)."""
+    ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` is)."""
     offset = seq_kv - seq_q
-    hi = seq_kv // KEYS
+    hi = -(-seq_kv // KEYS)
     if variant.is_causal:
-        hi = T.min(hi, (r0 + ROWS - 1 + offset) // KEYS + 1)
+        hi = T.min(hi, (_last_row(r0, seq_q) + offset) // KEYS + 1)
     lo = 0
     if variant.window is not None:
         lo = T.max(0, r0 + offset - variant.window + 1) // KEYS
@@ -164,23 +169,36 @@ def key_tiles(r0, seq_q, seq_kv, variant):
 
 
 def straddles(r0, t, seq_q, seq_kv, variant):
-    """Whether key tile ``t`` holds a key that one of rows ``r0``.. cannot see."""
+    """Whether key tile ``t`` holds a key that one of rows ``r0``.. (below ``seq_q``)
+    cannot see: a masked key or a key past ``seq_kv`` (a part tile's)."""
     offset = seq_kv - seq_q
     edges = []
     if variant.is_causal:
         edges.append(t * KEYS + KEYS - 1 > r0 + offset)
     if variant.window is not None:
-        edges.append(r0 + ROWS - 1 + offset - t * KEYS >= variant.window)
+        edges.append(_last_row(r0, seq_q) + offset - t * KEYS >= variant.window)
+    if seq_kv % KEYS:
+        edges.append(t * KEYS + KEYS > seq_kv)
     return functools.reduce(T.Or, edges, T.bool(False))
 
 
 def visible(row, key, seq_q, seq_kv, variant):
-    """Whether query ``row`` sees ``key`` (as :class:`~tvm_cascade.ops.variants.AttentionVariant` defines)."""
+    """Whether query ``row`` sees ``key`` (as :class:`~tvm_cascade.ops.variants.AttentionVariant`
+    defines; keys past ``seq_kv``, which a part tile holds, are not seen)."""
     offset = seq_kv - seq_q
-    ok = key <= row + offset
+    seen = []
+    if variant.is_causal:
+        seen.append(key <= row + offset)
     if variant.window is not None:
-        ok = T.And(ok, row + offset - key < variant.window)
-    return ok
+        seen.append(row + offset - key < variant.window)
+    if seq_kv % KEYS:
+        seen.append(key < seq_kv)
+    return functools.reduce(T.And, seen, T.bool(True))
+
+
+def _last_row(r0, seq_q):
+    """The last row below ``seq_q`` of the tile from ``r0``."""
+    return T.min(r0 + ROWS - 1, seq_q - 1) if seq_q % ROWS else r0 + ROWS - 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,7 +251,9 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     causal = variant.is_causal
     group = heads_q // heads_kv
     offset = seq_kv - seq_q
-    q_tiles = seq_q // ROWS
+    q_tiles = -(-seq_q // ROWS)
+    part_rows = seq_q % ROWS != 0
+    masked_tiles = variant.is_causal or seq_kv % KEYS != 0  # some tile straddles an edge
     scale = 1.0 / math.sqrt(head_dim)
     k_base = ROWS * head_dim
     v_base = k_base + stages * _TILE
@@ -325,7 +345,7 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                 bias[g] = slope[0] * T.Cast(
                     "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + offset)
                 )
-        if causal:
+        if masked_tiles:
             # Only a tile on the mask's edge computes it (a uniform branch; as one
             # predicate per score, nvcc would select on every tile).
             if straddles(r0, t, seq_q, seq_kv, variant):
@@ -357,6 +377,15 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         for i in T.unroll(64):
             P[i] = T.Cast("float16", S[i])
             O_acc[i] = O_acc[i] * repair[i % 4 // 2]
+
+    @T.macro
+    def store(out, b, h, row, column, value):
+        # The rows of a part tile past seq_q (another head's, or TMA's zeros) are not stored.
+        if part_rows:
+            if row < seq_q:
+                out[b, h, row, column] = T.Cast("float16", value)
+        else:
+            out[b, h, row, column] = T.Cast("float16", value)
 
     rows_q = batch * heads_q * seq_q
     rows_kv = batch * heads_kv * seq_kv
@@ -509,9 +538,7 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
             for n in T.unroll(16):
                 for g in T.unroll(2):
                     for e in T.unroll(2):
-                        out[b, h, r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, 8 * n + 2 * (lane % 4) + e] = T.Cast(
-                            "float16", O_acc[4 * n + 2 * g + e] / l[g]
-                        )
+                        store(out, b, h, r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, 8 * n + 2 * (lane % 4) + e, O_acc[4 * n + 2 * g + e] / l[g])
 
     return main
 
@@ -612,7 +639,7 @@ def build(mod, target):
         [int(x) for x in p.shape] for p in buffer_params(func)[:2]
     )
     fused = {block.name_hint for block in ir.nodes(loop.body, SBlock)}
-    if int(loop.extent) != seq_kv // KEYS or not {"max", "sum", "pv"} <= fused:
+    if int(loop.extent) != -(-seq_kv // KEYS) or not {"max", "sum", "pv"} <= fused:
         raise ValueError(
             f"the loop annotated for the warp-specialised kernel must be max's loop over {KEYS}-key tiles "
             f"with sum and pv fused into it by rolling_update; it has {loop.extent} iterations and "
