@@ -213,7 +213,7 @@ def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
     """A sample of the design space is ``rolling_update``'s fusion of the chain over
     128-key tiles with the sampled choices annotated on the key-tile loop; every decision
     replays (also through JSON) into :func:`ws.schedule` of those choices, which
-    ``prefill.build`` compiles to exactly the template's kernel."""
+    ``prefill.build`` compiles to exactly the template's kernel of those choices."""
     import itertools
     import json
 
@@ -237,7 +237,8 @@ def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
         overlap, pingpong = ws.FORMS[form]
         config = ws.WarpSpecializedConfig(stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong)
         assert tvm_ffi.structural_equal(replayed.mod, ws.schedule(func, variant, config).mod), (stages, form)
-        assert _source(prefill.build(replayed.mod, HOPPER)) == _kernel_source(func, variant, config), (stages, form)
+        if stages == form % len(ws.STAGE_CHOICES):  # (each stage count and two forms: compiling takes seconds)
+            assert _source(prefill.build(replayed.mod, HOPPER)) == _kernel_source(func, variant, config), (stages, form)
     as_json = json.loads(json.dumps(cascade_trace.trace_to_json(trace, remove_postproc=True)))
     reloaded = tvm.s_tir.Schedule(func)
     cascade_trace.apply_json_to_schedule(as_json, reloaded)
@@ -315,3 +316,23 @@ def test_tuning_builder_processes_build_warp_specialised_samples():
     result, = builder.build([ms.builder.BuilderInput(sch.mod, HOPPER)])
     assert result.error_msg is None, result.error_msg
     assert Path(result.artifact_path).stat().st_size > 0
+
+
+def test_tuning_searches_the_kernels_space_beside_the_tensor_cores_on_hopper():
+    """``kernels.design_space``: on sm_90 the union of the mma.sync schedule's space and
+    the warp-specialised kernel's (``spaces`` picks), elsewhere the first alone."""
+    from tvm_cascade import ops
+
+    variant = VARIANTS["causal"]
+    func = ops.attention(1, 4, 2, 256, 256, 128, dtype="float16", variant=variant)
+    ampere = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+
+    def kernels_of(target, **spaces):
+        designs = kernels.design_space(func, target, variant, **spaces).generate_design_space(tvm.IRModule({"main": func}))
+        return [ws.lowers(design.mod) for design in designs]
+
+    assert kernels_of(HOPPER) == [False, True]
+    assert kernels_of(ampere) == [False]
+    assert kernels_of(HOPPER, spaces=("warp-specialized",)) == [True]
+    with pytest.raises(ValueError, match="no design space of \\['warp-specialized'\\] serves this function"):
+        kernels.design_space(func, ampere, variant, spaces=("warp-specialized",))

@@ -207,36 +207,17 @@ def _database(records, kind, allow_missing=True):
 
 
 def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
-    """MetaSchedule's evolutionary search with the xgboost cost model over the design
-    space of ``func``'s schedule, ``trials`` candidates measured on this machine's GPU;
-    the records go to the JSON database at ``records``, MetaSchedule's logs below its
-    ``logs`` folder. Prefill's design space is the union of ``spaces``
-    (:data:`PREFILL_SPACES`): the tensor-core schedule's and, for ``func`` of
-    ``variant`` on an sm_90 ``target`` where it serves, the warp-specialised kernel's.
-    Returns the best valid run time in seconds, or None."""
+    """MetaSchedule's evolutionary search with the xgboost cost model over
+    :func:`design_space` of ``func`` (of ``variant``; ``spaces``: prefill's design spaces
+    searched), ``trials`` candidates measured on this machine's GPU; the records go to the
+    JSON database at ``records``, MetaSchedule's logs below its ``logs`` folder. Returns
+    the best valid run time in seconds, or None."""
     from tvm.s_tir import meta_schedule as ms
 
     if not tvm.cuda(0).exist:
         raise RuntimeError("tuning measures candidates on a CUDA GPU; this machine has none")
-    heads_q, heads_kv, seq_q, head_dim = _dims(func)
-    kind = kind_of(seq_q)
-    if kind == "prefill":
-        fns = [prefill.prefill_design_space()] if "mma" in spaces else []
-        if "warp-specialized" in spaces and variant is not None and _warp_specialized(func, variant, target):
-            fns.append(warp_specialized.design_space(variant))
-        if not fns:
-            raise ValueError(f"no design space of {spaces} serves this function on {target}")
-        # No VerifyGPUCode: it holds shared memory to the static 48 KB, and the kernel's
-        # dynamic shared memory is larger by design.
-        space = ms.space_generator.SpaceGeneratorUnion(
-            [ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs={}) for fn in fns],
-            sch_rules=[], postprocs=[], mutator_probs={},
-        )
-    else:
-        space = ms.space_generator.ScheduleFn(
-            decode_design_space(heads_q, heads_kv, head_dim),
-            sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
-        )
+    kind = kind_of(_dims(func)[2])
+    space = design_space(func, target, variant, spaces)
     builder = ms.builder.LocalBuilder(
         f_build=prefill.BUILD_FUNC if kind == "prefill" else tensor_cores.BUILD_FUNC,
         initializer=functools.partial(builder_init, kind, kind != "prefill" or "mma" in spaces),
@@ -260,6 +241,31 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
     best = database.query_tuning_record(tvm.IRModule({"main": func}), target, "main")
     secs = [float(s) for s in best.run_secs] if best is not None else []
     return min(secs) if secs and min(secs) < 1e9 else None
+
+
+def design_space(func, target, variant=None, spaces=PREFILL_SPACES):
+    """The MetaSchedule space generator :func:`tune` searches for ``ops.attention``
+    function ``func`` (of ``variant``) on ``target``: decode's design space, or the union
+    of the prefill ``spaces`` that serve the function there."""
+    from tvm.s_tir import meta_schedule as ms
+
+    heads_q, heads_kv, seq_q, head_dim = _dims(func)
+    if kind_of(seq_q) == "decode":
+        return ms.space_generator.ScheduleFn(
+            decode_design_space(heads_q, heads_kv, head_dim),
+            sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
+        )
+    fns = [prefill.prefill_design_space()] if "mma" in spaces else []
+    if "warp-specialized" in spaces and variant is not None and _warp_specialized(func, variant, target):
+        fns.append(warp_specialized.design_space(variant))
+    if not fns:
+        raise ValueError(f"no design space of {list(spaces)} serves this function on {target}")
+    # No VerifyGPUCode: it holds shared memory to the static 48 KB, and the kernels'
+    # dynamic shared memory is larger by design.
+    return ms.space_generator.SpaceGeneratorUnion(
+        [ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs={}) for fn in fns],
+        sch_rules=[], postprocs=[], mutator_probs={},
+    )
 
 
 def builder_init(kind, tensor_intrinsics=True):

@@ -579,18 +579,21 @@ def fuse_key_tiles(sch):
     return key_tiles
 
 
-def _annotate(sch, loop, variant, stages, form, registers=None):
-    config = WarpSpecializedConfig()
+def _annotate(
+    sch, loop, variant, stages, form,
+    registers=(WarpSpecializedConfig.producer_registers, WarpSpecializedConfig.consumer_registers),
+):
     sch.annotate(loop, VARIANT, variant_text(variant))
     sch.annotate(loop, STAGES, stages)
     sch.annotate(loop, FORM, form)
-    sch.annotate(loop, REGISTERS, list(registers or (config.producer_registers, config.consumer_registers)))
+    sch.annotate(loop, REGISTERS, list(registers))
 
 
 def variant_text(variant):
     """``variant`` as the text of an annotation, ``field=value`` pairs (no quotes: a
     printed trace stays Python)."""
-    return ",".join(f"{f.name}={'' if v is None else v}" for f in dataclasses.fields(variant) for v in [getattr(variant, f.name)])
+    values = ((f.name, getattr(variant, f.name)) for f in dataclasses.fields(variant))
+    return ",".join(f"{name}={'' if value is None else value}" for name, value in values)
 
 
 _FIELDS = {"name": str, "causal": "True".__eq__, "window": int, "alibi": "True".__eq__, "softcap": float}
