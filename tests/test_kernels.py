@@ -125,6 +125,11 @@ def test_compiled_kernels_match_the_reference(variant, batch, heads_q, heads_kv,
         ("window", 1, 4, 4, 520, 520, {}),
         ("gqa", 1, 8, 2, 72, 1000, {}),
         ("global", 1, 2, 2, 128, 8, {}),
+        # Clusters of two blocks sharing K/V tiles by TMA multicast.
+        ("gqa", 2, 8, 2, 384, 640, {"cluster": 2}),
+        ("alibi", 1, 8, 4, 200, 328, {"cluster": 2}),
+        ("global", 2, 4, 4, 512, 512, {"cluster": 2}),
+        ("softcap", 1, 4, 2, 1000, 1000, {"cluster": 2}),
     ],
 )
 def test_warp_specialized_prefill_kernels_match_the_reference(variant, batch, heads_q, heads_kv, seq_q, seq_kv, choices):

@@ -141,6 +141,8 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         ("causal", 4, ws.WarpSpecializedConfig(overlap=False, pingpong=False, stages=2), 512, 512),
         ("global", 4, ws.WarpSpecializedConfig(), 200, 200),  # part tiles
         ("causal", 4, ws.WarpSpecializedConfig(), 300, 456),
+        ("gqa", 2, ws.WarpSpecializedConfig(cluster=2), 384, 640),  # clusters: two heads of a group
+        ("global", 4, ws.WarpSpecializedConfig(cluster=2), 512, 512),  # two row tiles of a head
     ],
 )
 def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, seq_q, seq_kv, tmp_path):
@@ -336,3 +338,27 @@ def test_tuning_searches_the_kernels_space_beside_the_tensor_cores_on_hopper():
     assert kernels_of(HOPPER, spaces=("warp-specialized",)) == [True]
     with pytest.raises(ValueError, match="no design space of \\['warp-specialized'\\] serves this function"):
         kernels.design_space(func, ampere, variant, spaces=("warp-specialized",))
+
+
+def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_tiles():
+    """``cluster=2`` (through ``compile_attention``'s schedule path, whose annotation
+    carries it): the cluster launch, K and V multicast, stages released in both blocks;
+    refused where the two blocks of a pair would see different tiles."""
+    source = kernels.compile_attention(
+        1, 8, 2, 256, 384, 128, variant=VARIANTS["causal"], target=HOPPER, config=ws.WarpSpecializedConfig(cluster=2)
+    ).mod.imports[0].inspect_source()
+    for instruction in (
+        "%cluster_ctarank",
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+        "mapa.shared::cluster.u32",
+        "mbarrier.arrive.shared::cluster.b64",
+        "barrier.cluster.wait",
+    ):
+        assert instruction in source, instruction
+    with pytest.raises(ValueError, match="groups of 1 heads and 2 row tiles"):
+        ws.attention(1, 4, 4, 256, 256, 128, VARIANTS["causal"], ws.WarpSpecializedConfig(cluster=2))
+    with pytest.raises(ValueError, match="groups of 1 heads and 3 row tiles"):
+        ws.attention(1, 4, 4, 384, 384, 128, VARIANTS["global"], ws.WarpSpecializedConfig(cluster=2))
+    with pytest.raises(ValueError, match="clusters of 1 or 2 blocks, not 4"):
+        ws.attention(1, 8, 2, 256, 256, 128, VARIANTS["global"], ws.WarpSpecializedConfig(cluster=4))

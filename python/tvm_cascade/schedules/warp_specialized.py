@@ -38,6 +38,12 @@ zeros past the tensor), its rows past ``seq_q`` are not stored and its keys past
 8 (V's tensor map addresses 8-key core matrices), the causal offset ``seq_kv - seq_q``
 not negative; :func:`unsupported` names what is not.
 
+With ``cluster=2`` (not yet run on a GPU) two blocks form a cluster that shares each K/V
+tile: two query heads of a group on one row tile (or, without a mask, two row tiles of
+one head); rank 0 fetches K and rank 1 V, each by TMA multicast into both blocks, and
+every consumer thread releases a stage in both blocks (``mapa`` and a remote mbarrier
+arrival), the blocks meeting at cluster barriers after initialisation and before exit.
+
 Tuning: the kernel's choices are a MetaSchedule design space (:func:`design_space`).
 Its samples, like :func:`schedule`'s, are schedules of ``ops.attention``: the traced
 ``rolling_update`` fuses the chain over 128-key tiles and annotations on that loop carry
@@ -97,6 +103,8 @@ VARIANT = "tvm_cascade.warp_specialized"
 STAGES = "tvm_cascade.warp_specialized_stages"
 FORM = "tvm_cascade.warp_specialized_form"
 REGISTERS = "tvm_cascade.warp_specialized_registers"
+#: The cluster size, annotated where it is not 1 (:attr:`WarpSpecializedConfig.cluster`).
+CLUSTER = "tvm_cascade.warp_specialized_cluster"
 # The named barriers of the consumer warpgroups' ping-pong: consumer w waits on
 # _PINGPONG + w for its turn (barrier 0 is __syncthreads').
 _PINGPONG = 3
@@ -113,6 +121,9 @@ class WarpSpecializedConfig:
     pingpong: bool = True
     producer_registers: int = 40
     consumer_registers: int = 232
+    # Blocks that share each K/V tile (TMA multicast; 2: see :func:`attention`). Not yet
+    # run on a GPU: not a choice of the design space.
+    cluster: int = 1
 
 
 def serves_target(target):
@@ -247,11 +258,20 @@ def repair_factor(variant, m_old, m_new):
 def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig()):
     """The kernel's PrimFunc for ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out`` (like
     ``ops.attention``'s ``main``); :func:`unsupported` must hold None for it."""
-    stages, overlap, pingpong = config.stages, config.overlap, config.pingpong
+    stages, overlap, pingpong, cluster = config.stages, config.overlap, config.pingpong, config.cluster
     causal = variant.is_causal
     group = heads_q // heads_kv
     offset = seq_kv - seq_q
     q_tiles = -(-seq_q // ROWS)
+    pair_heads = cluster > 1 and group % 2 == 0
+    multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
+    if cluster not in (1, 2):
+        raise ValueError(f"the warp-specialised kernel shares K/V tiles in clusters of 1 or 2 blocks, not {cluster}")
+    if cluster > 1 and not pair_heads and (variant.is_causal or q_tiles % 2):
+        raise ValueError(
+            "a cluster of two blocks needs two query heads of a group (grouped-query attention) or, without a "
+            f"mask, an even number of row tiles; this has groups of {group} heads and {q_tiles} row tiles"
+        )
     part_rows = seq_q % ROWS != 0
     masked_tiles = variant.is_causal or seq_kv % KEYS != 0  # some tile straddles an edge
     scale = 1.0 / math.sqrt(head_dim)
@@ -390,26 +410,22 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     rows_q = batch * heads_q * seq_q
     rows_kv = batch * heads_kv * seq_kv
 
-    @T.prim_func
-    def main(
-        Q: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
-        K: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
-        V: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
-        out: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
-    ):
-        q_map = T.tvm_stack_alloca("tensormap", 1)
-        k_map = T.tvm_stack_alloca("tensormap", 1)
-        v_map = T.tvm_stack_alloca("tensormap", 1)
-        # Q and K as [rows, d] in 64-column boxes, 128-byte swizzled; V as
-        # (d % 8, key % 8, d // 8, key // 8) boxes, which land as MN-major core matrices.
-        T.tensormap_encode_tiled(q_map, Q.data, head_dim, rows_q, head_dim * 2, 64, ROWS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
-        T.tensormap_encode_tiled(k_map, K.data, head_dim, rows_kv, head_dim * 2, 64, KEYS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
-        T.tensormap_encode_tiled(
-            v_map, V.data, 8, 8, head_dim // 8, rows_kv // 8, head_dim * 2, 16, head_dim * 16,
-            8, 8, head_dim // 8, KEYS // 8, 1, 1, 1, 1, descriptor_dtype="float16", rank=4, swizzle=0,
-        )
-        bx = T.launch_thread("blockIdx.x", batch * heads_q * q_tiles)
-        tx = T.launch_thread("threadIdx.x", THREADS)
+    @T.macro
+    def release(empty, st, rank):
+        """This consumer thread is done with stage ``st`` (in both blocks of a cluster:
+        the peer's producer fills this block's stage too)."""
+        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([st]), T.uint32(1))
+        if cluster > 1:
+            remote = T.alloc_local((1,), "uint32")
+            T.evaluate(
+                T.ptx.mapa.shared__cluster.u32(
+                    remote[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([st])), T.uint32(1) - T.Cast("uint32", rank)
+                )
+            )
+            T.ptx.mbarrier.arrive.shared__cluster.b64(remote[0])
+
+    @T.macro
+    def block(Q, K, V, out, q_map, k_map, v_map, bx, rank, tx):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         smem = T.alloc_buffer((shared,), "float16", scope="shared.dyn", align=1024)
@@ -426,11 +442,17 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         slope = T.alloc_local((1,), "float32")
         bias = T.alloc_local((2,), "float32")
         warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
-        bh = bx // q_tiles
+        # A cluster's two blocks take two heads of a group on one row tile, or (heads
+        # unpaired, no mask) two row tiles of one head: the same K/V tiles either way.
+        if pair_heads:
+            bh = (bx // 2 // q_tiles) * 2 + rank
+        else:
+            bh = bx // q_tiles
+        row_tile = T.meta_var(bx // 2 % q_tiles if pair_heads else bx % q_tiles)
         b = bh // heads_q
         h = bh % heads_q
         # Under a causal mask the last row tiles see the most keys: they start first.
-        qt = T.if_then_else(causal, q_tiles - 1 - bx % q_tiles, bx % q_tiles)
+        qt = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile)
         r0 = qt * ROWS
         kv_row = (b * heads_kv + h // group) * seq_kv
         if variant.alibi:
@@ -440,10 +462,16 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
+                # every consumer thread of the cluster releases every stage
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256 * cluster))
             T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
             T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        if cluster > 1:
+            # The peer's multicasts and arrivals need this block's barriers initialised.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
+        else:
+            T.cuda.cta_sync()
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
@@ -457,15 +485,19 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                     st = i % stages
                     T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * _TILE * 2))
-                    for p in T.unroll(head_dim // 64):
-                        T.ptx[_TMA.format(2)](
-                            smem.ptr_to([k_base + st * _TILE + p * KEYS * 64]), T.address_of(k_map),
-                            T.int32(p * 64), T.int32(kv_row + (lo + i) * KEYS), full.ptr_to([st]),
+                    # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
+                    # (the bytes complete on each block's full[st]).
+                    if cluster == 1 or rank == 0:
+                        for p in T.unroll(head_dim // 64):
+                            T.ptx[_TMA.format(2) + multicast](
+                                smem.ptr_to([k_base + st * _TILE + p * KEYS * 64]), T.address_of(k_map),
+                                T.int32(p * 64), T.int32(kv_row + (lo + i) * KEYS), full.ptr_to([st]), *mask,
+                            )
+                    if cluster == 1 or rank == 1:
+                        T.ptx[_TMA.format(4) + multicast](
+                            smem.ptr_to([v_base + st * _TILE]), T.address_of(v_map), T.int32(0), T.int32(0),
+                            T.int32(0), T.int32((kv_row + (lo + i) * KEYS) // 8), full.ptr_to([st]), *mask,
                         )
-                    T.ptx[_TMA.format(4)](
-                        smem.ptr_to([v_base + st * _TILE]), T.address_of(v_map), T.int32(0), T.int32(0),
-                        T.int32(0), T.int32((kv_row + (lo + i) * KEYS) // 8), full.ptr_to([st]),
-                    )
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
             cw = warpgroup - 1
@@ -508,14 +540,14 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                     softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, cw, w, lane)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence_output(O_acc, P)
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(i - 1) % stages]), T.uint32(1))
+                    release(empty, (i - 1) % stages, rank)
                     repair_output(S, P, O_acc, repair)
                 fence_output(O_acc, P)
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_output(O_acc, P, smem, (n_tiles - 1) % stages)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_output(O_acc, P)
-                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(n_tiles - 1) % stages]), T.uint32(1))
+                release(empty, (n_tiles - 1) % stages, rank)
             else:
                 for i in range(n_tiles):
                     wait(full, i)
@@ -531,7 +563,7 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                     issue_output(O_acc, P, smem, i % stages)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     fence_output(O_acc, P)
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([i % stages]), T.uint32(1))
+                    release(empty, i % stages, rank)
             for g in T.unroll(2):
                 l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
                 l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
@@ -539,6 +571,37 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                 for g in T.unroll(2):
                     for e in T.unroll(2):
                         store(out, b, h, r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, 8 * n + 2 * (lane % 4) + e, O_acc[4 * n + 2 * g + e] / l[g])
+        if cluster > 1:
+            # No block leaves while its peer may still arrive on its barriers.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
+
+    @T.prim_func
+    def main(
+        Q: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
+        K: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
+        V: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
+        out: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
+    ):
+        q_map = T.tvm_stack_alloca("tensormap", 1)
+        k_map = T.tvm_stack_alloca("tensormap", 1)
+        v_map = T.tvm_stack_alloca("tensormap", 1)
+        # Q and K as [rows, d] in 64-column boxes, 128-byte swizzled; V as
+        # (d % 8, key % 8, d // 8, key // 8) boxes, which land as MN-major core matrices.
+        T.tensormap_encode_tiled(q_map, Q.data, head_dim, rows_q, head_dim * 2, 64, ROWS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
+        T.tensormap_encode_tiled(k_map, K.data, head_dim, rows_kv, head_dim * 2, 64, KEYS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
+        T.tensormap_encode_tiled(
+            v_map, V.data, 8, 8, head_dim // 8, rows_kv // 8, head_dim * 2, 16, head_dim * 16,
+            8, 8, head_dim // 8, KEYS // 8, 1, 1, 1, 1, descriptor_dtype="float16", rank=4, swizzle=0,
+        )
+        bx = T.launch_thread("blockIdx.x", batch * heads_q * q_tiles)
+        if cluster > 1:
+            rank = T.launch_thread("clusterCtaIdx.x", cluster)
+            tx = T.launch_thread("threadIdx.x", THREADS)
+            block(Q, K, V, out, q_map, k_map, v_map, bx, rank, tx)
+        else:
+            tx = T.launch_thread("threadIdx.x", THREADS)
+            block(Q, K, V, out, q_map, k_map, v_map, bx, 0, tx)
 
     return main
 
@@ -565,7 +628,10 @@ def schedule(func, variant, config=WarpSpecializedConfig()):
     sch = tvm.s_tir.Schedule(func)
     form = FORMS.index((config.overlap, config.overlap and config.pingpong))
     registers = (config.producer_registers, config.consumer_registers)
-    _annotate(sch, fuse_key_tiles(sch), variant, config.stages, form, registers)
+    loop = fuse_key_tiles(sch)
+    _annotate(sch, loop, variant, config.stages, form, registers)
+    if config.cluster != 1:
+        sch.annotate(loop, CLUSTER, config.cluster)
     return sch
 
 
@@ -637,7 +703,8 @@ def build(mod, target):
     variant = variant_of(str(annotations[VARIANT]))
     overlap, pingpong = FORMS[int(annotations[FORM])]
     producer, consumer = (int(r) for r in annotations[REGISTERS])
-    config = WarpSpecializedConfig(int(annotations[STAGES]), overlap, pingpong, producer, consumer)
+    cluster = int(annotations[CLUSTER]) if CLUSTER in annotations else 1
+    config = WarpSpecializedConfig(int(annotations[STAGES]), overlap, pingpong, producer, consumer, cluster)
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = (
         [int(x) for x in p.shape] for p in buffer_params(func)[:2]
     )
