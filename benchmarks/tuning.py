@@ -31,6 +31,7 @@ def tune_suite(kind: str, args) -> int:
         print("no CUDA GPU: nothing to tune; skipping.")
         return 0
     target = tvm.target.Target.from_device(tvm.cuda(0))
+    spaces = {"spaces": tuple(args.spaces)} if "spaces" in args else {}
     for cfg in suite(kind, only=args.only):
         op = cfg.op
         func = ops.attention(
@@ -38,7 +39,6 @@ def tune_suite(kind: str, args) -> int:
             dtype=cfg.dtype, variant=VARIANTS[op.variant],
         )
         print(f"tuning {cfg.name}: {args.trials} trials", flush=True)
-        spaces = {"spaces": tuple(args.spaces)} if "spaces" in args else {}
         best = kernels.tune(func, target, args.work_dir, args.trials, VARIANTS[op.variant], **spaces)
         if best is not None:
             print(f"  best {1e3 * best:.4f} ms", flush=True)

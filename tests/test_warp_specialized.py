@@ -13,7 +13,6 @@ import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
-from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.variants import AttentionVariant
 from tvm_cascade.schedules import warp_specialized as ws
@@ -202,8 +201,7 @@ def _source(lib):
 
 def _kernel_source(func, variant, config):
     """The CUDA source of the kernel template for ``ops.attention`` function ``func``."""
-    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = ([int(x) for x in p.shape] for p in buffer_params(func)[:2])
-    kernel = ws.attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config)
+    kernel = ws.attention(*ws.shapes(func)[:6], variant, config)
     return _source(tvm.compile(tvm.IRModule({"main": kernel}), target=ws.sm90a(HOPPER)))
 
 

@@ -163,11 +163,7 @@ def schedule(func, target, records, variant=None):
 
 def _warp_specialized(func, variant, target):
     """Whether the warp-specialised kernel serves ``ops.attention`` function ``func``."""
-    heads_q, heads_kv, seq_q, head_dim = _dims(func)
-    if kind_of(seq_q) != "prefill":
-        return False
-    seq_kv, dtype = _shape(buffer_params(func)[1])[2], str(buffer_params(func)[0].dtype)
-    return warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target) is None
+    return kind_of(_dims(func)[2]) == "prefill" and warp_specialized.function_unsupported(func, variant, target) is None
 
 
 def heuristic_schedule(func, config=None):
@@ -220,7 +216,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
     space = design_space(func, target, variant, spaces)
     builder = ms.builder.LocalBuilder(
         f_build=prefill.BUILD_FUNC if kind == "prefill" else tensor_cores.BUILD_FUNC,
-        initializer=functools.partial(builder_init, kind, kind != "prefill" or "mma" in spaces),
+        initializer=functools.partial(builder_init, kind, "mma" in spaces),
         timeout_sec=120,
     )
     records = Path(records)

@@ -149,6 +149,20 @@ def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, targ
     return None
 
 
+def shapes(func):
+    """``(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype)`` of ``ops.attention``
+    function ``func`` (its real lengths: padding is internal)."""
+    q, k = buffer_params(func)[:2]
+    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = ([int(x) for x in p.shape] for p in (q, k))
+    return batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, str(q.dtype)
+
+
+def function_unsupported(func, variant, target):
+    """:func:`unsupported` for ``ops.attention`` function ``func`` of ``variant``."""
+    _, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype = shapes(func)
+    return unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+
+
 def preferred(variant):
     """Whether ``compile_attention`` takes this kernel by default where it is supported:
     not under a sliding window, whose blocks see too few key tiles to repay the kernel's
@@ -219,9 +233,8 @@ def derived_repairs(variant):
     tiles) when the running max moves: their
     :class:`~tvm_cascade.primitives.fusion.Fusion`. The algebra does not depend on the
     shapes, so a small instance of ``variant`` serves."""
-    func = ops.attention(1, 1, 1, KEYS, KEYS, 16, dtype="float16", variant=variant)
-    sch = tvm.s_tir.Schedule(func)
-    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
+    sch = tvm.s_tir.Schedule(ops.attention(1, 1, 1, KEYS, KEYS, 16, dtype="float16", variant=variant))
+    key_tiles = _key_tiles_loop(sch)
     return tuple(derive(chain_of(sch, sch.get_sblock(name), key_tiles)[2]) for name in ("sum", "pv"))
 
 
@@ -267,13 +280,13 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
     if cluster not in (1, 2):
         raise ValueError(f"the warp-specialised kernel shares K/V tiles in clusters of 1 or 2 blocks, not {cluster}")
-    if cluster > 1 and not pair_heads and (variant.is_causal or q_tiles % 2):
+    if cluster > 1 and not pair_heads and (causal or q_tiles % 2):
         raise ValueError(
             "a cluster of two blocks needs two query heads of a group (grouped-query attention) or, without a "
             f"mask, an even number of row tiles; this has groups of {group} heads and {q_tiles} row tiles"
         )
     part_rows = seq_q % ROWS != 0
-    masked_tiles = variant.is_causal or seq_kv % KEYS != 0  # some tile straddles an edge
+    masked_tiles = causal or seq_kv % KEYS != 0  # some tile straddles an edge
     scale = 1.0 / math.sqrt(head_dim)
     k_base = ROWS * head_dim
     v_base = k_base + stages * _TILE
@@ -628,10 +641,7 @@ def schedule(func, variant, config=WarpSpecializedConfig()):
     sch = tvm.s_tir.Schedule(func)
     form = FORMS.index((config.overlap, config.overlap and config.pingpong))
     registers = (config.producer_registers, config.consumer_registers)
-    loop = fuse_key_tiles(sch)
-    _annotate(sch, loop, variant, config.stages, form, registers)
-    if config.cluster != 1:
-        sch.annotate(loop, CLUSTER, config.cluster)
+    _annotate(sch, fuse_key_tiles(sch), variant, config.stages, form, registers, config.cluster)
     return sch
 
 
@@ -639,20 +649,29 @@ def fuse_key_tiles(sch):
     """Split ``max``'s key loop into tiles of :data:`KEYS` and fuse ``sum`` and ``pv``
     into it by ``rolling_update`` (which derives and proves their repair); returns the
     loop over key tiles."""
-    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
+    key_tiles = _key_tiles_loop(sch)
     for name in ("sum", "pv"):
         sch.rolling_update(sch.get_sblock(name), key_tiles)
+    return key_tiles
+
+
+def _key_tiles_loop(sch):
+    """Split ``max``'s key loop into tiles of :data:`KEYS`; the loop over tiles."""
+    key_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, KEYS])
     return key_tiles
 
 
 def _annotate(
     sch, loop, variant, stages, form,
     registers=(WarpSpecializedConfig.producer_registers, WarpSpecializedConfig.consumer_registers),
+    cluster=WarpSpecializedConfig.cluster,
 ):
     sch.annotate(loop, VARIANT, variant_text(variant))
     sch.annotate(loop, STAGES, stages)
     sch.annotate(loop, FORM, form)
     sch.annotate(loop, REGISTERS, list(registers))
+    if cluster != 1:  # (records of the kernel before clusters replay as they were)
+        sch.annotate(loop, CLUSTER, cluster)
 
 
 def variant_text(variant):
@@ -705,9 +724,7 @@ def build(mod, target):
     producer, consumer = (int(r) for r in annotations[REGISTERS])
     cluster = int(annotations[CLUSTER]) if CLUSTER in annotations else 1
     config = WarpSpecializedConfig(int(annotations[STAGES]), overlap, pingpong, producer, consumer, cluster)
-    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = (
-        [int(x) for x in p.shape] for p in buffer_params(func)[:2]
-    )
+    batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, _ = shapes(func)
     fused = {block.name_hint for block in ir.nodes(loop.body, SBlock)}
     if int(loop.extent) != -(-seq_kv // KEYS) or not {"max", "sum", "pv"} <= fused:
         raise ValueError(
@@ -715,8 +732,7 @@ def build(mod, target):
             f"with sum and pv fused into it by rolling_update; it has {loop.extent} iterations and "
             f"the blocks {sorted(fused)}"
         )
-    dtype = str(buffer_params(func)[0].dtype)
-    reason = unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+    reason = function_unsupported(func, variant, target)
     if reason is not None:
         raise ValueError(reason)
     kernel = attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config)
