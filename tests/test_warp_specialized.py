@@ -209,6 +209,28 @@ def _samples(trace):
     return [i for i in trace.insts if i.kind.name == "SampleCategorical"]
 
 
+def _config(stages, form, cluster=0):
+    """The kernel's choices of the design space's decisions (indices of its options)."""
+    overlap, pingpong = ws.FORMS[form]
+    return ws.WarpSpecializedConfig(
+        stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong, cluster=ws.CLUSTER_CHOICES[cluster]
+    )
+
+
+def test_design_space_samples_clusters_only_where_the_kernel_takes_them():
+    """Clusters pair two heads of a group, or two row tiles of an unmasked head: without
+    either (causal MHA, an odd row-tile count) the space samples no cluster size."""
+    from tvm_cascade import ops
+
+    for variant, heads_kv, seq_q, samples in (
+        ("causal", 4, 256, 2), ("global", 4, 384, 2), ("global", 4, 256, 3), ("causal", 2, 384, 3),
+    ):
+        func = ops.attention(1, 4, heads_kv, seq_q, 384, 128, dtype="float16", variant=VARIANTS[variant])
+        sch = tvm.s_tir.Schedule(func, seed=1)
+        ws.design_space(VARIANTS[variant])(sch)
+        assert len(_samples(sch.trace)) == samples, (variant, heads_kv, seq_q)
+
+
 def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
     """A sample of the design space is ``rolling_update``'s fusion of the chain over
     128-key tiles with the sampled choices annotated on the key-tile loop; every decision
@@ -226,19 +248,20 @@ def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
     sch = tvm.s_tir.Schedule(func, seed=1)
     ws.design_space(variant)(sch)
     samples = _samples(sch.trace)
-    assert [[int(c) for c in i.attrs[0]] for i in samples] == [list(ws.STAGE_CHOICES), list(range(len(ws.FORMS)))]
+    choices = [ws.STAGE_CHOICES, range(len(ws.FORMS)), ws.CLUSTER_CHOICES]  # (groups of 2 heads: clusters)
+    assert [[int(c) for c in i.attrs[0]] for i in samples] == [list(c) for c in choices]
     assert [i.kind.name for i in sch.trace.insts].count("RollingUpdate") == 2
-    for stages, form in itertools.product(range(len(ws.STAGE_CHOICES)), range(len(ws.FORMS))):
+    compiled = {(0, 0, 0), (1, 1, 0), (1, 2, 1)}  # (each stage count, form and cluster: compiling takes seconds)
+    for decisions in itertools.product(*(range(len(c)) for c in choices)):
         trace = sch.trace
-        for inst, decision in zip(samples, (stages, form)):
+        for inst, decision in zip(samples, decisions):
             trace = trace.with_decision(inst, decision, remove_postproc=True)
         replayed = tvm.s_tir.Schedule(func)
         trace.apply_to_schedule(replayed, remove_postproc=True)
-        overlap, pingpong = ws.FORMS[form]
-        config = ws.WarpSpecializedConfig(stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong)
-        assert tvm_ffi.structural_equal(replayed.mod, ws.schedule(func, variant, config).mod), (stages, form)
-        if stages == form % len(ws.STAGE_CHOICES):  # (each stage count and two forms: compiling takes seconds)
-            assert _source(prefill.build(replayed.mod, HOPPER)) == _kernel_source(func, variant, config), (stages, form)
+        config = _config(*decisions)
+        assert tvm_ffi.structural_equal(replayed.mod, ws.schedule(func, variant, config).mod), decisions
+        if decisions in compiled:
+            assert _source(prefill.build(replayed.mod, HOPPER)) == _kernel_source(func, variant, config), decisions
     as_json = json.loads(json.dumps(cascade_trace.trace_to_json(trace, remove_postproc=True)))
     reloaded = tvm.s_tir.Schedule(func)
     cascade_trace.apply_json_to_schedule(as_json, reloaded)
@@ -285,9 +308,7 @@ def test_compile_attention_takes_the_best_record_that_serves_the_target(tmp_path
     func = ops.attention(1, 4, 2, 256, 256, 128, dtype="float16", variant=variant)
     mma, = write_records(tmp_path, func, prefill.prefill_design_space(), HOPPER, [(1, 2e-5)])
     warp, = write_records(tmp_path, func, ws.design_space(variant), HOPPER, [(2, 1e-5)])
-    stages, form = (int(warp.decisions[i]) for i in _samples(warp))
-    overlap, pingpong = ws.FORMS[form]
-    config = ws.WarpSpecializedConfig(stages=ws.STAGE_CHOICES[stages], overlap=overlap, pingpong=pingpong)
+    config = _config(*(int(warp.decisions[i]) for i in _samples(warp)))
     compiled = kernels.compile_attention(1, 4, 2, 256, 256, 128, variant=variant, target=HOPPER, records=tmp_path)
     assert _source(compiled) == _kernel_source(func, variant, config)
     ampere = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})

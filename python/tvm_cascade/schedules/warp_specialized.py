@@ -38,7 +38,7 @@ zeros past the tensor), its rows past ``seq_q`` are not stored and its keys past
 8 (V's tensor map addresses 8-key core matrices), the causal offset ``seq_kv - seq_q``
 not negative; :func:`unsupported` names what is not.
 
-With ``cluster=2`` (not yet run on a GPU) two blocks form a cluster that shares each K/V
+With ``cluster=2`` two blocks form a cluster that shares each K/V
 tile: two query heads of a group on one row tile (or, without a mask, two row tiles of
 one head); rank 0 fetches K and rank 1 V, each by TMA multicast into both blocks, and
 every consumer thread releases a stage in both blocks (``mapa`` and a remote mbarrier
@@ -96,6 +96,8 @@ _MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16
 #: form, ``(overlap, pingpong)``.
 STAGE_CHOICES = (2, 3)
 FORMS = ((False, False), (True, False), (True, True))
+#: Cluster sizes sampled where the configuration allows them (:func:`cluster_unsupported`).
+CLUSTER_CHOICES = (1, 2)
 #: Annotations of the key-tile loop that :func:`build` lowers to this kernel: the
 #: variant (:func:`variant_text`), the stages, the index of the form in :data:`FORMS`, the
 #: registers ``[producer, consumer]``.
@@ -121,8 +123,9 @@ class WarpSpecializedConfig:
     pingpong: bool = True
     producer_registers: int = 40
     consumer_registers: int = 232
-    # Blocks that share each K/V tile (TMA multicast; 2: see :func:`attention`). Not yet
-    # run on a GPU: not a choice of the design space.
+    # Blocks that share each K/V tile (TMA multicast; 2: see :func:`attention`). H200, ms,
+    # cluster 1 / 2: GQA b8 s4096 2.548 / 2.583, b1 s16384 4.471 / 4.334; global b8 s1024
+    # 0.363 / 0.383, b1 s16384 8.699 / 8.505.
     cluster: int = 1
 
 
@@ -161,6 +164,20 @@ def function_unsupported(func, variant, target):
     """:func:`unsupported` for ``ops.attention`` function ``func`` of ``variant``."""
     _, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype = shapes(func)
     return unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+
+
+def cluster_unsupported(cluster, heads_q, heads_kv, seq_q, variant):
+    """Why clusters of ``cluster`` blocks cannot share K/V tiles in this configuration, or
+    None."""
+    if cluster not in (1, 2):
+        return f"the warp-specialised kernel shares K/V tiles in clusters of 1 or 2 blocks, not {cluster}"
+    group, q_tiles = heads_q // heads_kv, -(-seq_q // ROWS)
+    if cluster > 1 and group % 2 and (variant.is_causal or q_tiles % 2):
+        return (
+            "a cluster of two blocks needs two query heads of a group (grouped-query attention) or, without a "
+            f"mask, an even number of row tiles; this has groups of {group} heads and {q_tiles} row tiles"
+        )
+    return None
 
 
 def preferred(variant):
@@ -278,13 +295,9 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     q_tiles = -(-seq_q // ROWS)
     pair_heads = cluster > 1 and group % 2 == 0
     multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
-    if cluster not in (1, 2):
-        raise ValueError(f"the warp-specialised kernel shares K/V tiles in clusters of 1 or 2 blocks, not {cluster}")
-    if cluster > 1 and not pair_heads and (causal or q_tiles % 2):
-        raise ValueError(
-            "a cluster of two blocks needs two query heads of a group (grouped-query attention) or, without a "
-            f"mask, an even number of row tiles; this has groups of {group} heads and {q_tiles} row tiles"
-        )
+    refusal = cluster_unsupported(cluster, heads_q, heads_kv, seq_q, variant)
+    if refusal:
+        raise ValueError(refusal)
     part_rows = seq_q % ROWS != 0
     masked_tiles = causal or seq_kv % KEYS != 0  # some tile straddles an edge
     scale = 1.0 / math.sqrt(head_dim)
@@ -623,14 +636,19 @@ def design_space(variant):
     """A MetaSchedule design space (``fn(sch)``) of this kernel over ``ops.attention``
     function of ``variant``: the traced ``rolling_update`` fuses the running sum and
     output into max's loop over key tiles (:func:`fuse_key_tiles`), whose annotations ask
-    :func:`build` for the kernel; the stages (:data:`STAGE_CHOICES`) and the consumers'
-    form (:data:`FORMS`) are ``sample_categorical`` decisions."""
+    :func:`build` for the kernel; the stages (:data:`STAGE_CHOICES`), the consumers'
+    form (:data:`FORMS`) and, where the function allows clusters
+    (:func:`cluster_unsupported`), the cluster size (:data:`CLUSTER_CHOICES`) are
+    ``sample_categorical`` decisions."""
 
     def space(sch):
         def sample(options):
             return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
 
-        _annotate(sch, fuse_key_tiles(sch), variant, sample(STAGE_CHOICES), sample(range(len(FORMS))))
+        clusters = _cluster_choices(sch.mod["main"], variant)
+        stages, form = sample(STAGE_CHOICES), sample(range(len(FORMS)))
+        cluster = sample(clusters) if len(clusters) > 1 else None
+        _annotate(sch, fuse_key_tiles(sch), variant, stages, form, cluster=cluster)
 
     return space
 
@@ -641,8 +659,15 @@ def schedule(func, variant, config=WarpSpecializedConfig()):
     sch = tvm.s_tir.Schedule(func)
     form = FORMS.index((config.overlap, config.overlap and config.pingpong))
     registers = (config.producer_registers, config.consumer_registers)
-    _annotate(sch, fuse_key_tiles(sch), variant, config.stages, form, registers, config.cluster)
+    # (annotated as the design space's samples are: where the function allows clusters)
+    cluster = config.cluster if config.cluster != 1 or len(_cluster_choices(func, variant)) > 1 else None
+    _annotate(sch, fuse_key_tiles(sch), variant, config.stages, form, registers, cluster)
     return sch
+
+
+def _cluster_choices(func, variant):
+    _, heads_q, heads_kv, seq_q, *_ = shapes(func)
+    return [c for c in CLUSTER_CHOICES if not cluster_unsupported(c, heads_q, heads_kv, seq_q, variant)]
 
 
 def fuse_key_tiles(sch):
@@ -664,13 +689,13 @@ def _key_tiles_loop(sch):
 def _annotate(
     sch, loop, variant, stages, form,
     registers=(WarpSpecializedConfig.producer_registers, WarpSpecializedConfig.consumer_registers),
-    cluster=WarpSpecializedConfig.cluster,
+    cluster=None,
 ):
     sch.annotate(loop, VARIANT, variant_text(variant))
     sch.annotate(loop, STAGES, stages)
     sch.annotate(loop, FORM, form)
     sch.annotate(loop, REGISTERS, list(registers))
-    if cluster != 1:  # (records of the kernel before clusters replay as they were)
+    if cluster is not None:  # (None: no cluster annotation, as in the records before clusters)
         sch.annotate(loop, CLUSTER, cluster)
 
 
