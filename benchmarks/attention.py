@@ -24,6 +24,7 @@ from . import report
 from .configs import DTYPE, HEAD_DIM, Config, suite
 from .peers import PEERS, Unsupported, release_memory
 from .report import NA, OK, WRONG, Cell
+from .timing import FLUSHES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 #: Elementwise check ``|out - ref| <= ATOL + RTOL * |ref|`` of the fp16 output.
@@ -65,6 +66,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="shorten every sequence by N tokens (lengths that are not multiples of the tiles)",
+    )
+    p.add_argument(
+        "--flush",
+        choices=FLUSHES[:2],
+        default=FLUSHES[0],
+        help="how the L2 cache is evicted before each timed call: read a 256 MiB buffer (default; L2 keeps "
+        "clean lines) or zero it as triton's do_bench does (its dirty lines are written back during the call)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     return p.parse_args(argv)
@@ -123,7 +131,7 @@ def _reason(err: Exception, caught: List[warnings.WarningMessage]) -> str:
     return reason
 
 
-def _verify_and_time(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
+def _verify_and_time(name: str, build, cfg: Config, q, k, v, ref, flush: str) -> Cell:
     import torch
 
     from .timing import bench
@@ -137,11 +145,12 @@ def _verify_and_time(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
     if not close_to(out, ref):
         return Cell(name, WRONG, max_err=max_err, note=note)
     del out
-    return Cell(name, OK, ms=bench(lambda: fn(q, k, v)), max_err=max_err, note=note)
+    return Cell(name, OK, ms=bench(lambda: fn(q, k, v), flush), max_err=max_err, note=note)
 
 
-def measure(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
-    """Build one peer, verify its output against ``ref`` and, if correct, time it.
+def measure(name: str, build, cfg: Config, q, k, v, ref, flush: str = "read") -> Cell:
+    """Build one peer, verify its output against ``ref`` and, if correct, time it (the
+    L2 flushed before each call as ``flush`` says: ``timing.FLUSHES``).
 
     Any exception (including an out-of-memory error) makes the cell n/a with the
     reason, plus the warnings raised meanwhile (SDPA explains its rejections there).
@@ -149,21 +158,21 @@ def measure(name: str, build, cfg: Config, q, k, v, ref) -> Cell:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return _verify_and_time(name, build, cfg, q, k, v, ref)
+            return _verify_and_time(name, build, cfg, q, k, v, ref, flush)
         except Unsupported as err:
             return Cell(name, NA, note=str(err))
         except Exception as err:  # a failing peer is reported, not fatal
             return Cell(name, NA, note=_reason(err, caught))
 
 
-def run_config(cfg: Config, peers: Dict) -> List[Cell]:
+def run_config(cfg: Config, peers: Dict, flush: str = "read") -> List[Cell]:
     from .reference import attention_reference
 
     q, k, v = random_inputs(cfg)
     ref = attention_reference(cfg, q, k, v)
     cells = []
     for name, build in peers.items():
-        cells.append(measure(name, build, cfg, q, k, v, ref))
+        cells.append(measure(name, build, cfg, q, k, v, ref, flush))
         release_memory()
     return cells
 
@@ -203,7 +212,7 @@ def environment(argv: Sequence[str]) -> Dict:
     }
 
 
-def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results) -> List[str]:
+def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results, flush: str = FLUSHES[0]) -> List[str]:
     """Write results.md, results.json and (with matplotlib) results.png; their names."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md = report.markdown(results, bandwidth)
@@ -215,6 +224,7 @@ def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results) -> List[s
             "copy_bandwidth_gbps": bandwidth,
             "tolerance": {"atol": ATOL, "rtol": RTOL, "reference": "float32 torch on the GPU"},
             "timing": "median of CUDA-event timed calls after warm-up, L2 flushed before each (benchmarks/timing.py)",
+            "l2_flush": flush,
             "flops": "4*b*hq*sq*skv*d, halved for causal prefill; window counts visible pairs",
             "configs": [report.config_json(cfg, rows) for cfg, rows in results],
         },
@@ -251,11 +261,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = []
     written: List[str] = []
     for i, cfg in enumerate(configs, 1):
-        rows = report.records(cfg, run_config(cfg, peers), bandwidth)
+        rows = report.records(cfg, run_config(cfg, peers, args.flush), bandwidth)
         results.append((cfg, rows))
         print(report.progress_line(i, len(configs), cfg, rows), flush=True)
         print(report.console_table(cfg, rows), flush=True)
-        written = write_outputs(args.out, env, bandwidth, results)
+        written = write_outputs(args.out, env, bandwidth, results, args.flush)
     print("\n" + report.markdown(results, bandwidth), flush=True)
     print(f"wrote {', '.join(written)} to {args.out}", flush=True)
     return 0

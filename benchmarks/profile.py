@@ -60,14 +60,14 @@ def kernel_times(call, calls):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .timing import L2_FLUSH_BYTES
+    from .timing import l2_flush
 
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = l2_flush()
     call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            flush.zero_()
+            flush()
             torch.cuda.synchronize()
             call()
             torch.cuda.synchronize()

@@ -395,6 +395,18 @@ def test_cli_rejects_unknown_configurations_and_arguments(module, args, message)
     assert message in proc.stderr
 
 
+def test_l2_flush_is_named():
+    """The harness reads the flush buffer by default (clean L2 lines), zeroes it on
+    request (triton's do_bench); other names are refused before any GPU is touched."""
+    from benchmarks import attention, timing
+
+    assert attention.parse_args([]).flush == "read" and attention.parse_args(["--flush", "zero"]).flush == "zero"
+    with pytest.raises(SystemExit):
+        attention.parse_args(["--flush", "none"])  # (host-bound for short calls: not a harness choice)
+    with pytest.raises(ValueError, match="no L2 flush 'cold': one of read, zero, none"):
+        timing.l2_flush("cold")
+
+
 def test_speed_against_a_named_peer():
     rows = [
         {"impl": "tvm-cascade", "status": OK, "ms": 0.5},
