@@ -1,7 +1,7 @@
 """CUDA-event timing in the style of ``triton.testing.do_bench`` (torch imported lazily).
 
 Every timed iteration is preceded by an L2 flush (:data:`FLUSHES`): by default reading a
-256 MiB buffer, which evicts the L2 cache (50 MB on H100, 60 MB on H200), so each call
+256 MiB buffer, which evicts the L2 cache (50 MB on H100 and H200), so each call
 reads its inputs from HBM as it would inside a model; only the call itself lies between
 its two events.
 """
