@@ -55,8 +55,10 @@ def main(argv=None):
 
 
 def kernel_times(call, calls):
-    """Median µs of each TVM kernel ``call`` launches, and of a call's span, over
-    ``calls`` calls each after an L2 flush."""
+    """Median µs of each kernel ``call`` launches, and of a call's span (its first
+    kernel's start to its last kernel's end), over ``calls`` calls each after an L2 flush.
+    A call's kernels are those between two flushes (the flush's own kernels are told
+    apart by their names)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -64,27 +66,39 @@ def kernel_times(call, calls):
 
     flush = l2_flush()
     call()
-    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush()
+        torch.cuda.synchronize()
+    flush_kernels = {e.name for e in _kernels(prof)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            # No wait between the flush and the call, as in the harness: the host launches
+            # the call's kernels while the flush runs, so no host time lies inside a span.
             flush()
-            torch.cuda.synchronize()
             call()
             torch.cuda.synchronize()
-    # TVM names the kernels of the PrimFunc ``main`` main_kernel, main_kernel_1, ...
-    kernels = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA" and e.name.startswith("main_kernel")),
-        key=lambda e: e.time_range.start,
-    )
-    per_call = len(kernels) // calls
+    per_call, launched = [], None
+    for event in _kernels(prof):
+        if event.name in flush_kernels:
+            launched = None
+            continue
+        if launched is None:
+            launched = []
+            per_call.append(launched)
+        launched.append(event)
+    if len(per_call) != calls:
+        raise RuntimeError(f"found the kernels of {len(per_call)} calls in the profile, not {calls}")
     durations = collections.defaultdict(list)
-    spans = []
-    for first in range(0, per_call * calls, per_call):
-        launched = kernels[first : first + per_call]
-        spans.append(launched[-1].time_range.end - launched[0].time_range.start)
+    for launched in per_call:
         for event in launched:
             durations[event.name].append(event.time_range.elapsed_us())
+    spans = [launched[-1].time_range.end - launched[0].time_range.start for launched in per_call]
     return {kernel: statistics.median(us) for kernel, us in durations.items()}, statistics.median(spans)
+
+
+def _kernels(prof):
+    """The CUDA kernels (and memsets, copies) of a torch profile, by start time."""
+    return sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
 
 
 if __name__ == "__main__":

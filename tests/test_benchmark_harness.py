@@ -307,6 +307,7 @@ def test_plot(tmp_path):
         ["benchmarks.profile", "decode-gqa-b8-kv4096"],
         ["benchmarks.profile", "decode-gqa-b8-kv4096", "--kernel-times"],
         ["benchmarks.sweep_decode", "decode-gqa-b8-kv4096", "--grid", '{"pv_keys": [4, 8]}'],
+        ["benchmarks.decode_floor", "decode-gqa-b8-kv4096"],
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
@@ -371,6 +372,8 @@ def test_compare_trees_builds_each_tree_in_its_own_process(tmp_path, monkeypatch
             ["decode-gqa-b8-kv4096", "--grid", '{"pv_keys": 4}'],
             "--grid must map DecodeConfig fields to lists",
         ),
+        ("decode_floor", ["prefill-gqa-b8-s1024"], "unknown configuration 'prefill-gqa-b8-s1024'"),
+        ("decode_floor", ["decode-alibi-b8-kv4096"], "plain softmax only (no ALiBi, softcap or window)"),
         (
             "compare_trees",
             ["python", "--only", "prefill-global-b8-s1"],
@@ -393,6 +396,22 @@ def test_cli_rejects_unknown_configurations_and_arguments(module, args, message)
     )
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_decode_floor_takes_what_its_triton_kernels_compute():
+    """``benchmarks.decode_floor``'s Triton kernels: one query row of plain softmax, at
+    most 16 query heads per K/V head, keys in whole chunks of their steps."""
+    from benchmarks import decode_floor
+    from benchmarks.configs import Operator
+
+    gqa = _op("decode", "gqa")
+    assert decode_floor.supported(Config(gqa, 8, 1, 4096)) is None
+    assert decode_floor.supported(Config(_op("decode", "causal"), 8, 1, 32768)) is None
+    wide = Operator("decode", "gqa", 64, 2, "causal")
+    assert "at most 16 query heads per K/V head, got 32" in decode_floor.supported(Config(wide, 8, 1, 4096))
+    assert "a multiple of 512" in decode_floor.supported(Config(gqa, 8, 1, 4000))
+    assert "one query row" in decode_floor.supported(Config(gqa, 8, 4, 4096))
+    assert "plain softmax only" in decode_floor.supported(Config(_op("decode", "softcap"), 8, 1, 4096))
 
 
 def test_l2_flush_is_named():
