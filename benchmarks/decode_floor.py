@@ -18,7 +18,11 @@ which sees every key, so no mask, bias or cap):
 * ``last-block-kept``: the same with counters zeroed once, at allocation, and reset by
   each head's last program: what that combine would gain if the counters outlived a
   call. Not a usable design (two calls at once on different streams, or one aborted
-  call, corrupt the counters); it is here as a bound.
+  call, corrupt the counters); it is here as a bound;
+* ``last-block-tagged``: the last program found without counters to zero: each chunk
+  program marks its arrival in a per-head word by compare-and-swap, the word tagged with
+  an epoch the host counts up per call (a word of another epoch, left by an earlier call
+  or never written, counts as empty), so scratch memory of any content serves.
 
 Each is checked before it is timed (attention against the float32 reference, a reader's
 sum against torch's), then given the harness's median ms (:func:`.timing.bench`) and the
@@ -26,6 +30,7 @@ median span from a call's first kernel start to its last kernel end
 (:func:`.profile.kernel_times`): their difference is what the timing events add.
 """
 import argparse
+import itertools
 import math
 import sys
 
@@ -67,7 +72,7 @@ def triton_calls(cfg, q, k, v):
     import torch
     import triton
 
-    from .triton_decode import combine, read, read_chunks, split_k, zero
+    from .triton_decode import COUNTER, TAGGED, combine, read, read_chunks, split_k, zero
     batch, heads_q, _, dim = q.shape
     heads_kv, seq = k.shape[1], k.shape[2]
     heads, group = batch * heads_kv, heads_q // heads_kv
@@ -81,27 +86,34 @@ def triton_calls(cfg, q, k, v):
     l_part = torch.empty_like(m_part)
     o_part = torch.empty(heads * chunks * ROWS * dim, device="cuda")
     counts = torch.zeros(heads, dtype=torch.int32, device="cuda")
+    # Tagged words start as garbage: any content must do.
+    words = torch.randint(-(2**62), 2**62, (heads,), dtype=torch.int64, device="cuda")
+    epochs = itertools.count(2**32)
     out = torch.empty_like(q)
     scale = LOG2E / math.sqrt(dim)
     launch = dict(num_warps=SPLIT["warps"], num_stages=SPLIT["stages"])
 
     def chunk_programs(last_block):
-        split_k[(heads, chunks)](q, k, v, out, m_part, l_part, o_part, counts, seq, scale, G=group, D=dim,
-                                 KEYS=SPLIT["keys"], C=chunks, LAST_BLOCK=last_block, **launch)
+        split_k[(heads, chunks)](q, k, v, out, m_part, l_part, o_part, counts, words, next(epochs), seq, scale,
+                                 G=group, D=dim, KEYS=SPLIT["keys"], C=chunks, LAST_BLOCK=last_block, **launch)
 
     def two_kernels():
-        chunk_programs(False)
+        chunk_programs(0)
         combine[(heads,)](m_part, l_part, o_part, out, G=group, D=dim, C=chunks, num_warps=4)
         return out
 
     def zeroed():
         # (A kernel of its own name: a memset would pass for the L2 flush's in the profile.)
         zero[(1,)](counts, heads, BLOCK=triton.next_power_of_2(heads))
-        chunk_programs(True)
+        chunk_programs(COUNTER)
         return out
 
     def kept():
-        chunk_programs(True)
+        chunk_programs(COUNTER)
+        return out
+
+    def tagged():
+        chunk_programs(TAGGED)
         return out
 
     def sums_to(sums):
@@ -123,6 +135,7 @@ def triton_calls(cfg, q, k, v):
         "split-k": (two_kernels, None),
         "last-block": (zeroed, None),
         "last-block-kept": (kept, None),
+        "last-block-tagged": (tagged, None),
     }
 
 

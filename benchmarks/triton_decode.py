@@ -1,6 +1,6 @@
 """Triton kernels for :mod:`benchmarks.decode_floor` (imported on a GPU machine only):
 readers of K and V, and a plain split-k decode whose combine is a kernel of its own or
-the last chunk program of each K/V head."""
+the last chunk program of each K/V head (:data:`COUNTER`, :data:`TAGGED`)."""
 import triton
 import triton.language as tl
 
@@ -8,6 +8,13 @@ from .decode_floor import ROWS as _ROWS
 
 #: A K/V head's query heads, padded to the 16 rows ``tl.dot`` takes at least.
 ROWS = tl.constexpr(_ROWS)
+#: ``split_k``'s ``LAST_BLOCK``: the last chunk program of a head, found by a per-head
+#: counter that must be zero when the call starts (the last program resets it) ...
+COUNTER = tl.constexpr(1)
+#: ... or by a per-head word tagged with the call's epoch (any value when the call starts).
+TAGGED = tl.constexpr(2)
+#: Bits of a tagged word below the epoch: one per chunk.
+CHUNK_BITS = tl.constexpr(16)
 
 
 
@@ -56,7 +63,27 @@ def combine_head(pm_ptr, pl_ptr, po_ptr, head, rows, dims, C: tl.constexpr, D: t
 
 
 @triton.jit
-def split_k(q_ptr, k_ptr, v_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr, count_ptr, seq, scale,
+def arrive(word_ptr, epoch, c, C: tl.constexpr):
+    """Mark chunk ``c`` of a head arrived in the head's word (the call's ``epoch`` above
+    :data:`CHUNK_BITS` bits, a bit per arrived chunk below; a word of another epoch, e.g.
+    left by an earlier call, counts as none arrived); whether all ``C`` now have. The
+    word changes by compare-and-swap only, so the arrivals of a call are totally ordered
+    and exactly one sees them all."""
+    tl.debug_barrier()  # (every thread's partials stored before the release below)
+    bit = tl.full([], 1, tl.int64) << c.to(tl.int64)
+    old = tl.atomic_add(word_ptr, 0, sem="relaxed", scope="gpu")
+    new = tl.where((old >> CHUNK_BITS) == epoch, old | bit, (epoch << CHUNK_BITS) | bit)
+    seen = tl.atomic_cas(word_ptr, old, new, sem="acq_rel", scope="gpu")
+    while seen != old:
+        old = seen
+        new = tl.where((old >> CHUNK_BITS) == epoch, old | bit, (epoch << CHUNK_BITS) | bit)
+        seen = tl.atomic_cas(word_ptr, old, new, sem="acq_rel", scope="gpu")
+    every = (1 << C) - 1
+    return (new & every) == every
+
+
+@triton.jit(do_not_specialize=["epoch"])
+def split_k(q_ptr, k_ptr, v_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr, count_ptr, word_ptr, epoch, seq, scale,
             G: tl.constexpr, D: tl.constexpr, KEYS: tl.constexpr, C: tl.constexpr, LAST_BLOCK: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -83,10 +110,15 @@ def split_k(q_ptr, k_ptr, v_ptr, o_ptr, pm_ptr, pl_ptr, po_ptr, count_ptr, seq, 
     tl.store(pl_ptr + part, l)
     tl.store(po_ptr + part[:, None] * D + dims[None, :], acc)
     if LAST_BLOCK:
-        if tl.atomic_add(count_ptr + head, 1, sem="acq_rel", scope="gpu") == C - 1:
+        if LAST_BLOCK == COUNTER:
+            last = tl.atomic_add(count_ptr + head, 1, sem="acq_rel", scope="gpu") == C - 1
+        else:
+            last = arrive(word_ptr + head, epoch, c, C)
+        if last:
             out = combine_head(pm_ptr, pl_ptr, po_ptr, head, rows, dims, C, D)
             tl.store(o_ptr + (head * G + rows[:, None]) * D + dims[None, :], out.to(tl.float16), mask=real)
-            tl.store(count_ptr + head, 0)
+            if LAST_BLOCK == COUNTER:
+                tl.store(count_ptr + head, 0)
 
 
 @triton.jit
