@@ -17,7 +17,6 @@ TAGGED = tl.constexpr(2)
 CHUNK_BITS = tl.constexpr(16)
 
 
-
 @triton.jit
 def read(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
