@@ -1,5 +1,9 @@
-"""Attention kernels for CUDA: one configuration compiled with the best known tuning record,
-tuned first only when asked.
+"""Attention kernels.
+
+:func:`attention_kernel` (from :mod:`tvm_cascade.library`) compiles one kernel for a
+model's heads, head dim, variant, dtype and layout whose batch size and lengths are
+runtime values, cached on disk. :func:`compile_attention`, below, compiles one static
+configuration for CUDA with the best known tuning record, tuned first only when asked:
 
 .. code-block:: python
 
@@ -31,6 +35,7 @@ import tvm_ffi
 
 from . import ops
 from .analysis.scope import buffer_params
+from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .ops.variants import AttentionVariant
 from .schedules import decode, mma16x8, prefill, tensor_cores, warp_specialized
 from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode

@@ -76,25 +76,36 @@ ATTENTION_BLOCKS_NORMALIZE_FIRST = ("qk", "score", "max", "exp", "sum", "p", "pv
 
 
 def variant_te_mods(
-    variant, heads_q: int, seq_q: int, seq_kv: int, accum_dtype: str = "float32"
+    variant, heads_q: int, seq_q, seq_kv, accum_dtype: str = "float32"
 ) -> Tuple[Optional[ScoreMod], Optional[MaskMod]]:
     """Return FlexAttention-style ``(score_mod, mask_mod)`` TE callables for a
-    variant (name or :class:`AttentionVariant`); ``None`` where unused."""
+    variant (name or :class:`AttentionVariant`); ``None`` where unused.
+
+    Queries are aligned to the end of the keys: ``seq_q`` and ``seq_kv`` are the lengths
+    (ints or expressions), or callables of the batch index ``b`` giving each sequence's
+    lengths (batches of sequences of different lengths)."""
     variant = get_variant(variant)
+
+    def offset(b):
+        return _length(seq_kv, b) - _length(seq_q, b)
+
     return (
-        _te_score_mod(variant, heads_q, seq_q, seq_kv, accum_dtype),
-        _te_mask_mod(variant, seq_q, seq_kv),
+        _te_score_mod(variant, heads_q, offset, accum_dtype),
+        _te_mask_mod(variant, offset),
     )
 
 
-def _te_mask_mod(var: AttentionVariant, seq_q: int, seq_kv: int) -> Optional[MaskMod]:
+def _length(length, b):
+    return length(b) if callable(length) else length
+
+
+def _te_mask_mod(var: AttentionVariant, offset) -> Optional[MaskMod]:
     if not var.is_causal:
         return None
-    offset = seq_kv - seq_q
     window = var.window
 
     def mask_mod(b, h, q_idx, kv_idx):
-        q_aligned = q_idx + offset
+        q_aligned = q_idx + offset(b)
         visible = kv_idx <= q_aligned
         if window is not None:
             visible = te.all(visible, q_aligned - kv_idx < window)
@@ -103,12 +114,9 @@ def _te_mask_mod(var: AttentionVariant, seq_q: int, seq_kv: int) -> Optional[Mas
     return mask_mod
 
 
-def _te_score_mod(
-    var: AttentionVariant, heads_q: int, seq_q: int, seq_kv: int, accum_dtype: str
-) -> Optional[ScoreMod]:
+def _te_score_mod(var: AttentionVariant, heads_q: int, offset, accum_dtype: str) -> Optional[ScoreMod]:
     if not var.has_score_mod:
         return None
-    offset = seq_kv - seq_q
     alibi = var.alibi
     cap = var.softcap
 
@@ -116,7 +124,7 @@ def _te_score_mod(
         if alibi:
             exponent = tirx.const(-8.0 / heads_q, accum_dtype) * (h + 1).astype(accum_dtype)
             slope = te.power(tirx.const(2.0, accum_dtype), exponent)
-            score = score + slope * (kv_idx - (q_idx + offset)).astype(accum_dtype)
+            score = score + slope * (kv_idx - (q_idx + offset(b))).astype(accum_dtype)
         if cap is not None:
             c = tirx.const(cap, accum_dtype)
             score = c * te.tanh(score / c)

@@ -114,6 +114,32 @@ def attention_ref(
     return np.einsum("bhij,bhjd->bhid", e, v_full) / l
 
 
+def sequence_attention_ref(q, k, v, variant=None, scale: Optional[float] = None) -> np.ndarray:
+    """Float64 attention of one sequence, ``q[sq, hq, d], k/v[skv, hkv, d] -> [sq, hq,
+    d]``, queries aligned to the end of the keys, as the library's kernels compute it:
+    masked scores are ``-inf`` and a row that sees no key gives zeros."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    seq_q, heads_q, head_dim = q.shape
+    seq_kv, heads_kv, _ = k.shape
+    score_mod, mask_mod = np_mods(get_variant(variant), heads_q, seq_q, seq_kv)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = heads_q // heads_kv
+    k_full, v_full = (np.repeat(x, group, axis=1) for x in (k, v))
+    s = np.einsum("ihd,jhd->hij", q, k_full) * scale
+    h_idx = np.arange(heads_q).reshape(-1, 1, 1)
+    i_idx = np.arange(seq_q).reshape(1, -1, 1)
+    j_idx = np.arange(seq_kv).reshape(1, 1, -1)
+    if score_mod is not None:
+        s = np.broadcast_to(score_mod(s, 0, h_idx, i_idx, j_idx), s.shape).astype(np.float64)
+    if mask_mod is not None:
+        s = np.where(np.broadcast_to(mask_mod(0, h_idx, i_idx, j_idx), s.shape), s, -np.inf)
+    seen = np.isfinite(s).any(axis=-1, keepdims=True)
+    m = np.where(seen, s.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    e = np.exp(s - m)
+    l = np.where(seen, e.sum(axis=-1, keepdims=True), 1.0)
+    return np.einsum("hij,jhd->ihd", e / l, v_full)
+
+
 # ---------------------------------------------------------------------------
 # Other cascades
 # ---------------------------------------------------------------------------

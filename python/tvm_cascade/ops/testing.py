@@ -88,3 +88,51 @@ def random_attention_inputs(
     k = (rng.standard_normal((batch, heads_kv, seq_kv, head_dim)) * magnitude).astype(dt)
     v = rng.standard_normal((batch, heads_kv, seq_kv, head_dim)).astype(dt)
     return q, k, v
+
+
+def random_sequences(q_lens, kv_lens, heads_q, heads_kv, head_dim, dtype="float32", rng=None):
+    """Per-sequence standard-normal ``(q[sq, hq, d], k[skv, hkv, d], v[skv, hkv, d])``
+    numpy arrays in ``dtype``, one triple per pair of lengths."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    dt = np_dtype(dtype)
+    return [
+        tuple(rng.standard_normal((n, h, head_dim)).astype(dt) for n, h in ((sq, heads_q), (skv, heads_kv), (skv, heads_kv)))
+        for sq, skv in zip(q_lens, kv_lens)
+    ]
+
+
+def indptr(lengths) -> np.ndarray:
+    """int32 offsets ``[0, l0, l0 + l1, ...]`` of consecutive lengths."""
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("int32")
+
+
+def pack_ragged(sequences):
+    """The ragged layout's ``(q, k, v, q_indptr, kv_indptr)`` of per-sequence arrays."""
+    q, k, v = (np.concatenate([s[n] for s in sequences]) for n in range(3))
+    return q, k, v, indptr([len(s[0]) for s in sequences]), indptr([len(s[1]) for s in sequences])
+
+
+def pack_paged(sequences, page_size, spare_pages=3, rng=None):
+    """The paged layout's ``(q, pages, q_indptr, page_indptr, page_ids, last_page_len)``
+    of per-sequence arrays: each sequence's keys and values in pages of the pool
+    ``pages[num_pages, 2, hkv, page_size, d]`` taken in a random order (``spare_pages``
+    more than needed, filled with noise), its last page partly filled."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    counts = [-(-len(s[1]) // page_size) for s in sequences]
+    _, heads_kv, head_dim = sequences[0][1].shape
+    dtype = sequences[0][1].dtype
+    num_pages = sum(counts) + spare_pages
+    pages = rng.standard_normal((num_pages, 2, heads_kv, page_size, head_dim)).astype(dtype)
+    order = rng.permutation(num_pages)[: sum(counts)].astype("int32")
+    start = 0
+    for (_, k, v), count in zip(sequences, counts):
+        for p in range(count):
+            keys = slice(p * page_size, min((p + 1) * page_size, len(k)))
+            n = keys.stop - keys.start
+            page = order[start + p]
+            pages[page, 0, :, :n] = k[keys].transpose(1, 0, 2)
+            pages[page, 1, :, :n] = v[keys].transpose(1, 0, 2)
+        start += count
+    last = np.array([len(s[1]) - (c - 1) * page_size if c else 0 for s, c in zip(sequences, counts)], "int32")
+    q = np.concatenate([s[0] for s in sequences])
+    return q, pages, indptr([len(s[0]) for s in sequences]), indptr(counts), order, last

@@ -90,8 +90,10 @@ def _schedule_nest(sch, chain, lanes) -> None:
     loops = sch.get_loops(block)
     depth = next(k for k, loop in enumerate(loops) if sch.get(loop).same_as(key))
     rows = loops[: depth + 1] if chain.method == "split_k" else loops[:depth]
-    fused = sch.fuse(*rows) if len(rows) > 1 else rows[0]
-    block_rows, row = sch.split(fused, [None, ROWS])
+    # A block's thread rows are consecutive iterations of the innermost row loop, so
+    # what they share spans ROWS of it even where the row loops' extents are symbolic.
+    outer, row = sch.split(rows[-1], [None, ROWS])
+    block_rows = sch.fuse(*rows[:-1], outer) if len(rows) > 1 else outer
     sch.bind(block_rows, "blockIdx.x")
     sch.bind(row, "threadIdx.y")
     # Below this loop each block's own loops start: the tile loop (rolling) or the row.
@@ -150,7 +152,8 @@ def _place_buffers(sch, row_rv, inner_rv, tile) -> None:
     An intermediate with a symbolic key axis (a rolling chain over a symbolic key count;
     ``tile`` keys per tile) has that axis split into (tile, key in the tile): a thread
     row uses one tile of it at a time, which then has the static size that registers and
-    shared memory need."""
+    shared memory need. A symbolic row axis is split likewise into (block's rows, row in
+    the block): a block's thread rows share :data:`ROWS` of it."""
     done = set()
     while True:
         func = _func(sch)
@@ -179,9 +182,7 @@ def _place_buffers(sch, row_rv, inner_rv, tile) -> None:
                 if not any(sch.get(l).same_as(sch.get(row_rv)) for l in sch.get_loops(store)):
                     sch.reverse_compute_at(store, row_rv, preserve_unit_loops=True)
             continue
-        key_axis = None
-        if not _is_static(buf):
-            key_axis = _symbolic_key_axis(site, index, inner, tile)
+        splits = {} if _is_static(buf) else _symbolic_splits(site, index, row, inner, tile)
         shared = _lane_loop(site, row, inner) is not None and any(
             s is not site and _reads(s, buf) for s in nest
         )
@@ -195,12 +196,12 @@ def _place_buffers(sch, row_rv, inner_rv, tile) -> None:
             block, index = store, 0
         else:
             sch.set_scope(block, index, "shared" if shared else "local")
-        if key_axis is not None:
+        if splits:
             sch.transform_layout(
                 block,
                 ("write", index),
-                _split_axis(key_axis, tile, len(buf.ty.shape)),
-                # Not bijective where the key count is no multiple of the tile: the last
+                _split_axes(splits, len(buf.ty.shape)),
+                # Not bijective where a length is no multiple of its factor: the last
                 # tile's tail is never written nor read (the blocks' predicates).
                 assume_injective_transform=True,
             )
@@ -210,25 +211,27 @@ def _is_static(buf) -> bool:
     return all(isinstance(e, tvm.tirx.IntImm) for e in buf.ty.shape)
 
 
-def _symbolic_key_axis(site, index, tile_loop, tile) -> int:
-    """The axis of ``site``'s ``index``-th written buffer that the tile loop (``tile``
-    keys a tile; None for split-k) indexes, where that is its only symbolic axis; raises
-    :class:`UnsupportedOnGpu` otherwise."""
+def _symbolic_splits(site, index, row_loop, tile_loop, tile) -> dict:
+    """Axis -> factor: how to split the symbolic axes of ``site``'s ``index``-th written
+    buffer that the thread row (by :data:`ROWS`) or the tile loop (by ``tile``; None for
+    split-k) indexes. Other symbolic axes must shrink to one element once lowering
+    compacts the buffer (:func:`_check_static_allocations`)."""
     buf = site.write_buffers()[index]
-    symbolic = [a for a, e in enumerate(buf.ty.shape) if not isinstance(e, tvm.tirx.IntImm)]
-    if tile is not None:
-        region = site.block.writes[index].region
-        along_tiles = [
+    region = site.block.writes[index].region
+    splits = {}
+    for loop, factor in ((row_loop, ROWS), (tile_loop, tile)):
+        if factor is None:
+            continue
+        along = [
             axis
             for axis, extent in enumerate(region)
-            if any(uses_var(_binding(site, v), tile_loop.loop_var) for v in vars_in(extent.min))
+            if any(uses_var(_binding(site, v), loop.loop_var) for v in vars_in(extent.min))
         ]
-        if len(symbolic) == 1 and symbolic == along_tiles:
-            return symbolic[0]
-    raise UnsupportedOnGpu(
-        f"'{buf.name}' has a symbolic shape other than a rolling chain's key axis: "
-        "registers and shared memory need a static size"
-    )
+        if len(along) > 1:
+            raise UnsupportedOnGpu(f"'{buf.name}': one loop indexes several of its axes")
+        if along and not isinstance(buf.ty.shape[along[0]], tvm.tirx.IntImm):
+            splits[along[0]] = factor
+    return splits
 
 
 def _binding(site, var):
@@ -240,12 +243,16 @@ def _binding(site, var):
     return var
 
 
-def _split_axis(axis: int, tile: int, ndim: int):
-    """The index map that splits ``axis`` into (tile, offset in the tile)."""
+def _split_axes(splits: dict, ndim: int):
+    """The index map that splits each axis of ``splits`` into (index // factor, index %
+    factor)."""
 
     def mapping(*indices):
-        key = indices[axis]
-        return (*indices[:axis], key // tile, key % tile, *indices[axis + 1 :])
+        out = []
+        for axis, index in enumerate(indices):
+            factor = splits.get(axis)
+            out.extend([index] if factor is None else [index // factor, index % factor])
+        return tuple(out)
 
     return tvm.tirx.IndexMap.from_func(mapping, ndim=ndim)
 

@@ -1,0 +1,72 @@
+"""Attention kernels whose batch size and lengths are runtime values: one compiled
+kernel per (heads, head dim, variant, dtype, layout, target), cached on disk.
+
+.. code-block:: python
+
+    from tvm_cascade.kernels import attention_kernel
+
+    kernel = attention_kernel(32, 8, 128, variant="causal", layout="ragged")
+    out = kernel(q, k, v, q_indptr, kv_indptr)   # any lengths, any batch
+
+Modules: :mod:`.spec` (what a kernel computes), :mod:`.layouts` (bhsd, ragged and paged
+tensors and their common view), :mod:`.compute` (the unfused chain over that view),
+:mod:`.families` (the kernel families and the choice among them), :mod:`.arguments`
+(the checks of a call), :mod:`.kernel` (the callable), :mod:`.cache` (built kernels on
+disk).
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+
+from . import cache
+from .arguments import ARGUMENTS, KernelArgumentError
+from .families import FAMILIES, choose
+from .kernel import AttentionKernel
+from .spec import LAYOUTS, AttentionSpec
+
+logger = logging.getLogger("tvm_cascade.library")
+
+
+def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", target=None,
+                     layout="bhsd", scale=None, use_cache=True) -> AttentionKernel:
+    """A compiled attention kernel for ``heads_q`` query heads over ``heads_kv`` K/V heads
+    (GQA when fewer; MQA with one) of ``head_dim``; its batch size and lengths are
+    runtime values.
+
+    ``variant``: a name of :data:`~tvm_cascade.ops.VARIANTS` or an
+    :class:`~tvm_cascade.ops.AttentionVariant` (causal, sliding window, ALiBi, softcap
+    and their combinations; queries aligned to the end of their keys). ``dtype``:
+    ``float16``, ``bfloat16`` or ``float32``. ``layout``: ``"bhsd"``, ``"ragged"`` or
+    ``"paged"`` (:mod:`tvm_cascade.library.layouts`). ``target``: a TVM target (default:
+    this machine's CUDA GPU, else ``llvm``). ``scale`` multiplies Q·Kᵀ (default
+    ``1/sqrt(head_dim)``). With ``use_cache`` the kernel is loaded from the on-disk cache
+    (:mod:`tvm_cascade.library.cache`) where an entry for it exists, and stored there
+    once built.
+
+    The first family of :data:`~tvm_cascade.library.families.FAMILIES` that supports the
+    spec builds it (those passed over are logged with their reasons on the
+    ``tvm_cascade.library`` logger). Returns an
+    :class:`~tvm_cascade.library.kernel.AttentionKernel`.
+    """
+    if target is None:
+        target = "cuda" if tvm.cuda(0).exist else "llvm"
+    target = tvm.target.Target(target)
+    spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
+                              target=target, scale=scale)
+    family = choose(spec)
+    root = cache.directory()
+    if use_cache:
+        entry = cache.load(spec, family.name, root)
+        if entry is not None:
+            return AttentionKernel(spec, family.name, *entry)
+    mod = family.build(spec)
+    executable = tvm.compile(mod, target=target)
+    if use_cache:
+        cache.store(spec, family.name, mod, executable, root)
+    return AttentionKernel(spec, family.name, mod, executable)
+
+
+__all__ = ["ARGUMENTS", "FAMILIES", "LAYOUTS", "AttentionKernel", "AttentionSpec", "KernelArgumentError",
+           "attention_kernel"]

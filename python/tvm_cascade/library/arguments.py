@@ -1,0 +1,159 @@
+"""A kernel call's arguments, checked on the host before the kernel runs.
+
+Shapes, dtypes and devices are checked on every tensor; the index arrays of the ragged
+and paged layouts are copied to the host and checked too (monotone offsets that stay
+inside the tensors, page ids inside the pool, last-page lengths inside a page), since a
+kernel that trusted them would read or write out of bounds. Their maxima are the
+kernel's ``max_q``/``max_kv`` arguments.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+import tvm_ffi
+
+from .layouts import INDEX_DTYPE
+from .spec import AttentionSpec
+
+#: The tensors a kernel of each layout takes, in order (``out`` follows, optional).
+ARGUMENTS = {
+    "bhsd": ("q", "k", "v"),
+    "ragged": ("q", "k", "v", "q_indptr", "kv_indptr"),
+    "paged": ("q", "pages", "q_indptr", "page_indptr", "page_ids", "last_page_len"),
+}
+
+
+class KernelArgumentError(ValueError):
+    """An argument of an attention kernel's call does not fit the kernel or the other
+    arguments; raised before the kernel runs."""
+
+
+#: Bytes to which TVM's compiled functions assume their buffers' data is aligned.
+ALIGNMENT = 64
+
+
+def as_tensor(name: str, value):
+    """``value`` (a TVM tensor, or any DLPack tensor: torch, numpy, ...) as a TVM tensor
+    sharing its memory, which may not be aligned (:func:`aligned`)."""
+    if isinstance(value, tvm.runtime.Tensor):
+        return value
+    if not hasattr(value, "__dlpack__"):
+        raise KernelArgumentError(f"{name}: expected a tensor (TVM, or any with __dlpack__), got {type(value).__name__}")
+    contiguous = getattr(value, "is_contiguous", None)
+    flags = getattr(value, "flags", None)
+    if (contiguous is not None and not contiguous()) or (flags is not None and not flags["C_CONTIGUOUS"]):
+        raise KernelArgumentError(f"{name}: the kernel reads row-major contiguous tensors; this one is strided")
+    return tvm_ffi.from_dlpack(value, require_alignment=0, require_contiguous=True)
+
+
+def is_aligned(tensor) -> bool:
+    return tensor.data_ptr() % ALIGNMENT == 0
+
+
+def aligned(tensor):
+    """``tensor``, or an aligned copy of it where its data is not aligned (a slice of a
+    larger tensor, say) so that the kernel may read it."""
+    if is_aligned(tensor):
+        return tensor
+    copy = tvm.runtime.empty(tensor.shape, tensor.dtype, tensor.device)
+    copy.copyfrom(tensor)
+    return copy
+
+
+def check_call(spec: AttentionSpec, device, tensors: dict) -> list:
+    """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout, and
+    ``out``) for a kernel of ``spec`` on ``device``; returns the scalar arguments the
+    kernel takes after its index arrays (``[max_q, max_kv]``, none for bhsd)."""
+    for name, tensor in tensors.items():
+        want = INDEX_DTYPE if "indptr" in name or name in ("page_ids", "last_page_len") else spec.dtype
+        if str(tensor.dtype) != want:
+            raise KernelArgumentError(f"{name}: expected dtype {want}, got {tensor.dtype}")
+        if (tensor.device.dlpack_device_type(), tensor.device.index) != (device.dlpack_device_type(), device.index):
+            raise KernelArgumentError(f"{name}: on {tensor.device}, but the kernel runs on {device}")
+    return _LAYOUT_CHECKS[spec.layout](spec, tensors)
+
+
+def _shape(tensors, name, expected):
+    """Check ``tensors[name]``'s shape against ``expected`` (ints, or None for any)."""
+    shape = tuple(tensors[name].shape)
+    if len(shape) != len(expected) or any(e is not None and s != e for s, e in zip(shape, expected)):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise KernelArgumentError(f"{name}: expected shape {want}, got {list(shape)}")
+    return shape
+
+
+def _bhsd(spec, t):
+    b, _, sq, _ = _shape(t, "q", (None, spec.heads_q, None, spec.head_dim))
+    _, _, skv, _ = _shape(t, "k", (b, spec.heads_kv, None, spec.head_dim))
+    _shape(t, "v", (b, spec.heads_kv, skv, spec.head_dim))
+    _shape(t, "out", (b, spec.heads_q, sq, spec.head_dim))
+    return []
+
+
+def _ragged(spec, t):
+    total_q = _ragged_q(spec, t)
+    total_kv, _, _ = _shape(t, "k", (None, spec.heads_kv, spec.head_dim))
+    _shape(t, "v", (total_kv, spec.heads_kv, spec.head_dim))
+    q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
+    kv_len = _lengths(t, "kv_indptr", len(q_len) + 1, total_kv, exact=False)
+    return [_max(q_len), _max(kv_len)]
+
+
+def _paged(spec, t):
+    total_q = _ragged_q(spec, t)
+    num_pages, _, _, page_size, _ = _shape(t, "pages", (None, 2, spec.heads_kv, None, spec.head_dim))
+    q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
+    (nnz,) = _shape(t, "page_ids", (None,))
+    used = _lengths(t, "page_indptr", len(q_len) + 1, nnz, exact=False)
+    _shape(t, "last_page_len", (len(q_len),))
+    ids = _host(t["page_ids"])[: int(_host(t["page_indptr"])[-1])]
+    outside = np.flatnonzero((ids < 0) | (ids >= num_pages))
+    if outside.size:
+        k = outside[0]
+        raise KernelArgumentError(f"page_ids[{k}] = {ids[k]} is not a page of the pool's {num_pages}")
+    last = _host(t["last_page_len"])
+    wrong = np.flatnonzero(np.where(used > 0, (last < 1) | (last > page_size), last != 0))
+    if wrong.size:
+        b = wrong[0]
+        raise KernelArgumentError(
+            f"last_page_len[{b}] = {last[b]}: a sequence's last page holds 1 to page_size={page_size} keys"
+            + (", and one without pages none" if used[b] == 0 else "")
+        )
+    kv_len = np.where(used > 0, (used - 1) * page_size + last, 0)
+    return [_max(q_len), _max(kv_len)]
+
+
+def _ragged_q(spec, t):
+    total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
+    _shape(t, "out", (total_q, spec.heads_q, spec.head_dim))
+    return total_q
+
+
+def _lengths(t, name, size, total, exact):
+    """The per-sequence counts of indptr ``t[name]`` (``size`` entries, or any), which
+    must start at 0, not decrease and end at ``total`` (``exact``) or at most there."""
+    (n,) = _shape(t, name, (size,))
+    if n < 2:
+        raise KernelArgumentError(f"{name}: expected batch + 1 >= 2 entries, got {n}")
+    indptr = _host(t[name]).astype(np.int64)
+    counts = np.diff(indptr)
+    if indptr[0] != 0:
+        raise KernelArgumentError(f"{name}[0] = {indptr[0]}: offsets start at 0")
+    if (counts < 0).any():
+        b = int(np.flatnonzero(counts < 0)[0])
+        raise KernelArgumentError(f"{name} decreases at {b}: {indptr[b]} > {indptr[b + 1]}")
+    if indptr[-1] > total or (exact and indptr[-1] != total):
+        relation = "equal" if exact else "be at most"
+        raise KernelArgumentError(f"{name}[-1] = {indptr[-1]} must {relation} the {total} the tensor holds")
+    return counts
+
+
+def _max(lengths) -> int:
+    return int(lengths.max(initial=0))
+
+
+def _host(tensor) -> np.ndarray:
+    return tensor.numpy()
+
+
+_LAYOUT_CHECKS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}

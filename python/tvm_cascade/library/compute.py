@@ -1,0 +1,104 @@
+"""The unfused attention chain of a spec over its layout's view, lengths at run time."""
+from __future__ import annotations
+
+import tvm
+from tvm import te, tirx
+
+from ..ops.flex_attention import ATTENTION_BLOCKS, variant_te_mods
+from ..root_order import reorder_root_blocks
+from .layouts import views
+from .spec import AttentionSpec
+
+#: The blocks that read the layout's tensors into the view (ragged and paged layouts).
+VIEW_BLOCKS = ("Q_view", "K_view", "V_view")
+
+
+def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """``ops.attention``'s chain (blocks :data:`~tvm_cascade.ops.ATTENTION_BLOCKS`) for
+    ``spec``, over the sequence view of its layout (:mod:`.layouts`): its parameters are
+    the layout's tensors, its lengths the layout's variables.
+
+    Keys a sequence does not have are masked like the variant's masked keys; a row that
+    sees no key at all (none of its keys visible) gives zeros, as FlashAttention's do.
+    The output is the view's ``out[b, h, i, x]``: :func:`.layouts.scatter_output` moves
+    its stores to the layout's ``out`` once the function is scheduled.
+    """
+    view = views(spec)
+    acc = "float32"
+    group, d = spec.group, spec.head_dim
+    shape_q = (view.batch, spec.heads_q, view.rows)
+    shape_kv = (view.batch, spec.heads_kv, view.keys, d)
+    zero = tirx.const(0, acc)
+
+    def guarded(read, length):
+        def value(b, h, n, x):
+            loaded = read(b, h, n, x).astype(acc)
+            return loaded if length is None else tirx.if_then_else(n < length(b), loaded, zero)
+
+        return value
+
+    if view.q_len is None:
+        query, key, value = view.query, view.key, view.value
+    else:
+        query = te.compute(shape_q + (d,), guarded(view.query, view.q_len), name="Q_view")
+        key = te.compute(shape_kv, guarded(view.key, view.kv_len), name="K_view")
+        value = te.compute(shape_kv, guarded(view.value, view.kv_len), name="V_view")
+        query, key, value = (_indexer(t) for t in (query, key, value))
+
+    q_len = view.q_len or (lambda b: view.rows)
+    kv_len = view.kv_len or (lambda b: view.keys)
+    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, q_len, kv_len, acc)
+    lowest = tirx.min_value(acc)
+    scale = tirx.const(spec.scale, acc)
+
+    rd = te.reduce_axis((0, d), name="rd")
+    scores = shape_q + (view.keys,)
+    qk = te.compute(
+        scores,
+        lambda b, h, i, j: te.sum(query(b, h, i, rd).astype(acc) * key(b, h // group, j, rd).astype(acc), axis=rd),
+        name="qk",
+    )
+
+    def visible(b, h, i, j):
+        conds = [] if view.kv_len is None else [j < view.kv_len(b)]
+        if mask_mod is not None:
+            conds.append(mask_mod(b, h, i, j))
+        return te.all(*conds) if conds else None
+
+    def masked_score(b, h, i, j):
+        s = qk[b, h, i, j] * scale
+        if score_mod is not None:
+            s = score_mod(s, b, h, i, j).astype(acc)
+        cond = visible(b, h, i, j)
+        return s if cond is None else tirx.Select(cond, s, lowest)
+
+    score = te.compute(scores, masked_score, name="score")
+    rj = te.reduce_axis((0, view.keys), name="rj")
+    m = te.compute(shape_q, lambda b, h, i: te.max(score[b, h, i, rj], axis=rj), name="max")
+    e = te.compute(scores, lambda b, h, i, j: te.exp(score[b, h, i, j] - m[b, h, i]), name="exp")
+    rj = te.reduce_axis((0, view.keys), name="rj")
+    l = te.compute(shape_q, lambda b, h, i: te.sum(e[b, h, i, rj], axis=rj), name="sum")
+    rj = te.reduce_axis((0, view.keys), name="rj")
+    o = te.compute(
+        shape_q + (d,),
+        lambda b, h, i, x: te.sum(e[b, h, i, rj] * value(b, h // group, rj, x).astype(acc), axis=rj),
+        name="pv",
+    )
+
+    masked = view.kv_len is not None or mask_mod is not None
+
+    def normalised(b, h, i, x):
+        out = (o[b, h, i, x] / l[b, h, i]).astype(spec.dtype)
+        if not masked:
+            return out
+        # A row whose every score is masked has the masked value as its maximum.
+        return tirx.Select(m[b, h, i] == lowest, tirx.const(0, spec.dtype), out)
+
+    out = te.compute(shape_q + (d,), normalised, name="out")
+    func = te.create_prim_func(view.inputs + [out])
+    order = (VIEW_BLOCKS if view.q_len is not None else ()) + ATTENTION_BLOCKS
+    return reorder_root_blocks(func, order).with_attr("global_symbol", "main")
+
+
+def _indexer(tensor):
+    return lambda *index: tensor[index]

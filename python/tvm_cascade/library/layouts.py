@@ -1,0 +1,169 @@
+"""How a kernel's tensors lie in memory, and the uniform view of them its computation reads.
+
+Every layout is seen as sequences ``b`` of query rows ``i`` and keys ``j``: ``query(b, h,
+i, x)``, ``key(b, hk, j, x)`` and ``value(b, hk, j, x)``, read over ``rows`` query rows
+and ``keys`` keys per sequence (the longest ones), with each sequence's own lengths
+``q_len(b)`` and ``kv_len(b)``: rows past a sequence's queries are computed and not
+stored, keys past its keys are masked. Lengths and the batch size are variables of the
+PrimFunc (its buffers' shapes, or scalar parameters), so one kernel serves all of them.
+
+``bhsd``
+    ``q[b, hq, sq, d]``, ``k/v[b, hkv, skv, d]``, ``out[b, hq, sq, d]``.
+``ragged``
+    sequences packed along tokens (FlashAttention's varlen): ``q[total_q, hq, d]``,
+    ``k/v[total_kv, hkv, d]``, ``q_indptr[b + 1]`` and ``kv_indptr[b + 1]`` (int32,
+    sequence ``b``'s tokens are ``indptr[b]:indptr[b + 1]``), ``out`` like ``q``.
+``paged``
+    queries as in ``ragged``; keys and values in a page pool ``pages[num_pages, 2, hkv,
+    page_size, d]`` (``[:, 0]`` keys, ``[:, 1]`` values) as TVM's paged KV cache
+    (``relax.frontend.nn.llm``) lays it out: sequence ``b`` holds the pages
+    ``page_ids[page_indptr[b]:page_indptr[b + 1]]`` in order, all full but the last,
+    which holds ``last_page_len[b]`` keys.
+
+Queries are aligned to the end of their keys (query ``i`` of a sequence sits at position
+``i + kv_len - q_len``), as in chunked prefill and decode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import tvm
+import tvm_ffi
+from tvm import te, tirx
+from tvm.s_tir.stmt import SBlock
+
+from ..analysis.scope import buffer_params
+from ..primitives.ir import copy_block, with_regions
+from .spec import AttentionSpec
+
+INDEX_DTYPE = "int32"
+
+
+@dataclass
+class Views:
+    """A layout's tensors and the sequence view of them (see the module docstring)."""
+
+    inputs: list  # TE placeholders and scalar variables before ``out``, in parameter order
+    batch: object
+    rows: object
+    keys: object
+    query: Callable
+    key: Callable
+    value: Callable
+    q_len: Optional[Callable]  # None: every row of every sequence is valid
+    kv_len: Optional[Callable]  # None: every key of every sequence is valid
+    out_shape: tuple  # the shape of ``out`` (a view's shape for bhsd)
+
+
+def views(spec: AttentionSpec) -> Views:
+    """The placeholders of ``spec``'s layout and the view of them."""
+    return _BUILDERS[spec.layout](spec)
+
+
+def _bhsd(spec):
+    batch, seq_q, seq_kv = te.var("batch"), te.var("seq_q"), te.var("seq_kv")
+    d = spec.head_dim
+    q = te.placeholder((batch, spec.heads_q, seq_q, d), spec.dtype, name="q")
+    k = te.placeholder((batch, spec.heads_kv, seq_kv, d), spec.dtype, name="k")
+    v = te.placeholder((batch, spec.heads_kv, seq_kv, d), spec.dtype, name="v")
+    return Views(
+        inputs=[q, k, v], batch=batch, rows=seq_q, keys=seq_kv,
+        query=lambda b, h, i, x: q[b, h, i, x],
+        key=lambda b, h, j, x: k[b, h, j, x],
+        value=lambda b, h, j, x: v[b, h, j, x],
+        q_len=None, kv_len=None, out_shape=(batch, spec.heads_q, seq_q, d),
+    )
+
+
+def _ragged_queries(spec):
+    """Ragged queries, their indptr and the scalar maxima shared by ``ragged`` and
+    ``paged``: (q, q_indptr, batch, max_q, max_kv, q_len)."""
+    # The indptr's length is the variable: `batch + 1` as a shape would define nothing.
+    indptr_len = te.var("indptr_len")
+    total_q, max_q, max_kv = te.var("total_q"), te.var("max_q"), te.var("max_kv")
+    q = te.placeholder((total_q, spec.heads_q, spec.head_dim), spec.dtype, name="q")
+    q_indptr = te.placeholder((indptr_len,), INDEX_DTYPE, name="q_indptr")
+    return q, q_indptr, indptr_len - 1, max_q, max_kv, lambda b: q_indptr[b + 1] - q_indptr[b]
+
+
+def _ragged(spec):
+    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec)
+    total_kv = te.var("total_kv")
+    k = te.placeholder((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, name="k")
+    v = te.placeholder((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, name="v")
+    kv_indptr = te.placeholder(q_indptr.shape, INDEX_DTYPE, name="kv_indptr")
+
+    def kv_len(b):
+        return kv_indptr[b + 1] - kv_indptr[b]
+
+    return Views(
+        inputs=[q, k, v, q_indptr, kv_indptr, max_q, max_kv], batch=batch, rows=max_q, keys=max_kv,
+        query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
+        key=lambda b, h, j, x: k[kv_indptr[b] + j, h, x],
+        value=lambda b, h, j, x: v[kv_indptr[b] + j, h, x],
+        q_len=q_len, kv_len=kv_len, out_shape=q.shape,
+    )
+
+
+def _paged(spec):
+    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec)
+    num_pages, page_size, nnz_pages = te.var("num_pages"), te.var("page_size"), te.var("nnz_pages")
+    pages = te.placeholder((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, name="pages")
+    page_indptr = te.placeholder(q_indptr.shape, INDEX_DTYPE, name="page_indptr")
+    page_ids = te.placeholder((nnz_pages,), INDEX_DTYPE, name="page_ids")
+    last_page_len = te.placeholder((batch,), INDEX_DTYPE, name="last_page_len")
+
+    def kv_len(b):
+        used = page_indptr[b + 1] - page_indptr[b]
+        return tirx.Select(used > 0, (used - 1) * page_size + last_page_len[b], 0)
+
+    def cache(which):
+        def read(b, h, j, x):
+            page = page_ids[page_indptr[b] + tirx.floordiv(j, page_size)]
+            return pages[page, which, h, tirx.floormod(j, page_size), x]
+
+        return read
+
+    return Views(
+        inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv],
+        batch=batch, rows=max_q, keys=max_kv, query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
+        key=cache(0), value=cache(1), q_len=q_len, kv_len=kv_len, out_shape=q.shape,
+    )
+
+
+_BUILDERS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}
+
+
+def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """``func`` with its output ``out[b, h, i, x]`` (the view's rows) stored to the
+    layout's ``out``: rows of ragged queries go to ``out[q_indptr[b] + i, h, x]``, those
+    past the sequence's queries nowhere. bhsd's ``func`` is returned as it is.
+
+    TE cannot index an output by a loaded value, so the view's output is computed and
+    this rewrite, after scheduling, changes only where the block that stores it writes.
+    """
+    if spec.layout == "bhsd":
+        return func
+    params = buffer_params(func)
+    old = next(p for p in params if p.name == "out")
+    q_indptr = next(p for p in params if p.name == "q_indptr")
+    total_q = next(p for p in params if p.name == "q").shape[0]
+    new = tirx.decl_buffer((total_q, spec.heads_q, spec.head_dim), spec.dtype, name="out")
+    others = [p for p in params if not p.same_as(old)] + [new]
+
+    def store(s):
+        if not s.buffer.same_as(old):
+            return s
+        b, h, i, x = s.indices
+        inside = i < q_indptr[b + 1] - q_indptr[b]
+        return tirx.IfThenElse(inside, tirx.BufferStore(new, s.value, [q_indptr[b] + i, h, x]), None)
+
+    def block(blk):
+        if not any(w.source.same_as(old) for w in blk.writes):
+            return blk
+        body = tvm_ffi.structural_map(blk.body, [(tirx.BufferStore, store)])
+        return with_regions(copy_block(blk, body=body), others + list(blk.alloc_buffers))
+
+    body = tvm_ffi.structural_map(func.body, [(SBlock, block)])
+    return tirx.PrimFunc([new if p.same_as(old) else p for p in func.params], body, attrs=func.attrs)

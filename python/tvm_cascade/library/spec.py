@@ -1,0 +1,74 @@
+"""What one attention kernel of the library computes: :class:`AttentionSpec`."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..ops.variants import AttentionVariant, get_variant
+
+#: Memory layouts of a kernel's tensors (see :mod:`tvm_cascade.library.layouts`).
+LAYOUTS = ("bhsd", "ragged", "paged")
+DTYPES = ("float16", "bfloat16", "float32")
+#: The largest head dimension a kernel serves.
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention kernel: everything about it but the lengths and the batch size,
+    which are runtime values.
+
+    ``scale`` multiplies Q·Kᵀ (default ``1/sqrt(head_dim)``); ``target`` is the
+    target's string form (``str(tvm.target.Target(...))``), part of what a cached kernel
+    is keyed by.
+    """
+
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    variant: AttentionVariant
+    dtype: str
+    layout: str
+    target: str
+    scale: float
+
+    @staticmethod
+    def make(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", layout="bhsd",
+             target="llvm", scale: Optional[float] = None) -> "AttentionSpec":
+        """A checked spec; ``variant`` is a name of :data:`~tvm_cascade.ops.VARIANTS` or
+        an :class:`~tvm_cascade.ops.AttentionVariant`. Raises ``ValueError`` naming the
+        argument that is out of range."""
+        for name, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if heads_q % heads_kv:
+            raise ValueError(f"heads_q={heads_q} must be a multiple of heads_kv={heads_kv}")
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim={head_dim} is larger than the {MAX_HEAD_DIM} the kernels serve")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        variant = get_variant(variant)
+        if variant.window is not None and variant.window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, got window={variant.window}")
+        if variant.softcap is not None and not variant.softcap > 0:
+            raise ValueError(f"softcap must be positive, got {variant.softcap}")
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.heads_q // self.heads_kv
+
+    def describe(self) -> str:
+        """A short name, e.g. ``ragged-h32x8-d128-float16-causal``."""
+        v = self.variant
+        parts = ["causal" if v.causal and v.window is None else None,
+                 f"window{v.window}" if v.window is not None else None,
+                 "alibi" if v.alibi else None,
+                 f"softcap{v.softcap:g}" if v.softcap is not None else None]
+        mods = "-".join(p for p in parts if p) or "global"
+        return f"{self.layout}-h{self.heads_q}x{self.heads_kv}-d{self.head_dim}-{self.dtype}-{mods}"

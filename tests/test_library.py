@@ -1,0 +1,239 @@
+"""tvm_cascade.kernels.attention_kernel on the CPU: one kernel per spec serving every
+batch and length, in the bhsd, ragged and paged layouts, against float64 numpy."""
+import numpy as np
+import pytest
+import tvm
+
+import tvm_cascade  # noqa: F401
+from tvm_cascade.kernels import attention_kernel
+from tvm_cascade.library import AttentionSpec, KernelArgumentError
+from tvm_cascade.ops import AttentionVariant
+from tvm_cascade.ops import testing as tt
+from tvm_cascade.ops.reference import sequence_attention_ref
+
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path / "cache"))
+
+
+def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype="float32", **kwargs):
+    return attention_kernel(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
+                            target="llvm", **kwargs)
+
+
+def _reference(sequences, variant, scale=None):
+    return [sequence_attention_ref(q, k, v, variant, scale) for q, k, v in sequences]
+
+
+def _check(out, expected, dtype):
+    out = np.asarray(out, dtype=np.float64)
+    assert np.isfinite(out).all()
+    err = np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30)
+    assert err < TOL[dtype], err
+
+
+def _call(kernel, args):
+    """``kernel`` on numpy ``args``; numpy has no DLPack for bfloat16, TVM tensors carry it."""
+    if kernel.spec.dtype != "bfloat16":
+        return kernel(*args)
+    return kernel(*(tvm.runtime.tensor(a) for a in args)).numpy()
+
+
+def _run(kernel, sequences, page_size=4):
+    """Run ``kernel`` on ``sequences`` in its layout; returns its output per sequence."""
+    layout = kernel.spec.layout
+    if layout == "bhsd":
+        q, k, v = (np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
+        return list(_call(kernel, (q, k, v)).transpose(0, 2, 1, 3))
+    args = tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, page_size)
+    out = _call(kernel, args)
+    q_indptr = args[3] if layout == "ragged" else args[2]
+    return [out[a:b] for a, b in zip(q_indptr[:-1], q_indptr[1:])]
+
+
+VARIANTS = [
+    AttentionVariant("global"),
+    AttentionVariant("causal", causal=True),
+    AttentionVariant("window", causal=True, window=5),
+    AttentionVariant("alibi", causal=True, alibi=True),
+    AttentionVariant("softcap", softcap=5.0),
+    AttentionVariant("window-alibi-softcap", causal=True, window=7, alibi=True, softcap=8.0),
+]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_variants_every_layout(layout, variant):
+    kernel = _kernel(layout, variant=variant)
+    rng = np.random.default_rng(1)
+    if layout == "bhsd":
+        lengths = [([5, 5], [12, 12]), ([1, 1, 1], [9, 9, 9]), ([13], [13])]
+    else:  # ragged batches: lengths differ within a call, decode rows beside prefill
+        lengths = [([5, 1, 8, 3], [12, 9, 8, 30]), ([2], [2]), ([1, 1], [17, 4])]
+    for q_lens, kv_lens in lengths:
+        sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
+        for out, ref in zip(_run(kernel, sequences), _reference(sequences, variant)):
+            _check(out, ref, "float32")
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (16, 1)], ids=["mha", "gqa2", "gqa4", "mqa16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_groups_and_half_types(heads, dtype):
+    kernel = _kernel("ragged", *heads, head_dim=8, dtype=dtype)
+    sequences = tt.random_sequences([3, 6], [10, 6], *heads, 8, dtype=dtype, rng=np.random.default_rng(2))
+    for out, ref in zip(_run(kernel, sequences), _reference(sequences, "causal")):
+        _check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
+def test_head_dims(head_dim):
+    kernel = _kernel("paged", 2, 1, head_dim, dtype="float16")
+    sequences = tt.random_sequences([2, 4], [20, 5], 2, 1, head_dim, dtype="float16", rng=np.random.default_rng(3))
+    for out, ref in zip(_run(kernel, sequences, page_size=16), _reference(sequences, "causal")):
+        _check(out, ref, "float16")
+
+
+def test_chunked_prefill_and_speculative_decode():
+    """New queries over cached keys: a chunk of 24 after 150 cached keys, and 1-8
+    speculative queries per sequence, all through one paged kernel."""
+    kernel = _kernel("paged", variant="causal")
+    rng = np.random.default_rng(4)
+    for q_lens, kv_lens in (([24], [174]), ([1, 4, 8, 2], [40, 44, 9, 100])):
+        sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
+        for out, ref in zip(_run(kernel, sequences, page_size=16), _reference(sequences, "causal")):
+            _check(out, ref, "float32")
+
+
+def test_rows_that_see_no_key_are_zero():
+    """More queries than keys under a causal mask, and a sequence without keys."""
+    kernel = _kernel("ragged")
+    sequences = tt.random_sequences([6, 2, 3], [3, 0, 5], 4, 2, 16, rng=np.random.default_rng(5))
+    outs = _run(kernel, sequences)
+    refs = _reference(sequences, "causal")
+    assert not outs[0][:3].any() and not outs[1].any()
+    _check(outs[0][3:], refs[0][3:], "float32")
+    _check(outs[2], refs[2], "float32")
+
+
+def test_scale():
+    kernel = _kernel("bhsd", scale=0.5, variant="global")
+    sequences = tt.random_sequences([4], [9], 4, 2, 16, rng=np.random.default_rng(6))
+    _check(_run(kernel, sequences)[0], _reference(sequences, "global", 0.5)[0], "float32")
+
+
+def test_lengths_and_batch_are_symbolic():
+    """One PrimFunc per kernel; no length or batch size is a constant of it."""
+    for layout in ("bhsd", "ragged", "paged"):
+        mod = _kernel(layout).mod
+        funcs = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+        assert len(funcs) == 1
+        func = funcs[0]
+        shapes = {p.name: list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)}
+        scalars = [p.name for p in func.params if not isinstance(p.ty, tvm.tirx.BufferType)]
+        constant = {4, 2, 16}  # heads and head dim: the only static sizes
+        for name, shape in shapes.items():
+            static = [int(e) for e in shape if isinstance(e, tvm.tirx.IntImm)]
+            assert set(static) <= constant | {2} and len(static) < len(shape), (layout, name, shape)
+        assert scalars == ([] if layout == "bhsd" else ["max_q", "max_kv"])
+
+
+def test_torch_style_dlpack_and_tvm_tensors():
+    """numpy in, numpy out (through DLPack); TVM tensors in, the TVM ``out`` given back."""
+    kernel = _kernel("ragged")
+    sequences = tt.random_sequences([3, 2], [5, 7], 4, 2, 16, rng=np.random.default_rng(7))
+    args = tt.pack_ragged(sequences)
+    as_numpy = kernel(*args)
+    assert isinstance(as_numpy, np.ndarray)
+    out = tvm.runtime.empty(args[0].shape, "float32", tvm.cpu())
+    returned = kernel(*(tvm.runtime.tensor(a) for a in args), out=out)
+    assert returned is out
+    np.testing.assert_array_equal(out.numpy(), as_numpy)
+
+
+# -- refusals -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(heads_q=6, heads_kv=4), "multiple of heads_kv"),
+        (dict(head_dim=320), "larger than the 256"),
+        (dict(dtype="float64"), "dtype must be one of"),
+        (dict(layout="bshd"), "layout must be one of"),
+        (dict(variant=AttentionVariant("w0", causal=True, window=0)), "at least one key"),
+        (dict(variant="unknown"), "unknown attention variant"),
+    ],
+)
+def test_spec_refusals(kwargs, message):
+    args = dict(heads_q=4, heads_kv=2, head_dim=16)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        AttentionSpec.make(args.pop("heads_q"), args.pop("heads_kv"), args.pop("head_dim"), **args)
+
+
+def _ragged_args():
+    sequences = tt.random_sequences([3, 2], [5, 7], 4, 2, 16, rng=np.random.default_rng(8))
+    return list(tt.pack_ragged(sequences))
+
+
+def _paged_args():
+    sequences = tt.random_sequences([3, 2], [5, 7], 4, 2, 16, rng=np.random.default_rng(9))
+    return list(tt.pack_paged(sequences, 4))
+
+
+def _with(args, position, value):
+    args = list(args)
+    args[position] = value
+    return args
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda a: a[:4], r"takes \(q, k, v, q_indptr, kv_indptr\[, out\]\); got 4"),
+        (lambda a: _with(a, 0, a[0].astype("float16")), "q: expected dtype float32, got float16"),
+        (lambda a: _with(a, 1, a[1][:, :1].copy()), r"k: expected shape \[\*, 2, 16\], got \[12, 1, 16\]"),
+        (lambda a: _with(a, 2, a[2][:-1]), r"v: expected shape \[12, 2, 16\], got \[11, 2, 16\]"),
+        (lambda a: _with(a, 3, np.array([0, 4, 3], "int32")), "q_indptr decreases at 1: 4 > 3"),
+        (lambda a: _with(a, 3, np.array([1, 3, 5], "int32")), r"q_indptr\[0\] = 1: offsets start at 0"),
+        (lambda a: _with(a, 3, np.array([0, 3, 4], "int32")), r"q_indptr\[-1\] = 4 must equal the 5"),
+        (lambda a: _with(a, 4, np.array([0, 5, 13], "int32")), r"kv_indptr\[-1\] = 13 must be at most the 12"),
+        (lambda a: _with(a, 4, np.array([0, 5, 7, 12], "int32")), r"kv_indptr: expected shape \[3\]"),
+        (lambda a: _with(a, 4, a[4].astype("int64")), "kv_indptr: expected dtype int32"),
+        (lambda a: _with(a, 0, np.asfortranarray(a[0])), "strided"),
+        (lambda a: _with(a, 0, a[0].tolist()), "expected a tensor"),
+    ],
+)
+def test_ragged_call_refusals(make, message):
+    kernel = _kernel("ragged")
+    with pytest.raises(KernelArgumentError, match=message):
+        kernel(*make(_ragged_args()))
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda a: _with(a, 4, np.r_[a[4][:2], 99, a[4][3:]].astype("int32")), r"page_ids\[2\] = 99 is not a page of the pool's 7"),
+        (lambda a: _with(a, 4, np.full_like(a[4], -1)), r"page_ids\[0\] = -1 is not a page"),
+        (lambda a: _with(a, 5, np.array([0, 3], "int32")), r"last_page_len\[0\] = 0: a sequence's last page holds 1 to"),
+        (lambda a: _with(a, 5, np.array([1, 5], "int32")), r"last_page_len\[1\] = 5"),
+        (lambda a: _with(a, 3, np.array([0, 2, 9], "int32")), r"page_indptr\[-1\] = 9 must be at most the 4"),
+        (lambda a: _with(a, 1, a[1][:, :1].copy()), r"pages: expected shape \[\*, 2, 2, \*, 16\]"),
+    ],
+)
+def test_paged_call_refusals(make, message):
+    kernel = _kernel("paged")
+    with pytest.raises(KernelArgumentError, match=message):
+        kernel(*make(_paged_args()))
+
+
+def test_out_refusals():
+    kernel = _kernel("ragged")
+    args = _ragged_args()
+    with pytest.raises(KernelArgumentError, match=r"out: expected shape \[5, 4, 16\]"):
+        kernel(*args, out=np.zeros((4, 4, 16), "float32"))
+    with pytest.raises(KernelArgumentError, match="out: expected dtype float32"):
+        kernel(*args, out=np.zeros((5, 4, 16), "float16"))
