@@ -5,13 +5,11 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
+from library_cases import VARIANTS, check, reference, run
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import AttentionSpec, KernelArgumentError
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.ops import testing as tt
-from tvm_cascade.ops.reference import sequence_attention_ref
-
-TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -19,49 +17,9 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path / "cache"))
 
 
-def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype="float32", **kwargs):
+def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype="float32", target="llvm", **kwargs):
     return attention_kernel(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
-                            target="llvm", **kwargs)
-
-
-def _reference(sequences, variant, scale=None):
-    return [sequence_attention_ref(q, k, v, variant, scale) for q, k, v in sequences]
-
-
-def _check(out, expected, dtype):
-    out = np.asarray(out, dtype=np.float64)
-    assert np.isfinite(out).all()
-    err = np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30)
-    assert err < TOL[dtype], err
-
-
-def _call(kernel, args):
-    """``kernel`` on numpy ``args``; numpy has no DLPack for bfloat16, TVM tensors carry it."""
-    if kernel.spec.dtype != "bfloat16":
-        return kernel(*args)
-    return kernel(*(tvm.runtime.tensor(a) for a in args)).numpy()
-
-
-def _run(kernel, sequences, page_size=4):
-    """Run ``kernel`` on ``sequences`` in its layout; returns its output per sequence."""
-    layout = kernel.spec.layout
-    if layout == "bhsd":
-        q, k, v = (np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
-        return list(_call(kernel, (q, k, v)).transpose(0, 2, 1, 3))
-    args = tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, page_size)
-    out = _call(kernel, args)
-    q_indptr = args[3] if layout == "ragged" else args[2]
-    return [out[a:b] for a, b in zip(q_indptr[:-1], q_indptr[1:])]
-
-
-VARIANTS = [
-    AttentionVariant("global"),
-    AttentionVariant("causal", causal=True),
-    AttentionVariant("window", causal=True, window=5),
-    AttentionVariant("alibi", causal=True, alibi=True),
-    AttentionVariant("softcap", softcap=5.0),
-    AttentionVariant("window-alibi-softcap", causal=True, window=7, alibi=True, softcap=8.0),
-]
+                            target=target, **kwargs)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
@@ -75,8 +33,8 @@ def test_variants_every_layout(layout, variant):
         lengths = [([5, 1, 8, 3], [12, 9, 8, 30]), ([2], [2]), ([1, 1], [17, 4])]
     for q_lens, kv_lens in lengths:
         sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
-        for out, ref in zip(_run(kernel, sequences), _reference(sequences, variant)):
-            _check(out, ref, "float32")
+        for out, ref in zip(run(kernel, sequences), reference(sequences, variant)):
+            check(out, ref, "float32")
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (16, 1)], ids=["mha", "gqa2", "gqa4", "mqa16"])
@@ -84,16 +42,16 @@ def test_variants_every_layout(layout, variant):
 def test_groups_and_half_types(heads, dtype):
     kernel = _kernel("ragged", *heads, head_dim=8, dtype=dtype)
     sequences = tt.random_sequences([3, 6], [10, 6], *heads, 8, dtype=dtype, rng=np.random.default_rng(2))
-    for out, ref in zip(_run(kernel, sequences), _reference(sequences, "causal")):
-        _check(out, ref, dtype)
+    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
+        check(out, ref, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
 def test_head_dims(head_dim):
     kernel = _kernel("paged", 2, 1, head_dim, dtype="float16")
     sequences = tt.random_sequences([2, 4], [20, 5], 2, 1, head_dim, dtype="float16", rng=np.random.default_rng(3))
-    for out, ref in zip(_run(kernel, sequences, page_size=16), _reference(sequences, "causal")):
-        _check(out, ref, "float16")
+    for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+        check(out, ref, "float16")
 
 
 def test_chunked_prefill_and_speculative_decode():
@@ -103,25 +61,25 @@ def test_chunked_prefill_and_speculative_decode():
     rng = np.random.default_rng(4)
     for q_lens, kv_lens in (([24], [174]), ([1, 4, 8, 2], [40, 44, 9, 100])):
         sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
-        for out, ref in zip(_run(kernel, sequences, page_size=16), _reference(sequences, "causal")):
-            _check(out, ref, "float32")
+        for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+            check(out, ref, "float32")
 
 
 def test_rows_that_see_no_key_are_zero():
     """More queries than keys under a causal mask, and a sequence without keys."""
     kernel = _kernel("ragged")
     sequences = tt.random_sequences([6, 2, 3], [3, 0, 5], 4, 2, 16, rng=np.random.default_rng(5))
-    outs = _run(kernel, sequences)
-    refs = _reference(sequences, "causal")
+    outs = run(kernel, sequences)
+    refs = reference(sequences, "causal")
     assert not outs[0][:3].any() and not outs[1].any()
-    _check(outs[0][3:], refs[0][3:], "float32")
-    _check(outs[2], refs[2], "float32")
+    check(outs[0][3:], refs[0][3:], "float32")
+    check(outs[2], refs[2], "float32")
 
 
 def test_scale():
     kernel = _kernel("bhsd", scale=0.5, variant="global")
     sequences = tt.random_sequences([4], [9], 4, 2, 16, rng=np.random.default_rng(6))
-    _check(_run(kernel, sequences)[0], _reference(sequences, "global", 0.5)[0], "float32")
+    check(run(kernel, sequences)[0], reference(sequences, "global", 0.5)[0], "float32")
 
 
 def test_lengths_and_batch_are_symbolic():
@@ -151,6 +109,25 @@ def test_torch_style_dlpack_and_tvm_tensors():
     returned = kernel(*(tvm.runtime.tensor(a) for a in args), out=out)
     assert returned is out
     np.testing.assert_array_equal(out.numpy(), as_numpy)
+
+
+def _misaligned(array):
+    """A copy of ``array`` whose data starts 4 bytes past a 64-byte boundary."""
+    flat = np.empty(array.size + 64, array.dtype)
+    offset = (-flat.ctypes.data % 64 + 4) // array.itemsize
+    view = flat[offset : offset + array.size].reshape(array.shape)
+    view[...] = array
+    assert view.ctypes.data % 64 == 4
+    return view
+
+
+def test_unaligned_tensors_are_copied():
+    kernel = _kernel("ragged")
+    sequences = tt.random_sequences([3, 2], [5, 7], 4, 2, 16, rng=np.random.default_rng(10))
+    args = tt.pack_ragged(sequences)
+    out = _misaligned(np.zeros_like(args[0]))
+    kernel(*(_misaligned(a) for a in args), out=out)
+    np.testing.assert_array_equal(out, kernel(*args))
 
 
 # -- refusals -------------------------------------------------------------------------
@@ -228,6 +205,21 @@ def test_paged_call_refusals(make, message):
     kernel = _kernel("paged")
     with pytest.raises(KernelArgumentError, match=message):
         kernel(*make(_paged_args()))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+def test_cuda_kernels_compile_and_refuse_host_tensors(layout):
+    """The generic family's CUDA kernel of every layout goes through TVM's CUDA code
+    generation here (no GPU needed); host tensors given to it are refused."""
+    kernel = _kernel(layout, 8, 2, 64, dtype="float16", target={"kind": "cuda", "arch": "sm_90a"})
+    assert kernel.family == "generic"
+    assert "__global__" in kernel.module.imports[0].inspect_source()
+    sequences = tt.random_sequences([2], [5], 8, 2, 64, dtype="float16")
+    args = tt.pack_ragged(sequences) if layout != "paged" else tt.pack_paged(sequences, 4)
+    if layout == "bhsd":
+        args = tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
+    with pytest.raises(KernelArgumentError, match=r"q: on cpu:0, but the kernel runs on cuda:0"):
+        kernel(*args)
 
 
 def test_out_refusals():

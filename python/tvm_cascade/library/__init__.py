@@ -65,7 +65,7 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     executable = tvm.compile(mod, target=target)
     if use_cache:
         cache.store(spec, family.name, mod, executable, root)
-    return AttentionKernel(spec, family.name, mod, executable)
+    return AttentionKernel(spec, family.name, mod, executable.mod)
 
 
 __all__ = ["ARGUMENTS", "FAMILIES", "LAYOUTS", "AttentionKernel", "AttentionSpec", "KernelArgumentError",

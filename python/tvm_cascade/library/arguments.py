@@ -62,7 +62,7 @@ def aligned(tensor):
 
 def check_call(spec: AttentionSpec, device, tensors: dict) -> list:
     """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout, and
-    ``out``) for a kernel of ``spec`` on ``device``; returns the scalar arguments the
+    ``out`` where given) for a kernel of ``spec`` on ``device``; returns the scalar arguments the
     kernel takes after its index arrays (``[max_q, max_kv]``, none for bhsd)."""
     for name, tensor in tensors.items():
         want = INDEX_DTYPE if "indptr" in name or name in ("page_ids", "last_page_len") else spec.dtype
@@ -86,7 +86,7 @@ def _bhsd(spec, t):
     b, _, sq, _ = _shape(t, "q", (None, spec.heads_q, None, spec.head_dim))
     _, _, skv, _ = _shape(t, "k", (b, spec.heads_kv, None, spec.head_dim))
     _shape(t, "v", (b, spec.heads_kv, skv, spec.head_dim))
-    _shape(t, "out", (b, spec.heads_q, sq, spec.head_dim))
+    _out(t, (b, spec.heads_q, sq, spec.head_dim))
     return []
 
 
@@ -125,8 +125,13 @@ def _paged(spec, t):
 
 def _ragged_q(spec, t):
     total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
-    _shape(t, "out", (total_q, spec.heads_q, spec.head_dim))
+    _out(t, (total_q, spec.heads_q, spec.head_dim))
     return total_q
+
+
+def _out(t, expected):
+    if "out" in t:
+        _shape(t, "out", expected)
 
 
 def _lengths(t, name, size, total, exact):

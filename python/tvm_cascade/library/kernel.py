@@ -42,16 +42,16 @@ class AttentionKernel:
                 f"a {self.spec.layout} kernel takes ({', '.join(names)}[, out]); got {len(tensors)} tensors"
             )
         given = {name: as_tensor(name, t) for name, t in zip(names, tensors)}
-        q = given["q"]
-        result = out if out is not None else tvm.runtime.empty(q.shape, self.spec.dtype, self.device)
-        given["out"] = as_tensor("out", result)
+        if out is not None:
+            given["out"] = as_tensor("out", out)
         scalars = check_call(self.spec, self.device, given)
-        into = given["out"]
-        if not is_aligned(into):
-            into = tvm.runtime.empty(q.shape, self.spec.dtype, self.device)
+        shape = given["q"].shape
+        result = out if out is not None else tvm.runtime.empty(shape, self.spec.dtype, self.device)
+        target = given.get("out", result)
+        into = target if is_aligned(target) else tvm.runtime.empty(shape, self.spec.dtype, self.device)
         self._main(*(aligned(given[n]) for n in names), *scalars, into)
-        if into is not given["out"]:
-            given["out"].copyfrom(into)
+        if into is not target:
+            target.copyfrom(into)
         if out is not None or isinstance(tensors[0], tvm.runtime.Tensor):
             return result
         return _like(tensors[0], result)

@@ -1,0 +1,48 @@
+"""Cases and checks shared by the CPU and GPU tests of tvm_cascade.library's kernels."""
+import numpy as np
+import tvm
+
+from tvm_cascade.ops import AttentionVariant
+from tvm_cascade.ops import testing as tt
+from tvm_cascade.ops.reference import sequence_attention_ref
+
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+VARIANTS = [
+    AttentionVariant("global"),
+    AttentionVariant("causal", causal=True),
+    AttentionVariant("window", causal=True, window=5),
+    AttentionVariant("alibi", causal=True, alibi=True),
+    AttentionVariant("softcap", softcap=5.0),
+    AttentionVariant("window-alibi-softcap", causal=True, window=7, alibi=True, softcap=8.0),
+]
+
+
+def reference(sequences, variant, scale=None):
+    return [sequence_attention_ref(q, k, v, variant, scale) for q, k, v in sequences]
+
+
+def check(out, expected, dtype):
+    """``out`` is finite and within ``dtype``'s tolerance of ``expected`` (relative
+    Frobenius error)."""
+    out = np.asarray(out, dtype=np.float64)
+    assert np.isfinite(out).all()
+    err = np.linalg.norm(out - expected) / max(np.linalg.norm(expected), 1e-30)
+    assert err < TOL[dtype], err
+
+
+def run(kernel, sequences, page_size=4):
+    """Run ``kernel`` on per-sequence numpy arrays in its layout, as TVM tensors on its
+    device (numpy has no DLPack for bfloat16); returns its output per sequence."""
+    layout = kernel.spec.layout
+    if layout == "bhsd":
+        args = tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
+    elif layout == "ragged":
+        args = tt.pack_ragged(sequences)
+    else:
+        args = tt.pack_paged(sequences, page_size)
+    out = kernel(*(tvm.runtime.tensor(a, kernel.device) for a in args)).numpy()
+    if layout == "bhsd":
+        return list(out.transpose(0, 2, 1, 3))
+    q_indptr = args[3] if layout == "ragged" else args[2]
+    return [out[a:b] for a, b in zip(q_indptr[:-1], q_indptr[1:])]
