@@ -58,10 +58,16 @@ class CMakeBuild(build_ext):
         build_temp = Path(self.build_temp).resolve() / "cmake"
         build_temp.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
+        # Named on every configure: an isolated build environment (pip install .) is
+        # deleted afterwards, and a cache naming its tvm-ffi would fail the next build.
+        tvm_ffi_dir = subprocess.check_output(
+            [sys.executable, "-m", "tvm_ffi.config", "--cmakedir"], text=True
+        ).strip()
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_temp),
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dtvm_ffi_DIR={tvm_ffi_dir}",
         ]
         # A cache from another interpreter/env would point at the wrong tvm-ffi.
         cache = build_temp / "CMakeCache.txt"

@@ -6,7 +6,7 @@ For each decode configuration of the suite: evolutionary search with the xgboost
 model over :func:`tvm_cascade.schedules.decode.decode_design_space` (its choices are
 ``sample_categorical`` decisions, its fusion the traced ``split_k_update``). Records go
 to a JSON database (``database_workload.json``, ``database_tuning_record.json``) in
-``--work-dir`` (default ``benchmarks/tuned/decode``), which
+``--work-dir`` (default ``python/tvm_cascade/tuned/decode``, the records shipped with the package), which
 :func:`tvm_cascade.kernels.compile_attention` reads back; MetaSchedule's logs (build and
 run errors included) go to ``<work-dir>/logs/<workload>`` (git-ignored).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .tuning import parse_args, tune_suite
 
-DEFAULT_WORK_DIR = Path(__file__).resolve().parent / "tuned" / "decode"
+DEFAULT_WORK_DIR = Path(__file__).resolve().parents[1] / "python" / "tvm_cascade" / "tuned" / "decode"
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ kernel's, :func:`tvm_cascade.schedules.warp_specialized.design_space` (the trace
 ``rolling_update`` over 128-key tiles, the K/V stages and the consumers' form sampled,
 the annotated loop lowered to the kernel by
 :func:`tvm_cascade.schedules.warp_specialized.build`). Records go to a JSON database in
-``--work-dir`` (default ``benchmarks/tuned/prefill``), which
+``--work-dir`` (default ``python/tvm_cascade/tuned/prefill``, the records shipped with the package), which
 :func:`tvm_cascade.kernels.compile_attention` reads back (the best record that serves
 the GPU); MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored).
 """
@@ -26,7 +26,7 @@ from tvm_cascade.kernels import PREFILL_SPACES
 
 from .tuning import parse_args, tune_suite
 
-DEFAULT_WORK_DIR = Path(__file__).resolve().parent / "tuned" / "prefill"
+DEFAULT_WORK_DIR = Path(__file__).resolve().parents[1] / "python" / "tvm_cascade" / "tuned" / "prefill"
 
 
 def main(argv=None) -> int:

@@ -378,7 +378,7 @@ def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
 
 
 def test_checked_in_records_replay_into_the_fused_form(monkeypatch):
-    """The record under ``benchmarks/tuned/decode`` (causal, batch 8, 32 heads, 4096 keys)
+    """The record under ``tvm_cascade/tuned/decode`` (causal, batch 8, 32 heads, 4096 keys)
     replays with today's schedule: one kernel for scores and chunks, one combine."""
     monkeypatch.delenv("TVM_CASCADE_TUNED", raising=False)
     func = ops.attention(

@@ -1,5 +1,11 @@
 """``tvm_cascade.kernels``: which schedule serves a configuration, padding to whole tiles,
-and (on a machine with a CUDA GPU) the compiled kernels against the numpy reference."""
+the tuning records shipped with the package, and (on a machine with a CUDA GPU) the
+compiled kernels against the numpy reference."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -48,9 +54,12 @@ def test_kind_follows_the_query_length():
     ]
 
 
-def test_records_default_to_the_checkout_and_follow_the_environment(monkeypatch, tmp_path):
+def test_records_default_to_the_package_and_follow_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
-    assert kernels.default_records("prefill").parts[-3:] == ("benchmarks", "tuned", "prefill")
+    assert kernels.default_records("prefill").parts[-3:] == ("tvm_cascade", "tuned", "prefill")
+    assert (kernels.default_records("prefill") / "database_tuning_record.json").is_file()
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path / "cache"))
+    assert kernels.user_records("decode") == tmp_path / "cache" / "tuned" / "decode"
     monkeypatch.setenv("TVM_CASCADE_TUNED_PREFILL", str(tmp_path))
     assert kernels.default_records("prefill") == tmp_path
 
@@ -192,3 +201,25 @@ def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_row
     _check_against_the_reference(
         variant, 1, 4, 2, 300, 333, 128, "float16", {"rtol": 2e-2, "atol": 5e-3}, config=config
     )
+
+
+def test_installed_package_finds_its_records(tmp_path):
+    """``pip install .`` (not editable: a wheel built in an isolated environment, C++ core
+    included) into a folder of its own; the package imported from there finds the tuned
+    records it ships."""
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(root)],
+                   check=True, capture_output=True)
+    probe = (
+        "import tvm_cascade, tvm_cascade.kernels as k; "
+        "print(tvm_cascade.__file__); "
+        "print(*[(k.default_records(kind) / 'database_tuning_record.json').is_file() for kind in ('decode', 'prefill')])"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TVM_CASCADE_TUNED")}
+    env["PYTHONPATH"] = str(site)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    where, found = result.stdout.strip().splitlines()
+    assert where.startswith(str(site))
+    assert found == "True True"

@@ -1025,7 +1025,7 @@ def test_tuned_records_reload_into_prefill_schedules(tmp_path):
 
 
 def test_checked_in_records_replay_into_prefill_schedules(monkeypatch):
-    """The records under ``benchmarks/tuned/prefill`` (causal, batch 8, 32 heads, 1024
+    """The records under ``tvm_cascade/tuned/prefill`` (causal, batch 8, 32 heads, 1024
     rows; tuned on an H200) replay with today's schedules: on sm_90 the best is the
     warp-specialised kernel with 3 stages, overlap and ping-pong (0.257 ms; its other
     choices 0.271-0.352); elsewhere, the best tensor-core record, the heuristic schedule of

@@ -1,8 +1,8 @@
 """tvm-cascade kernels as callables on PyTorch CUDA tensors, for the benchmark harness.
 
 Each configuration is compiled by :func:`tvm_cascade.kernels.compile_attention`: with the
-best record of the tuning databases (``benchmarks/tuned/decode`` and
-``benchmarks/tuned/prefill`` of a source checkout, or ``TVM_CASCADE_TUNED`` /
+best record of the tuning databases (the user's, then ``tvm_cascade/tuned/decode`` and
+``tvm_cascade/tuned/prefill`` shipped with the package, or ``TVM_CASCADE_TUNED`` /
 ``TVM_CASCADE_TUNED_PREFILL``), else the heuristic decode or tensor-core prefill schedule.
 """
 from .kernels import compile_attention

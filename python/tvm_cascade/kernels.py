@@ -18,12 +18,14 @@ Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
 (:mod:`tvm_cascade.schedules.prefill`) or, on sm_90 GPUs, the warp-specialised prefill
 kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are
 MetaSchedule JSON databases
-(:class:`tvm_cascade.trace.JSONDatabase`); by default those of a source checkout,
-``benchmarks/tuned/decode`` and ``benchmarks/tuned/prefill`` (``TVM_CASCADE_TUNED`` and
-``TVM_CASCADE_TUNED_PREFILL`` name others). A configuration without a record gets the
+(:class:`tvm_cascade.trace.JSONDatabase`): the user's own, ``tuned/decode`` and
+``tuned/prefill`` under the cache directory (:func:`user_records`), are consulted first,
+then those shipped with the package, ``tvm_cascade/tuned/decode`` and
+``tvm_cascade/tuned/prefill`` (``TVM_CASCADE_TUNED`` and ``TVM_CASCADE_TUNED_PREFILL``
+name others; :func:`default_records`). A configuration without a record gets the
 schedule's heuristic choices; ``tune_trials`` runs MetaSchedule's evolutionary search with
 the xgboost cost model over the schedule's design space on the GPU first and adds its
-records to the database.
+records to the user's database.
 """
 import functools
 import math
@@ -36,6 +38,7 @@ import tvm_ffi
 from . import ops
 from .analysis.scope import buffer_params
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
+from .library import cache
 from .ops.variants import AttentionVariant
 from .schedules import decode, mma16x8, prefill, tensor_cores, warp_specialized
 from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
@@ -44,7 +47,7 @@ from .trace import JSONDatabase
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
 DECODE_QUERIES = 8
-_CHECKOUT_RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "tuned"
+_SHIPPED_RECORDS = Path(__file__).resolve().parent / "tuned"
 _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
 #: schedules and of every choice of their design spaces; padded keys are masked. Decode
@@ -86,8 +89,16 @@ def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
 
 
 def default_records(kind):
-    """The tuning database of ``kind`` kernels used when none is named."""
-    return Path(os.environ.get(_RECORDS_ENV[kind], _CHECKOUT_RECORDS / kind))
+    """The tuning database of ``kind`` kernels shipped with the package (package data),
+    or the one the environment names."""
+    return Path(os.environ.get(_RECORDS_ENV[kind], _SHIPPED_RECORDS / kind))
+
+
+def user_records(kind):
+    """The user's tuning database of ``kind`` kernels, under the kernel cache's directory
+    (:func:`tvm_cascade.library.cache.directory`): where :func:`compile_attention`'s
+    tuning writes, consulted before :func:`default_records`."""
+    return cache.directory() / "tuned" / kind
 
 
 def compile_attention(
@@ -105,11 +116,12 @@ def compile_attention(
     config=None,
 ):
     """Compile ``ops.attention`` of this configuration for a CUDA ``target`` (default: the
-    GPU of this machine) with the best record of the database at ``records`` (default
-    :func:`default_records`), else the heuristic schedule. Lengths need not be multiples
-    of the schedules' tiles: the function computes over lengths padded to
-    :data:`PAD_TO`. With ``tune_trials`` > 0 the configuration is tuned first (on this
-    machine's GPU), its records written to ``records``. ``config`` (a
+    GPU of this machine) with the best record of the database at ``records`` (default:
+    the user's, :func:`user_records`, then the shipped one, :func:`default_records`),
+    else the heuristic schedule. Lengths need not be multiples of the schedules' tiles:
+    the function computes over lengths padded to :data:`PAD_TO`. With ``tune_trials`` >
+    0 the configuration is tuned first (on this machine's GPU), its records written to
+    ``records`` (default: the user's database). ``config`` (a
     :class:`~tvm_cascade.schedules.decode.DecodeConfig` for :data:`DECODE_QUERIES` query
     rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
     heuristic schedule's choices and skips the records.
@@ -140,27 +152,29 @@ def compile_attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
         pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, None if warp_specialize else config),
     )
-    records = Path(records) if records is not None else default_records(kind)
+    read = [Path(records)] if records is not None else [user_records(kind), default_records(kind)]
     if tune_trials:
-        tune(func, target, records, tune_trials, variant)
+        tune(func, target, read[0], tune_trials, variant)
     if warp_specialize:
         sch = warp_specialized.schedule(func, variant, config)
     elif config is None:
-        sch = schedule(func, target, records, variant)
+        sch = schedule(func, target, read, variant)
     else:
         sch = heuristic_schedule(func, config)
     return prefill.build(sch.mod, target) if kind == "prefill" else tensor_cores.build(sch.mod, target)
 
 
 def schedule(func, target, records, variant=None):
-    """The schedule of ``ops.attention`` function ``func``: the best record of the
-    database at ``records`` that serves ``target``, else the heuristic one: for prefill
+    """The schedule of ``ops.attention`` function ``func``: the best record that serves
+    ``target`` of the first database at ``records`` (a path, or several) that has one,
+    else the heuristic one: for prefill
     of ``variant`` on an sm_90 ``target`` the warp-specialised kernel's
     (:func:`~tvm_cascade.schedules.warp_specialized.schedule`) where it supports the
     function and is preferred for the variant, else the tensor-core schedule's."""
-    tuned = tuned_schedule(func, target, records)
-    if tuned is not None:
-        return tuned
+    for path in [records] if isinstance(records, (str, Path)) else records:
+        tuned = tuned_schedule(func, target, path)
+        if tuned is not None:
+            return tuned
     if variant is not None and _warp_specialized(func, variant, target) and warp_specialized.preferred(variant):
         return warp_specialized.schedule(func, variant)
     return heuristic_schedule(func)
