@@ -6,6 +6,7 @@ import tvm
 
 import tvm_cascade  # noqa: F401
 from library_cases import VARIANTS, check, reference, run
+from ptxas import ptxas_report
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import AttentionSpec, KernelArgumentError
 from tvm_cascade.ops import AttentionVariant
@@ -208,12 +209,16 @@ def test_paged_call_refusals(make, message):
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
-def test_cuda_kernels_compile_and_refuse_host_tensors(layout):
-    """The generic family's CUDA kernel of every layout goes through TVM's CUDA code
-    generation here (no GPU needed); host tensors given to it are refused."""
+def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
+    """The CUDA kernels of every layout (split-k decode for few query rows, generic
+    otherwise) go through TVM's CUDA code generation and nvcc here (no GPU needed);
+    host tensors given to them are refused."""
     kernel = _kernel(layout, 8, 2, 64, dtype="float16", target={"kind": "cuda", "arch": "sm_90a"})
-    assert kernel.family == "generic"
-    assert "__global__" in kernel.module.imports[0].inspect_source()
+    assert [f.name for f in kernel.families] == ["split_k_decode", "generic"]
+    source = kernel.module.imports[0].inspect_source()
+    assert "split_k_decode_kernel" in source and "generic_kernel" in source
+    report = ptxas_report(source, tmp_path / "kernels.cu")
+    assert "spill stores" in report
     sequences = tt.random_sequences([2], [5], 8, 2, 64, dtype="float16")
     args = tt.pack_ragged(sequences) if layout != "paged" else tt.pack_paged(sequences, 4)
     if layout == "bhsd":
@@ -229,3 +234,38 @@ def test_out_refusals():
         kernel(*args, out=np.zeros((4, 4, 16), "float32"))
     with pytest.raises(KernelArgumentError, match="out: expected dtype float32"):
         kernel(*args, out=np.zeros((5, 4, 16), "float16"))
+
+
+def test_plan_checks_once_and_is_reused():
+    """A plan made once serves calls on the same tensors; other tensors are refused."""
+    kernel = _kernel("paged")
+    args = [tvm.runtime.tensor(a) for a in _paged_args()]
+    plan = kernel.plan(*args)
+    assert plan.family.name == "generic" and plan.scalars == (3, 7)
+    np.testing.assert_array_equal(kernel(*args, plan=plan).numpy(), kernel(*args).numpy())
+    other = list(args)
+    other[2] = tvm.runtime.tensor(args[2].numpy())  # equal values, other memory
+    with pytest.raises(KernelArgumentError, match="not those the plan was made for"):
+        kernel(*other, plan=plan)
+    with pytest.raises(KernelArgumentError, match="q: expected dtype float32"):
+        kernel(tvm.runtime.tensor(args[0].numpy().astype("float16")), *args[1:], plan=plan)
+
+
+def test_split_k_decode_plans_its_chunks():
+    """Chunks fill about four blocks per SM, whole steps of the block's subgroups, never
+    more chunks than steps of keys; CUDA fp16/bf16 only."""
+    from tvm_cascade.library.split_k_decode import SplitKDecode
+
+    family = SplitKDecode()
+    spec = AttentionSpec.make(32, 8, 128, variant="causal", layout="paged", target="cuda")
+    gpu = type("Device", (), {"exist": True, "multi_processor_count": 132})()
+    # A group of 4 heads: 4 rows a block, 2 keys a subgroup per step, 8 subgroups of 16
+    # lanes: steps of 16 keys.
+    assert family.plan(spec, 1, 1, 8000, gpu) == [128]  # 8 blocks a chunk: 63 chunks, ~4 x 132 blocks
+    assert family.plan(spec, 64, 1, 8000, gpu) == [4000]  # 512 blocks a chunk: 2 chunks
+    assert family.plan(spec, 64, 4, 8000, gpu) == [8000]  # 4 rows each: 2048 blocks, one chunk
+    assert family.plan(spec, 1, 1, 5, gpu) == [16]  # never a chunk below a step
+    assert family.supports(spec) is None
+    assert "CUDA only" in family.supports(AttentionSpec.make(32, 8, 128, target="llvm"))
+    assert "fp16 and bf16" in family.supports(AttentionSpec.make(32, 8, 128, dtype="float32", target="cuda"))
+    assert "head dim 72" in family.supports(AttentionSpec.make(4, 4, 72, target="cuda"))

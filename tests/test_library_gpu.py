@@ -66,3 +66,18 @@ def test_torch_tensors():
         kernel(args[0].transpose(0, 1), *args[1:])
     with pytest.raises(KernelArgumentError, match="on cpu:0, but the kernel runs on cuda:0"):
         kernel(args[0].cpu(), *args[1:])
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 4), (32, 4), (28, 4), (32, 2), (16, 1)],
+                         ids=["mha", "gqa2", "gqa4", "gqa8", "gqa7", "gqa16", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_split_k_decode(heads, head_dim, dtype):
+    """1-8 query rows per sequence (speculative decode beside plain decode) over keys of
+    any length, ragged, through the paged layout: the split-k decode family."""
+    kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
+    assert kernel.family_for(8).name == "split_k_decode"
+    sequences = tt.random_sequences([1, 4, 8, 1], [1, 700, 3001, 40], *heads, head_dim, dtype=dtype,
+                                    rng=np.random.default_rng(5))
+    for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+        check(out, ref, dtype)

@@ -45,27 +45,28 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     (:mod:`tvm_cascade.library.cache`) where an entry for it exists, and stored there
     once built.
 
-    The first family of :data:`~tvm_cascade.library.families.FAMILIES` that supports the
-    spec builds it (those passed over are logged with their reasons on the
-    ``tvm_cascade.library`` logger). Returns an
-    :class:`~tvm_cascade.library.kernel.AttentionKernel`.
+    The families of :data:`~tvm_cascade.library.families.FAMILIES` that serve the spec
+    (:func:`~tvm_cascade.library.families.choose`: those passed over are logged with
+    their reasons on the ``tvm_cascade.library`` logger) build one function each.
+    Returns an :class:`~tvm_cascade.library.kernel.AttentionKernel`.
     """
     if target is None:
         target = "cuda" if tvm.cuda(0).exist else "llvm"
     target = tvm.target.Target(target)
     spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
                               target=target, scale=scale)
-    family = choose(spec)
+    families = choose(spec)
+    names = [family.name for family in families]
     root = cache.directory()
     if use_cache:
-        entry = cache.load(spec, family.name, root)
+        entry = cache.load(spec, names, root)
         if entry is not None:
-            return AttentionKernel(spec, family.name, *entry)
-    mod = family.build(spec)
+            return AttentionKernel(spec, families, *entry)
+    mod = tvm.IRModule({family.name: family.build(spec) for family in families})
     executable = tvm.compile(mod, target=target)
     if use_cache:
-        cache.store(spec, family.name, mod, executable, root)
-    return AttentionKernel(spec, family.name, mod, executable.mod)
+        cache.store(spec, names, mod, executable, root)
+    return AttentionKernel(spec, families, mod, executable.mod)
 
 
 __all__ = ["ARGUMENTS", "FAMILIES", "LAYOUTS", "AttentionKernel", "AttentionSpec", "KernelArgumentError",

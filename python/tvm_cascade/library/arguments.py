@@ -3,8 +3,8 @@
 Shapes, dtypes and devices are checked on every tensor; the index arrays of the ragged
 and paged layouts are copied to the host and checked too (monotone offsets that stay
 inside the tensors, page ids inside the pool, last-page lengths inside a page), since a
-kernel that trusted them would read or write out of bounds. Their maxima are the
-kernel's ``max_q``/``max_kv`` arguments.
+kernel that trusted them would read or write out of bounds. The call's batch size and
+longest query and key lengths come out of the checks.
 """
 from __future__ import annotations
 
@@ -60,17 +60,34 @@ def aligned(tensor):
     return copy
 
 
-def check_call(spec: AttentionSpec, device, tensors: dict) -> list:
-    """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout, and
-    ``out`` where given) for a kernel of ``spec`` on ``device``; returns the scalar arguments the
-    kernel takes after its index arrays (``[max_q, max_kv]``, none for bhsd)."""
+def check_call(spec: AttentionSpec, device, tensors: dict) -> tuple:
+    """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout) for a kernel of ``spec`` on ``device``; returns ``(batch, max_q,
+    max_kv)``: the batch size and the longest sequence's query rows and keys."""
+    check_types(spec, device, tensors)
+    return _LAYOUT_CHECKS[spec.layout](spec, tensors)
+
+
+def check_types(spec: AttentionSpec, device, tensors: dict) -> None:
+    """Check the dtypes and devices of ``tensors`` (as :func:`check_call`), on the host
+    alone."""
     for name, tensor in tensors.items():
-        want = INDEX_DTYPE if "indptr" in name or name in ("page_ids", "last_page_len") else spec.dtype
+        want = INDEX_DTYPE if is_index(name) else spec.dtype
         if str(tensor.dtype) != want:
             raise KernelArgumentError(f"{name}: expected dtype {want}, got {tensor.dtype}")
         if (tensor.device.dlpack_device_type(), tensor.device.index) != (device.dlpack_device_type(), device.index):
             raise KernelArgumentError(f"{name}: on {tensor.device}, but the kernel runs on {device}")
-    return _LAYOUT_CHECKS[spec.layout](spec, tensors)
+
+
+def check_out(spec: AttentionSpec, device, q, out) -> None:
+    """Check ``out``: ``q``'s shape, the kernel's dtype and device."""
+    check_types(spec, device, {"out": out})
+    if tuple(out.shape) != tuple(q.shape):
+        raise KernelArgumentError(f"out: expected shape {list(q.shape)}, got {list(out.shape)}")
+
+
+def is_index(name: str) -> bool:
+    """Whether argument ``name`` is one of the int32 index arrays."""
+    return "indptr" in name or name in ("page_ids", "last_page_len")
 
 
 def _shape(tensors, name, expected):
@@ -86,8 +103,7 @@ def _bhsd(spec, t):
     b, _, sq, _ = _shape(t, "q", (None, spec.heads_q, None, spec.head_dim))
     _, _, skv, _ = _shape(t, "k", (b, spec.heads_kv, None, spec.head_dim))
     _shape(t, "v", (b, spec.heads_kv, skv, spec.head_dim))
-    _out(t, (b, spec.heads_q, sq, spec.head_dim))
-    return []
+    return b, sq, skv
 
 
 def _ragged(spec, t):
@@ -96,7 +112,7 @@ def _ragged(spec, t):
     _shape(t, "v", (total_kv, spec.heads_kv, spec.head_dim))
     q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
     kv_len = _lengths(t, "kv_indptr", len(q_len) + 1, total_kv, exact=False)
-    return [_max(q_len), _max(kv_len)]
+    return len(q_len), _max(q_len), _max(kv_len)
 
 
 def _paged(spec, t):
@@ -120,18 +136,12 @@ def _paged(spec, t):
             + (", and one without pages none" if used[b] == 0 else "")
         )
     kv_len = np.where(used > 0, (used - 1) * page_size + last, 0)
-    return [_max(q_len), _max(kv_len)]
+    return len(q_len), _max(q_len), _max(kv_len)
 
 
 def _ragged_q(spec, t):
     total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
-    _out(t, (total_q, spec.heads_q, spec.head_dim))
     return total_q
-
-
-def _out(t, expected):
-    if "out" in t:
-        _shape(t, "out", expected)
 
 
 def _lengths(t, name, size, total, exact):

@@ -1,7 +1,7 @@
 """Built kernels on disk, so that a process gets a kernel another one built without
 compiling it.
 
-An entry is named by its key (a digest of the spec, the family, the target, the
+An entry is named by its key (a digest of the spec, the families, the target, the
 versions of TVM and tvm-cascade and of tvm-cascade's source): ``<key>.json`` describes
 it (the versions, the scheduled IRModule, the name and SHA-256 of its library) and
 ``<key>.<digest>.so`` is the exported runtime module. Each file is written under a
@@ -54,21 +54,22 @@ def versions() -> dict:
     return {"format": FORMAT, "tvm": tvm.__version__, "tvm_cascade": __version__, "source": source.hexdigest()}
 
 
-def key(spec: AttentionSpec, family: str) -> str:
-    described = {"spec": _spec_fields(spec), "family": family, "versions": versions()}
+def key(spec: AttentionSpec, families: list) -> str:
+    described = {"spec": _spec_fields(spec), "families": list(families), "versions": versions()}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load(spec: AttentionSpec, family: str, root: Path):
-    """``(mod, runtime module)`` of the valid entry for ``spec`` under ``root``, or None."""
-    name = key(spec, family)
+def load(spec: AttentionSpec, families: list, root: Path):
+    """``(mod, runtime module)`` of the valid entry for ``spec`` built by ``families``
+    (their names) under ``root``, or None."""
+    name = key(spec, families)
     try:
         meta = json.loads((root / f"{name}.json").read_text())
         lib_path = root / Path(str(meta.get("library"))).name
         lib = lib_path.read_bytes()
     except (OSError, ValueError, AttributeError):
         return None
-    if meta.get("versions") != versions() or meta.get("spec") != _spec_fields(spec) or meta.get("family") != family:
+    if meta.get("versions") != versions() or meta.get("spec") != _spec_fields(spec) or meta.get("families") != list(families):
         logger.info("%s: cache entry %s was built otherwise; rebuilding", spec.describe(), name)
         return None
     if meta.get("library_sha256") != hashlib.sha256(lib).hexdigest():
@@ -83,16 +84,16 @@ def load(spec: AttentionSpec, family: str, root: Path):
     return tvm.ir.load_json(meta["mod"]), module
 
 
-def store(spec: AttentionSpec, family: str, mod: tvm.IRModule, executable, root: Path) -> None:
-    """Write the entry of a kernel built for ``spec``."""
+def store(spec: AttentionSpec, families: list, mod: tvm.IRModule, executable, root: Path) -> None:
+    """Write the entry of a kernel built for ``spec`` by ``families`` (their names)."""
     root.mkdir(parents=True, exist_ok=True)
-    name = key(spec, family)
+    name = key(spec, families)
     with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
         lib_tmp = Path(tmp) / "kernel.so"
         executable.export_library(str(lib_tmp))
         digest = hashlib.sha256(lib_tmp.read_bytes()).hexdigest()
         library = f"{name}.{digest[:16]}.so"
-        meta = {"versions": versions(), "spec": _spec_fields(spec), "family": family,
+        meta = {"versions": versions(), "spec": _spec_fields(spec), "families": list(families),
                 "library": library, "library_sha256": digest, "mod": tvm.ir.save_json(mod)}
         meta_tmp = Path(tmp) / f"{name}.json"
         meta_tmp.write_text(json.dumps(meta))

@@ -1,10 +1,15 @@
-"""The kernel families that serve attention specs, asked in order: the first whose
-``supports(spec)`` answers None builds the kernel.
+"""The kernel families that serve attention specs.
 
-A family is an object with ``name``, ``supports(spec) -> reason or None`` and
-``build(spec) -> scheduled IRModule`` (its ``main`` takes the layout's tensors). Only
-families whose kernels take runtime lengths belong here; :data:`FAMILIES` ends with
-:class:`GenericFused`, which serves every spec.
+A family has a ``name`` (its PrimFunc's name too), ``queries`` (the most query rows per
+sequence it serves, None for any), ``supports(spec) -> reason or None``, ``build(spec)
+-> PrimFunc`` taking the layout's tensors and scalars (:mod:`.layouts`), then the
+family's own scalars, then ``out``, and ``plan(spec, batch, max_q, max_kv, device) ->
+list`` giving those scalars for one call's lengths. Every kernel takes runtime lengths.
+
+:func:`choose` picks, in :data:`FAMILIES` order, the first family that supports a spec
+for each range of query rows: a kernel holds one function per range (decode's few rows,
+and any number), and a call runs the first whose range holds its longest sequence's
+queries. :class:`GenericFused` supports every spec and ends the list.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ..transform import fuse_cascaded_reductions
 from .compute import VIEW_BLOCKS, attention_chain
 from .layouts import scatter_output
 from .spec import AttentionSpec
+from .split_k_decode import SplitKDecode
 
 logger = logging.getLogger("tvm_cascade.library")
 
@@ -28,13 +34,14 @@ class GenericFused:
     row of threads per query row. Correct for every spec, no tensor cores."""
 
     name = "generic"
+    queries = None
     #: Keys per tile of the rolling update.
     TILE = 64
 
     def supports(self, spec: AttentionSpec):
         return None
 
-    def build(self, spec: AttentionSpec) -> tvm.IRModule:
+    def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         sch = tvm.s_tir.Schedule(attention_chain(spec))
         for name in VIEW_BLOCKS if spec.layout != "bhsd" else ():
             sch.compute_inline(sch.get_sblock(name))
@@ -49,7 +56,10 @@ class GenericFused:
             schedule_fused_for_gpu(sch, chains)
         else:
             _schedule_rows_on_cpu(sch)
-        return tvm.IRModule({"main": scatter_output(sch.mod["main"], spec)})
+        return scatter_output(sch.mod["main"], spec).with_attr("global_symbol", self.name)
+
+    def plan(self, spec, batch, max_q, max_kv, device) -> list:
+        return []
 
 
 def _schedule_rows_on_cpu(sch) -> None:
@@ -65,15 +75,22 @@ def _on_gpu(spec: AttentionSpec) -> bool:
 
 
 #: The families, asked in order.
-FAMILIES = (GenericFused(),)
+FAMILIES = (SplitKDecode(), GenericFused())
 
 
-def choose(spec: AttentionSpec):
-    """The first family of :data:`FAMILIES` that supports ``spec`` (the last supports
-    every spec); the families passed over are logged with their reasons."""
-    for family in FAMILIES[:-1]:
+def choose(spec: AttentionSpec) -> list:
+    """The families that serve ``spec``, by range of query rows, narrowest first: for
+    each range the first family of :data:`FAMILIES` that supports the spec (those passed
+    over logged with their reasons), up to the first that serves any number of rows."""
+    chosen = []
+    for family in FAMILIES:
+        if chosen and family.queries is not None and family.queries <= chosen[-1].queries:
+            continue
         reason = family.supports(spec)
-        if reason is None:
-            return family
-        logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
-    return FAMILIES[-1]
+        if reason is not None:
+            logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
+            continue
+        chosen.append(family)
+        if family.queries is None:
+            return chosen
+    raise AssertionError(f"no family serves {spec.describe()}: the last of FAMILIES must serve every spec")

@@ -1,10 +1,26 @@
 """A compiled attention kernel of the library, callable on TVM and DLPack tensors."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import tvm
 
-from .arguments import ARGUMENTS, KernelArgumentError, aligned, as_tensor, check_call, is_aligned
+from .arguments import (
+    ARGUMENTS, KernelArgumentError, aligned, as_tensor, check_call, check_out, check_types, is_aligned, is_index,
+)
 from .spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :meth:`AttentionKernel.plan` learnt of a call's tensors: the family that runs
+    it, the scalars it takes, and what a later call must match to reuse them (the
+    tensors' shapes and the index arrays' memory)."""
+
+    family: object
+    scalars: tuple
+    shapes: tuple
+    index_data: tuple
 
 
 class AttentionKernel:
@@ -25,39 +41,84 @@ class AttentionKernel:
     checked first (:mod:`~tvm_cascade.library.arguments`): a wrong one raises
     :class:`~tvm_cascade.library.arguments.KernelArgumentError`.
 
-    Attributes: ``spec``; ``family``, the name of the family that built it; ``mod``, the
-    scheduled ``IRModule`` that was compiled; ``module``, the runtime module.
+    Checking the index arrays copies them to the host. A model whose layers share a
+    step's batch checks it once: ``plan = kernel.plan(q, pages, ...)``, then
+    ``kernel(q, pages, ..., plan=plan)`` for every layer, which checks only that the
+    tensors have the planned shapes and the index arrays are the planned ones (their
+    contents must not change in between).
+
+    A kernel holds one function per range of query rows
+    (:func:`~tvm_cascade.library.families.choose`); a call runs the first family whose
+    range holds its longest sequence's query rows, with the scalars that family plans
+    for the call's lengths.
+
+    Attributes: ``spec``; ``families``, those whose functions it holds, narrowest range
+    first; ``mod``, the ``IRModule`` that was compiled (one PrimFunc per family, named
+    after it); ``module``, the runtime module.
     """
 
-    def __init__(self, spec: AttentionSpec, family: str, mod: tvm.IRModule, module):
-        self.spec, self.family, self.mod, self.module = spec, family, mod, module
+    def __init__(self, spec: AttentionSpec, families, mod: tvm.IRModule, module):
+        self.spec, self.families, self.mod, self.module = spec, tuple(families), mod, module
         kind = tvm.target.Target(spec.target).kind.name
         self.device = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
-        self._main = module["main"]
+        self._functions = [module[family.name] for family in self.families]
 
-    def __call__(self, *tensors, out=None):
-        names = ARGUMENTS[self.spec.layout]
-        if len(tensors) != len(names):
-            raise KernelArgumentError(
-                f"a {self.spec.layout} kernel takes ({', '.join(names)}[, out]); got {len(tensors)} tensors"
-            )
-        given = {name: as_tensor(name, t) for name, t in zip(names, tensors)}
+    def family_for(self, max_q: int):
+        """The family that serves a call whose longest sequence has ``max_q`` query rows."""
+        return next(f for f in self.families if f.queries is None or max_q <= f.queries)
+
+    def plan(self, *tensors) -> Plan:
+        """Check a call's tensors (as the call would, ``out`` aside) and plan it: the
+        family that serves its lengths and the scalars it takes."""
+        given = self._tensors(tensors)
+        batch, max_q, max_kv = check_call(self.spec, self.device, given)
+        family = self.family_for(max_q)
+        scalars = [] if self.spec.layout == "bhsd" else [max_q, max_kv]
+        scalars += family.plan(self.spec, batch, max_q, max_kv, self.device)
+        return Plan(family, tuple(scalars), _shapes(given), _index_data(given))
+
+    def __call__(self, *tensors, out=None, plan=None):
+        given = self._tensors(tensors)
+        if plan is None:
+            plan = self.plan(*tensors)
+        else:
+            check_types(self.spec, self.device, given)
+            if _shapes(given) != plan.shapes or _index_data(given) != plan.index_data:
+                raise KernelArgumentError("the tensors are not those the plan was made for (shapes or index arrays differ)")
+        shape = given["q"].shape
         if out is not None:
             given["out"] = as_tensor("out", out)
-        scalars = check_call(self.spec, self.device, given)
-        shape = given["q"].shape
+            check_out(self.spec, self.device, given["q"], given["out"])
         result = out if out is not None else tvm.runtime.empty(shape, self.spec.dtype, self.device)
         target = given.get("out", result)
         into = target if is_aligned(target) else tvm.runtime.empty(shape, self.spec.dtype, self.device)
-        self._main(*(aligned(given[n]) for n in names), *scalars, into)
+        function = self._functions[self.families.index(plan.family)]
+        function(*(aligned(given[n]) for n in ARGUMENTS[self.spec.layout]), *plan.scalars, into)
         if into is not target:
             target.copyfrom(into)
         if out is not None or isinstance(tensors[0], tvm.runtime.Tensor):
             return result
         return _like(tensors[0], result)
 
+    def _tensors(self, tensors) -> dict:
+        names = ARGUMENTS[self.spec.layout]
+        if len(tensors) != len(names):
+            raise KernelArgumentError(
+                f"a {self.spec.layout} kernel takes ({', '.join(names)}[, out]); got {len(tensors)} tensors"
+            )
+        return {name: as_tensor(name, t) for name, t in zip(names, tensors)}
+
     def __repr__(self):
-        return f"AttentionKernel({self.spec.describe()}, family={self.family!r}, target={self.spec.target!r})"
+        names = [f.name for f in self.families]
+        return f"AttentionKernel({self.spec.describe()}, families={names}, target={self.spec.target!r})"
+
+
+def _shapes(given) -> tuple:
+    return tuple(tuple(t.shape) for t in given.values())
+
+
+def _index_data(given) -> tuple:
+    return tuple(t.data_ptr() for name, t in given.items() if is_index(name))
 
 
 def _like(example, tensor):

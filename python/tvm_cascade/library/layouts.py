@@ -54,45 +54,49 @@ class Views:
     q_len: Optional[Callable]  # None: every row of every sequence is valid
     kv_len: Optional[Callable]  # None: every key of every sequence is valid
     out_shape: tuple  # the shape of ``out`` (a view's shape for bhsd)
+    out_index: Callable  # (b, h, i, x) -> the index of ``out`` that row i of sequence b stores
 
 
-def views(spec: AttentionSpec) -> Views:
-    """The placeholders of ``spec``'s layout and the view of them."""
-    return _BUILDERS[spec.layout](spec)
+def views(spec: AttentionSpec, tensor=te.placeholder) -> Views:
+    """The tensors of ``spec``'s layout, made by ``tensor(shape, dtype, name)``
+    (``te.placeholder`` for TE, ``tvm.tirx.decl_buffer`` for a TIR kernel's parameters),
+    and the view of them."""
+    return _BUILDERS[spec.layout](spec, tensor)
 
 
-def _bhsd(spec):
+def _bhsd(spec, tensor):
     batch, seq_q, seq_kv = te.var("batch"), te.var("seq_q"), te.var("seq_kv")
     d = spec.head_dim
-    q = te.placeholder((batch, spec.heads_q, seq_q, d), spec.dtype, name="q")
-    k = te.placeholder((batch, spec.heads_kv, seq_kv, d), spec.dtype, name="k")
-    v = te.placeholder((batch, spec.heads_kv, seq_kv, d), spec.dtype, name="v")
+    q = tensor((batch, spec.heads_q, seq_q, d), spec.dtype, "q")
+    k = tensor((batch, spec.heads_kv, seq_kv, d), spec.dtype, "k")
+    v = tensor((batch, spec.heads_kv, seq_kv, d), spec.dtype, "v")
     return Views(
         inputs=[q, k, v], batch=batch, rows=seq_q, keys=seq_kv,
         query=lambda b, h, i, x: q[b, h, i, x],
         key=lambda b, h, j, x: k[b, h, j, x],
         value=lambda b, h, j, x: v[b, h, j, x],
         q_len=None, kv_len=None, out_shape=(batch, spec.heads_q, seq_q, d),
+        out_index=lambda b, h, i, x: (b, h, i, x),
     )
 
 
-def _ragged_queries(spec):
+def _ragged_queries(spec, tensor):
     """Ragged queries, their indptr and the scalar maxima shared by ``ragged`` and
     ``paged``: (q, q_indptr, batch, max_q, max_kv, q_len)."""
     # The indptr's length is the variable: `batch + 1` as a shape would define nothing.
     indptr_len = te.var("indptr_len")
     total_q, max_q, max_kv = te.var("total_q"), te.var("max_q"), te.var("max_kv")
-    q = te.placeholder((total_q, spec.heads_q, spec.head_dim), spec.dtype, name="q")
-    q_indptr = te.placeholder((indptr_len,), INDEX_DTYPE, name="q_indptr")
+    q = tensor((total_q, spec.heads_q, spec.head_dim), spec.dtype, "q")
+    q_indptr = tensor((indptr_len,), INDEX_DTYPE, "q_indptr")
     return q, q_indptr, indptr_len - 1, max_q, max_kv, lambda b: q_indptr[b + 1] - q_indptr[b]
 
 
-def _ragged(spec):
-    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec)
+def _ragged(spec, tensor):
+    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec, tensor)
     total_kv = te.var("total_kv")
-    k = te.placeholder((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, name="k")
-    v = te.placeholder((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, name="v")
-    kv_indptr = te.placeholder(q_indptr.shape, INDEX_DTYPE, name="kv_indptr")
+    k = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "k")
+    v = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "v")
+    kv_indptr = tensor(q_indptr.shape, INDEX_DTYPE, "kv_indptr")
 
     def kv_len(b):
         return kv_indptr[b + 1] - kv_indptr[b]
@@ -102,17 +106,21 @@ def _ragged(spec):
         query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
         key=lambda b, h, j, x: k[kv_indptr[b] + j, h, x],
         value=lambda b, h, j, x: v[kv_indptr[b] + j, h, x],
-        q_len=q_len, kv_len=kv_len, out_shape=q.shape,
+        q_len=q_len, kv_len=kv_len, out_shape=q.shape, out_index=_token_index(q_indptr),
     )
 
 
-def _paged(spec):
-    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec)
+def _token_index(q_indptr):
+    return lambda b, h, i, x: (q_indptr[b] + i, h, x)
+
+
+def _paged(spec, tensor):
+    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec, tensor)
     num_pages, page_size, nnz_pages = te.var("num_pages"), te.var("page_size"), te.var("nnz_pages")
-    pages = te.placeholder((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, name="pages")
-    page_indptr = te.placeholder(q_indptr.shape, INDEX_DTYPE, name="page_indptr")
-    page_ids = te.placeholder((nnz_pages,), INDEX_DTYPE, name="page_ids")
-    last_page_len = te.placeholder((batch,), INDEX_DTYPE, name="last_page_len")
+    pages = tensor((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, "pages")
+    page_indptr = tensor(q_indptr.shape, INDEX_DTYPE, "page_indptr")
+    page_ids = tensor((nnz_pages,), INDEX_DTYPE, "page_ids")
+    last_page_len = tensor((batch,), INDEX_DTYPE, "last_page_len")
 
     def kv_len(b):
         used = page_indptr[b + 1] - page_indptr[b]
@@ -129,6 +137,7 @@ def _paged(spec):
         inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv],
         batch=batch, rows=max_q, keys=max_kv, query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
         key=cache(0), value=cache(1), q_len=q_len, kv_len=kv_len, out_shape=q.shape,
+        out_index=_token_index(q_indptr),
     )
 
 

@@ -1,0 +1,259 @@
+"""The split-k decode family: a few query rows per sequence over many keys
+(FlashDecoding), lengths and chunk size at run time, for CUDA.
+
+Two kernels. The first takes one chunk of a sequence's keys for the query rows of one
+K/V head (the group's heads of each query row, :data:`ROWS` at most per block, more in
+further blocks): its 128 threads work as subgroups of ``head_dim / 8`` lanes, each lane
+holding 8 dimensions of each row's query and output, each subgroup a key at a time (16
+bytes a lane, K and V read once for all the rows), scores reduced by shuffles; each
+subgroup keeps a running max, sum and output per row, repaired as the max grows, and at
+the chunk's end the subgroups are merged through shared memory into the chunk's partial
+(max, sum, output). The second combines a row's chunks. Both repairs, within a chunk and
+across chunks, are the factor the algebra derives and proves for ``ops.attention``'s
+sum and output (:func:`~tvm_cascade.schedules.warp_specialized.repair_factor`); scores
+are kept in log2 units.
+
+The host plans the chunk size from the longest sequence, the blocks it needs and the
+GPU's SMs (:meth:`SplitKDecode.plan`), so short and long contexts fill the GPU alike.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import te, tirx
+from tvm.script import tirx as T
+
+from ..ops.flex_attention import variant_te_mods
+from ..schedules.warp_specialized import repair_factor
+from .layouts import views
+from .spec import AttentionSpec
+
+#: Query rows a sequence may have for this family to serve it.
+QUERIES = 8
+#: Query rows (of one K/V head: query position x head of the group) a block takes.
+ROWS = 8
+THREADS = 128
+VEC = 8  # elements a lane loads at once: 16 bytes of fp16/bf16
+#: Dot products a subgroup computes per step (rows x keys in flight).
+DOTS = 8
+#: Blocks per SM the chunk size is planned for.
+WAVES = 4
+_LOG2E = math.log2(math.e)
+_ALL_LANES = 0xFFFFFFFF
+
+
+class SplitKDecode:
+    """Split-k decode on CUDA for up to :data:`QUERIES` query rows per sequence."""
+
+    name = "split_k_decode"
+    queries = QUERIES
+
+    def supports(self, spec: AttentionSpec):
+        if tvm.target.Target(spec.target).kind.name != "cuda":
+            return "CUDA only"
+        if spec.dtype not in ("float16", "bfloat16"):
+            return f"{spec.dtype}: fp16 and bf16 only"
+        if spec.head_dim % VEC or THREADS % (spec.head_dim // VEC):
+            return f"head dim {spec.head_dim}: a multiple of {VEC} dividing {THREADS * VEC}"
+        return None
+
+    def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+        return decode_kernel(spec)
+
+    def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
+        """``[chunk_keys]``: keys per chunk, so that the first kernel launches about
+        :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
+        rows, _, step = _shape(spec)
+        blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // rows)
+        sms = device.multi_processor_count if device.exist else 132
+        chunks = max(1, min(-(-WAVES * sms // blocks), -(-max_kv // step)))
+        return [max(step, -(-max_kv // chunks // step) * step)]
+
+
+def _shape(spec):
+    """(rows a block takes, keys a subgroup loads per step, keys all subgroups take per step)."""
+    rows = min(spec.group, ROWS)
+    unroll = max(1, DOTS // rows)
+    subgroups = THREADS // (spec.head_dim // VEC)
+    return rows, unroll, unroll * subgroups
+
+
+def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """The family's PrimFunc for ``spec``: the layout's tensors, its scalars, then
+    ``chunk_keys``, then ``out``."""
+    view = views(spec, tirx.decl_buffer)
+    d, group, heads_kv, heads_q = spec.head_dim, spec.group, spec.heads_kv, spec.heads_q
+    lanes = d // VEC
+    subgroups = THREADS // lanes
+    rows, unroll, step = _shape(spec)
+    acc = "float32"
+    chunk_keys = tirx.Var("chunk_keys", "int32")
+    out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
+    q_len = view.q_len or (lambda b: view.rows)
+    kv_len = view.kv_len or (lambda b: view.keys)
+    score_mod, mask_mod = variant_te_mods(spec.variant, heads_q, q_len, kv_len, acc)
+    batch = view.batch
+    num_chunks = (view.keys + chunk_keys - 1) // chunk_keys
+    passes = (group * view.rows + rows - 1) // rows
+    neg_inf = T.float32("-inf")
+
+    def score(dot, b, h, qi, j):
+        s = dot * T.float32(spec.scale)
+        if score_mod is not None:
+            s = score_mod(s, b, h, qi, j).astype(acc)
+        s = s * T.float32(_LOG2E)
+        seen = j < kv_len(b)
+        if mask_mod is not None:
+            seen = tirx.And(seen, mask_mod(b, h, qi, j))
+        return tirx.Select(seen, s, neg_inf)
+
+    def finite(m):
+        """The max the exponentials are taken against: 0 while no key was seen."""
+        return tirx.Select(m == neg_inf, T.float32(0), m)
+
+    # Partials of row (b, query position, head) and chunk: output, max, sum.
+    partial_shape = (batch, view.rows, heads_q, num_chunks)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def body():
+        part_o = T.alloc_buffer(partial_shape + (d,), acc)
+        part_m = T.alloc_buffer(partial_shape, acc)
+        part_l = T.alloc_buffer(partial_shape, acc)
+        with T.launch_thread("blockIdx.x", num_chunks) as c:
+            by = T.launch_thread("blockIdx.y", batch * heads_kv)
+            bz = T.launch_thread("blockIdx.z", passes)
+            tx = T.launch_thread("threadIdx.x", THREADS)
+            q_reg = T.alloc_local((rows * VEC,), acc)
+            o = T.alloc_local((rows * VEC,), acc)
+            m = T.alloc_local((rows,), acc)
+            l = T.alloc_local((rows,), acc)
+            k_reg = T.alloc_local((unroll * VEC,), spec.dtype)
+            v_reg = T.alloc_local((unroll * VEC,), spec.dtype)
+            s = T.alloc_local((unroll,), acc)
+            dot = T.alloc_local((1,), acc)
+            m_new = T.alloc_local((1,), acc)
+            repair = T.alloc_local((1,), acc)
+            merged_m = T.alloc_shared((subgroups, rows), acc)
+            merged_l = T.alloc_shared((subgroups, rows), acc)
+            merged_o = T.alloc_shared((subgroups, rows, d), acc)
+            b = by // heads_kv
+            hk = by % heads_kv
+            sub = tx // lanes
+            lane = tx % lanes
+            n_rows = group * q_len(b)
+            start = c * chunk_keys
+            end = T.min(start + chunk_keys, kv_len(b))
+            for r in T.unroll(rows):
+                rr = bz * rows + r
+                m[r] = neg_inf
+                l[r] = T.float32(0)
+                for x in T.unroll(VEC):
+                    q_reg[r * VEC + x] = T.float32(0)
+                    o[r * VEC + x] = T.float32(0)
+                if rr < n_rows:
+                    for x in T.vectorized(VEC):
+                        q_reg[r * VEC + x] = T.Cast(acc, view.query(b, hk * group + rr % group, rr // group, lane * VEC + x))
+            for t in T.serial(T.max(end - start + step - 1, 0) // step):
+                for u in T.unroll(unroll):
+                    j = start + (t * unroll + u) * subgroups + sub
+                    if j < end:
+                        for x in T.vectorized(VEC):
+                            k_reg[u * VEC + x] = view.key(b, hk, j, lane * VEC + x)
+                        for x in T.vectorized(VEC):
+                            v_reg[u * VEC + x] = view.value(b, hk, j, lane * VEC + x)
+                    else:
+                        for x in T.vectorized(VEC):
+                            k_reg[u * VEC + x] = T.Cast(spec.dtype, 0)
+                        for x in T.vectorized(VEC):
+                            v_reg[u * VEC + x] = T.Cast(spec.dtype, 0)
+                for r in T.unroll(rows):
+                    rr = bz * rows + r
+                    for u in T.unroll(unroll):
+                        j = start + (t * unroll + u) * subgroups + sub
+                        dot[0] = T.float32(0)
+                        for x in T.unroll(VEC):
+                            dot[0] = dot[0] + q_reg[r * VEC + x] * T.Cast(acc, k_reg[u * VEC + x])
+                        for k in T.unroll(int(math.log2(lanes))):
+                            dot[0] = dot[0] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), dot[0], 1 << k, 32)
+                        s[u] = T.if_then_else(j < end, score(dot[0], b, hk * group + rr % group, rr // group, j), neg_inf)
+                    m_new[0] = m[r]
+                    for u in T.unroll(unroll):
+                        m_new[0] = T.max(m_new[0], s[u])
+                    repair[0] = repair_factor(spec.variant, m[r], finite(m_new[0]))
+                    l[r] = l[r] * repair[0]
+                    for x in T.unroll(VEC):
+                        o[r * VEC + x] = o[r * VEC + x] * repair[0]
+                    for u in T.unroll(unroll):
+                        s[u] = T.exp2(s[u] - finite(m_new[0]))
+                        l[r] = l[r] + s[u]
+                        for x in T.unroll(VEC):
+                            o[r * VEC + x] = o[r * VEC + x] + s[u] * T.Cast(acc, v_reg[u * VEC + x])
+                    m[r] = m_new[0]
+            # The subgroups' states merged: each repaired to the rows' common max.
+            for r in T.unroll(rows):
+                if lane == 0:
+                    merged_m[sub, r] = m[r]
+            T.tvm_storage_sync("shared")
+            for r in T.unroll(rows):
+                m_new[0] = merged_m[0, r]
+                for g in T.serial(1, subgroups):
+                    m_new[0] = T.max(m_new[0], merged_m[g, r])
+                repair[0] = repair_factor(spec.variant, m[r], finite(m_new[0]))
+                if lane == 0:
+                    merged_l[sub, r] = l[r] * repair[0]
+                for x in T.unroll(VEC):
+                    merged_o[sub, r, lane * VEC + x] = o[r * VEC + x] * repair[0]
+            T.tvm_storage_sync("shared")
+            for e in T.serial((rows * d + THREADS - 1) // THREADS):
+                r = (e * THREADS + tx) // d
+                x = (e * THREADS + tx) % d
+                rr = bz * rows + r
+                if r < rows and rr < n_rows:
+                    dot[0] = T.float32(0)
+                    for g in T.serial(subgroups):
+                        dot[0] = dot[0] + merged_o[g, r, x]
+                    part_o[b, rr // group, hk * group + rr % group, c, x] = dot[0]
+            if tx < rows:
+                rr = bz * rows + tx
+                if rr < n_rows:
+                    m_new[0] = merged_m[0, tx]
+                    dot[0] = merged_l[0, tx]
+                    for g in T.serial(1, subgroups):
+                        m_new[0] = T.max(m_new[0], merged_m[g, tx])
+                        dot[0] = dot[0] + merged_l[g, tx]
+                    part_m[b, rr // group, hk * group + rr % group, c] = m_new[0]
+                    part_l[b, rr // group, hk * group + rr % group, c] = dot[0]
+        # The chunks of each row combined: one block of threads over the row's dimensions.
+        with T.launch_thread("blockIdx.x", batch * view.rows * heads_q) as row:
+            tx = T.launch_thread("threadIdx.x", THREADS)
+            total_m = T.alloc_local((1,), acc)
+            total_l = T.alloc_local((1,), acc)
+            weight = T.alloc_local((1,), acc)
+            value = T.alloc_local((1,), acc)
+            b = row // (view.rows * heads_q)
+            qi = row % (view.rows * heads_q) // heads_q
+            h = row % heads_q
+            if qi < q_len(b):
+                total_m[0] = neg_inf
+                for c in T.serial(num_chunks):
+                    total_m[0] = T.max(total_m[0], part_m[b, qi, h, c])
+                for e in T.serial((d + THREADS - 1) // THREADS):
+                    x = e * THREADS + tx
+                    if x < d:
+                        total_l[0] = T.float32(0)
+                        value[0] = T.float32(0)
+                        for c in T.serial(num_chunks):
+                            weight[0] = T.if_then_else(
+                                c * chunk_keys < kv_len(b),
+                                repair_factor(spec.variant, part_m[b, qi, h, c], finite(total_m[0])),
+                                T.float32(0),
+                            )
+                            total_l[0] = total_l[0] + part_l[b, qi, h, c] * weight[0]
+                            value[0] = value[0] + part_o[b, qi, h, c, x] * weight[0]
+                        out[view.out_index(b, h, qi, x)] = T.Cast(
+                            spec.dtype, T.if_then_else(total_l[0] > T.float32(0), value[0] / total_l[0], T.float32(0))
+                        )
+
+    params = list(view.inputs) + [chunk_keys, out]
+    return tirx.PrimFunc(params, body.body).with_attr("global_symbol", SplitKDecode.name)
