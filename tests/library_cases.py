@@ -31,7 +31,7 @@ def check(out, expected, dtype):
     assert err < TOL[dtype], err
 
 
-def run(kernel, sequences, page_size=4):
+def run(kernel, sequences):
     """Run ``kernel`` on per-sequence numpy arrays in its layout, as TVM tensors on its
     device (numpy has no DLPack for bfloat16); returns its output per sequence."""
     layout = kernel.spec.layout
@@ -40,7 +40,7 @@ def run(kernel, sequences, page_size=4):
     elif layout == "ragged":
         args = tt.pack_ragged(sequences)
     else:
-        args = tt.pack_paged(sequences, page_size)
+        args = tt.pack_paged(sequences, kernel.spec.page_size)
     out = kernel(*(tvm.runtime.tensor(a, kernel.device) for a in args)).numpy()
     if layout == "bhsd":
         return list(out.transpose(0, 2, 1, 3))

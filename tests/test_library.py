@@ -19,6 +19,8 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype="float32", target="llvm", **kwargs):
+    if layout == "paged":
+        kwargs.setdefault("page_size", 4)  # short sequences over several pages
     return attention_kernel(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
                             target=target, **kwargs)
 
@@ -51,7 +53,7 @@ def test_groups_and_half_types(heads, dtype):
 def test_head_dims(head_dim):
     kernel = _kernel("paged", 2, 1, head_dim, dtype="float16")
     sequences = tt.random_sequences([2, 4], [20, 5], 2, 1, head_dim, dtype="float16", rng=np.random.default_rng(3))
-    for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
         check(out, ref, "float16")
 
 
@@ -62,7 +64,7 @@ def test_chunked_prefill_and_speculative_decode():
     rng = np.random.default_rng(4)
     for q_lens, kv_lens in (([24], [174]), ([1, 4, 8, 2], [40, 44, 9, 100])):
         sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
-        for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+        for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
             check(out, ref, "float32")
 
 
@@ -143,6 +145,8 @@ def test_unaligned_tensors_are_copied():
         (dict(layout="bshd"), "layout must be one of"),
         (dict(variant=AttentionVariant("w0", causal=True, window=0)), "at least one key"),
         (dict(variant="unknown"), "unknown attention variant"),
+        (dict(page_size=16), "page_size is the paged layout's; the bhsd layout has none"),
+        (dict(layout="paged", page_size=0), "page_size must be a positive int"),
     ],
 )
 def test_spec_refusals(kwargs, message):
@@ -199,7 +203,8 @@ def test_ragged_call_refusals(make, message):
         (lambda a: _with(a, 5, np.array([0, 3], "int32")), r"last_page_len\[0\] = 0: a sequence's last page holds 1 to"),
         (lambda a: _with(a, 5, np.array([1, 5], "int32")), r"last_page_len\[1\] = 5"),
         (lambda a: _with(a, 3, np.array([0, 2, 9], "int32")), r"page_indptr\[-1\] = 9 must be at most the 4"),
-        (lambda a: _with(a, 1, a[1][:, :1].copy()), r"pages: expected shape \[\*, 2, 2, \*, 16\]"),
+        (lambda a: _with(a, 1, np.zeros((7, 2, 2, 8, 16), "float32")), r"pages: expected shape \[\*, 2, 2, 4, 16\], got \[7, 2, 2, 8, 16\]"),
+        (lambda a: _with(a, 1, a[1][:, :1].copy()), r"pages: expected shape \[\*, 2, 2, 4, 16\]"),
     ],
 )
 def test_paged_call_refusals(make, message):

@@ -33,7 +33,7 @@ def test_variants_every_layout(layout, variant):
         lengths = [([37, 1, 200, 5], [300, 999, 200, 70]), ([8, 4], [4000, 17])]
     for q_lens, kv_lens in lengths:
         sequences = tt.random_sequences(q_lens, kv_lens, 8, 2, 64, dtype="float16", rng=rng)
-        for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, variant)):
+        for out, ref in zip(run(kernel, sequences), reference(sequences, variant)):
             check(out, ref, "float16")
 
 
@@ -44,7 +44,7 @@ def test_groups_dtypes_head_dims(heads, dtype, head_dim):
     kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
     sequences = tt.random_sequences([5, 1, 64], [77, 513, 64], *heads, head_dim, dtype=dtype,
                                     rng=np.random.default_rng(2))
-    for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
         check(out, ref, dtype)
 
 
@@ -79,5 +79,5 @@ def test_split_k_decode(heads, head_dim, dtype):
     assert kernel.family_for(8).name == "split_k_decode"
     sequences = tt.random_sequences([1, 4, 8, 1], [1, 700, 3001, 40], *heads, head_dim, dtype=dtype,
                                     rng=np.random.default_rng(5))
-    for out, ref in zip(run(kernel, sequences, page_size=16), reference(sequences, "causal")):
+    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
         check(out, ref, dtype)

@@ -30,7 +30,7 @@ logger = logging.getLogger("tvm_cascade.library")
 
 
 def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", target=None,
-                     layout="bhsd", scale=None, use_cache=True) -> AttentionKernel:
+                     layout="bhsd", scale=None, page_size=None, use_cache=True) -> AttentionKernel:
     """A compiled attention kernel for ``heads_q`` query heads over ``heads_kv`` K/V heads
     (GQA when fewer; MQA with one) of ``head_dim``; its batch size and lengths are
     runtime values.
@@ -41,7 +41,8 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     ``float16``, ``bfloat16`` or ``float32``. ``layout``: ``"bhsd"``, ``"ragged"`` or
     ``"paged"`` (:mod:`tvm_cascade.library.layouts`). ``target``: a TVM target (default:
     this machine's CUDA GPU, else ``llvm``). ``scale`` multiplies Q·Kᵀ (default
-    ``1/sqrt(head_dim)``). With ``use_cache`` the kernel is loaded from the on-disk cache
+    ``1/sqrt(head_dim)``). ``page_size``: the keys a page of the paged layout holds
+    (default 16). With ``use_cache`` the kernel is loaded from the on-disk cache
     (:mod:`tvm_cascade.library.cache`) where an entry for it exists, and stored there
     once built.
 
@@ -54,7 +55,7 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
         target = "cuda" if tvm.cuda(0).exist else "llvm"
     target = tvm.target.Target(target)
     spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
-                              target=target, scale=scale)
+                              target=target, scale=scale, page_size=page_size)
     families = choose(spec)
     names = [family.name for family in families]
     root = cache.directory()

@@ -117,7 +117,8 @@ def _ragged(spec, t):
 
 def _paged(spec, t):
     total_q = _ragged_q(spec, t)
-    num_pages, _, _, page_size, _ = _shape(t, "pages", (None, 2, spec.heads_kv, None, spec.head_dim))
+    page_size = spec.page_size
+    num_pages, _, _, _, _ = _shape(t, "pages", (None, 2, spec.heads_kv, page_size, spec.head_dim))
     q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
     (nnz,) = _shape(t, "page_ids", (None,))
     used = _lengths(t, "page_indptr", len(q_len) + 1, nnz, exact=False)

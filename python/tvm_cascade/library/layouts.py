@@ -15,7 +15,7 @@ PrimFunc (its buffers' shapes, or scalar parameters), so one kernel serves all o
     sequence ``b``'s tokens are ``indptr[b]:indptr[b + 1]``), ``out`` like ``q``.
 ``paged``
     queries as in ``ragged``; keys and values in a page pool ``pages[num_pages, 2, hkv,
-    page_size, d]`` (``[:, 0]`` keys, ``[:, 1]`` values) as TVM's paged KV cache
+    page_size, d]`` (``page_size`` the spec's; ``[:, 0]`` keys, ``[:, 1]`` values) as TVM's paged KV cache
     (``relax.frontend.nn.llm``) lays it out: sequence ``b`` holds the pages
     ``page_ids[page_indptr[b]:page_indptr[b + 1]]`` in order, all full but the last,
     which holds ``last_page_len[b]`` keys.
@@ -49,12 +49,20 @@ class Views:
     rows: object
     keys: object
     query: Callable
-    key: Callable
-    value: Callable
+    kv_row: Callable  # (b, j) -> the indices that locate key j of sequence b (a tuple)
+    key_at: Callable  # (row, h, x) -> element x of head h of the key ``kv_row`` located
+    value_at: Callable
     q_len: Optional[Callable]  # None: every row of every sequence is valid
     kv_len: Optional[Callable]  # None: every key of every sequence is valid
     out_shape: tuple  # the shape of ``out`` (a view's shape for bhsd)
     out_index: Callable  # (b, h, i, x) -> the index of ``out`` that row i of sequence b stores
+
+
+    def key(self, b, h, j, x):
+        return self.key_at(self.kv_row(b, j), h, x)
+
+    def value(self, b, h, j, x):
+        return self.value_at(self.kv_row(b, j), h, x)
 
 
 def views(spec: AttentionSpec, tensor=te.placeholder) -> Views:
@@ -73,8 +81,9 @@ def _bhsd(spec, tensor):
     return Views(
         inputs=[q, k, v], batch=batch, rows=seq_q, keys=seq_kv,
         query=lambda b, h, i, x: q[b, h, i, x],
-        key=lambda b, h, j, x: k[b, h, j, x],
-        value=lambda b, h, j, x: v[b, h, j, x],
+        kv_row=lambda b, j: (b, j),
+        key_at=lambda row, h, x: k[row[0], h, row[1], x],
+        value_at=lambda row, h, x: v[row[0], h, row[1], x],
         q_len=None, kv_len=None, out_shape=(batch, spec.heads_q, seq_q, d),
         out_index=lambda b, h, i, x: (b, h, i, x),
     )
@@ -104,8 +113,9 @@ def _ragged(spec, tensor):
     return Views(
         inputs=[q, k, v, q_indptr, kv_indptr, max_q, max_kv], batch=batch, rows=max_q, keys=max_kv,
         query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
-        key=lambda b, h, j, x: k[kv_indptr[b] + j, h, x],
-        value=lambda b, h, j, x: v[kv_indptr[b] + j, h, x],
+        kv_row=lambda b, j: (kv_indptr[b] + j,),
+        key_at=lambda row, h, x: k[row[0], h, x],
+        value_at=lambda row, h, x: v[row[0], h, x],
         q_len=q_len, kv_len=kv_len, out_shape=q.shape, out_index=_token_index(q_indptr),
     )
 
@@ -116,7 +126,9 @@ def _token_index(q_indptr):
 
 def _paged(spec, tensor):
     q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec, tensor)
-    num_pages, page_size, nnz_pages = te.var("num_pages"), te.var("page_size"), te.var("nnz_pages")
+    num_pages, nnz_pages = te.var("num_pages"), te.var("nnz_pages")
+    # A constant: a page's keys are found by shifts and masks where it is a power of two.
+    page_size = spec.page_size
     pages = tensor((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, "pages")
     page_indptr = tensor(q_indptr.shape, INDEX_DTYPE, "page_indptr")
     page_ids = tensor((nnz_pages,), INDEX_DTYPE, "page_ids")
@@ -126,17 +138,16 @@ def _paged(spec, tensor):
         used = page_indptr[b + 1] - page_indptr[b]
         return tirx.Select(used > 0, (used - 1) * page_size + last_page_len[b], 0)
 
-    def cache(which):
-        def read(b, h, j, x):
-            page = page_ids[page_indptr[b] + tirx.floordiv(j, page_size)]
-            return pages[page, which, h, tirx.floormod(j, page_size), x]
+    def kv_row(b, j):
+        return page_ids[page_indptr[b] + tirx.floordiv(j, page_size)], tirx.floormod(j, page_size)
 
-        return read
+    def cache(which):
+        return lambda row, h, x: pages[row[0], which, h, row[1], x]
 
     return Views(
         inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv],
         batch=batch, rows=max_q, keys=max_kv, query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
-        key=cache(0), value=cache(1), q_len=q_len, kv_len=kv_len, out_shape=q.shape,
+        kv_row=kv_row, key_at=cache(0), value_at=cache(1), q_len=q_len, kv_len=kv_len, out_shape=q.shape,
         out_index=_token_index(q_indptr),
     )
 

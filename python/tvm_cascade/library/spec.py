@@ -12,6 +12,8 @@ LAYOUTS = ("bhsd", "ragged", "paged")
 DTYPES = ("float16", "bfloat16", "float32")
 #: The largest head dimension a kernel serves.
 MAX_HEAD_DIM = 256
+#: Keys a page holds, by default (that of TVM's paged KV cache in its LLM examples).
+PAGE_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,8 @@ class AttentionSpec:
 
     ``scale`` multiplies Q·Kᵀ (default ``1/sqrt(head_dim)``); ``target`` is the
     target's string form (``str(tvm.target.Target(...))``), part of what a cached kernel
-    is keyed by.
+    is keyed by; ``page_size``, the keys a page holds (the paged layout's, None for the
+    others).
     """
 
     heads_q: int
@@ -32,13 +35,15 @@ class AttentionSpec:
     layout: str
     target: str
     scale: float
+    page_size: Optional[int] = None
 
     @staticmethod
     def make(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", layout="bhsd",
-             target="llvm", scale: Optional[float] = None) -> "AttentionSpec":
+             target="llvm", scale: Optional[float] = None, page_size: Optional[int] = None) -> "AttentionSpec":
         """A checked spec; ``variant`` is a name of :data:`~tvm_cascade.ops.VARIANTS` or
-        an :class:`~tvm_cascade.ops.AttentionVariant`. Raises ``ValueError`` naming the
-        argument that is out of range."""
+        an :class:`~tvm_cascade.ops.AttentionVariant`; ``page_size`` (paged layout only)
+        defaults to :data:`PAGE_SIZE`. Raises ``ValueError`` naming the argument that is
+        out of range."""
         for name, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -55,8 +60,14 @@ class AttentionSpec:
             raise ValueError(f"a sliding window must hold at least one key, got window={variant.window}")
         if variant.softcap is not None and not variant.softcap > 0:
             raise ValueError(f"softcap must be positive, got {variant.softcap}")
+        if layout == "paged":
+            page_size = PAGE_SIZE if page_size is None else page_size
+            if not isinstance(page_size, int) or page_size < 1:
+                raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        elif page_size is not None:
+            raise ValueError(f"page_size is the paged layout's; the {layout} layout has none")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale)
+        return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale, page_size)
 
     @property
     def group(self) -> int:
@@ -71,4 +82,5 @@ class AttentionSpec:
                  "alibi" if v.alibi else None,
                  f"softcap{v.softcap:g}" if v.softcap is not None else None]
         mods = "-".join(p for p in parts if p) or "global"
-        return f"{self.layout}-h{self.heads_q}x{self.heads_kv}-d{self.head_dim}-{self.dtype}-{mods}"
+        layout = self.layout if self.page_size is None else f"{self.layout}{self.page_size}"
+        return f"{layout}-h{self.heads_q}x{self.heads_kv}-d{self.head_dim}-{self.dtype}-{mods}"

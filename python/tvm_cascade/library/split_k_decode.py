@@ -2,13 +2,13 @@
 (FlashDecoding), lengths and chunk size at run time, for CUDA.
 
 Two kernels. The first takes one chunk of a sequence's keys for the query rows of one
-K/V head (the group's heads of each query row, :data:`ROWS` at most per block, more in
-further blocks): its 128 threads work as subgroups of ``head_dim / 8`` lanes, each lane
-holding 8 dimensions of each row's query and output, each subgroup a key at a time (16
-bytes a lane, K and V read once for all the rows), scores reduced by shuffles; each
-subgroup keeps a running max, sum and output per row, repaired as the max grows, and at
-the chunk's end the subgroups are merged through shared memory into the chunk's partial
-(max, sum, output). The second combines a row's chunks. Both repairs, within a chunk and
+K/V head (the group's heads of each query row, a few per block, more in further
+blocks): its 128 threads work as subgroups of up to 32 lanes, each lane holding a slice
+of each row's query and output, each subgroup a few keys a step (K and V read once for
+all the rows; the next step's keys loaded while this step's are used), scores reduced
+by shuffles; each subgroup keeps a running max, sum and output per row, repaired as the
+max grows, and at the chunk's end the subgroups are merged through shared memory into
+the chunk's partial (max, sum, output). The second combines a row's chunks. Both repairs, within a chunk and
 across chunks, are the factor the algebra derives and proves for ``ops.attention``'s
 sum and output (:func:`~tvm_cascade.schedules.warp_specialized.repair_factor`); scores
 are kept in log2 units.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import te, tirx
+from tvm import tirx
 from tvm.script import tirx as T
 
 from ..ops.flex_attention import variant_te_mods
@@ -31,12 +31,9 @@ from .spec import AttentionSpec
 
 #: Query rows a sequence may have for this family to serve it.
 QUERIES = 8
-#: Query rows (of one K/V head: query position x head of the group) a block takes.
-ROWS = 8
 THREADS = 128
-VEC = 8  # elements a lane loads at once: 16 bytes of fp16/bf16
-#: Dot products a subgroup computes per step (rows x keys in flight).
-DOTS = 8
+#: Registers a thread spends on its rows' query and output slices and its keys in flight.
+REGISTERS = 64
 #: Blocks per SM the chunk size is planned for.
 WAVES = 4
 _LOG2E = math.log2(math.e)
@@ -54,8 +51,10 @@ class SplitKDecode:
             return "CUDA only"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
-        if spec.head_dim % VEC or THREADS % (spec.head_dim // VEC):
-            return f"head dim {spec.head_dim}: a multiple of {VEC} dividing {THREADS * VEC}"
+        vec = _vec(spec.head_dim)
+        lanes = spec.head_dim // vec
+        if spec.head_dim % vec or lanes & (lanes - 1):
+            return f"head dim {spec.head_dim}: a power of two times {vec} (a key row over 2^k lanes)"
         return None
 
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -64,19 +63,27 @@ class SplitKDecode:
     def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
         """``[chunk_keys]``: keys per chunk, so that the first kernel launches about
         :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
-        rows, _, step = _shape(spec)
+        _, rows, _, step = _shape(spec)
         blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // rows)
         sms = device.multi_processor_count if device.exist else 132
         chunks = max(1, min(-(-WAVES * sms // blocks), -(-max_kv // step)))
         return [max(step, -(-max_kv // chunks // step) * step)]
 
 
+def _vec(head_dim):
+    """Elements of a key row a lane loads: a warp's 32 lanes span a row of 128 or more."""
+    return max(head_dim // 32, min(4, head_dim))
+
+
 def _shape(spec):
-    """(rows a block takes, keys a subgroup loads per step, keys all subgroups take per step)."""
-    rows = min(spec.group, ROWS)
-    unroll = max(1, DOTS // rows)
-    subgroups = THREADS // (spec.head_dim // VEC)
-    return rows, unroll, unroll * subgroups
+    """(elements a lane holds of a row, rows a block takes, keys a subgroup loads per step,
+    keys all subgroups take per step)."""
+    vec = _vec(spec.head_dim)
+    rows = min(spec.group, max(1, 32 // vec), 8)
+    # Query and output slices (2 rows x vec floats), and two steps' K and V (vec halves).
+    unroll = max(1, min(8, (REGISTERS - 2 * rows * vec) // (2 * vec)))
+    subgroups = THREADS // (spec.head_dim // vec)
+    return vec, rows, unroll, unroll * subgroups
 
 
 def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -84,9 +91,9 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     ``chunk_keys``, then ``out``."""
     view = views(spec, tirx.decl_buffer)
     d, group, heads_kv, heads_q = spec.head_dim, spec.group, spec.heads_kv, spec.heads_q
-    lanes = d // VEC
+    vec, rows, unroll, step = _shape(spec)
+    lanes = d // vec
     subgroups = THREADS // lanes
-    rows, unroll, step = _shape(spec)
     acc = "float32"
     chunk_keys = tirx.Var("chunk_keys", "int32")
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
@@ -115,6 +122,30 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     # Partials of row (b, query position, head) and chunk: output, max, sum.
     partial_shape = (batch, view.rows, heads_q, num_chunks)
 
+    row_parts = len(view.kv_row(0, 0))
+
+    @T.macro
+    def load(k_buf, v_buf, row, b, hk, start, end, t, sub, lane):
+        """Step ``t``'s keys of this subgroup, zeros past ``end`` (each key located
+        once, into ``row``, before its vector loads)."""
+        for u in T.unroll(unroll):
+            j = T.meta_var(start + (t * unroll + u) * subgroups + sub)
+            if j < end:
+                parts = T.meta_var(view.kv_row(b, j))
+                row[0] = parts[0]
+                if row_parts > 1:
+                    row[1] = parts[1]
+                located = T.meta_var((row[0], row[1]) if row_parts > 1 else (row[0],))
+                for x in T.vectorized(vec):
+                    k_buf[u * vec + x] = view.key_at(located, hk, lane * vec + x)
+                for x in T.vectorized(vec):
+                    v_buf[u * vec + x] = view.value_at(located, hk, lane * vec + x)
+            else:
+                for x in T.vectorized(vec):
+                    k_buf[u * vec + x] = T.Cast(spec.dtype, 0)
+                for x in T.vectorized(vec):
+                    v_buf[u * vec + x] = T.Cast(spec.dtype, 0)
+
     @T.prim_func(private=True, check_well_formed=False)
     def body():
         part_o = T.alloc_buffer(partial_shape + (d,), acc)
@@ -124,12 +155,15 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             by = T.launch_thread("blockIdx.y", batch * heads_kv)
             bz = T.launch_thread("blockIdx.z", passes)
             tx = T.launch_thread("threadIdx.x", THREADS)
-            q_reg = T.alloc_local((rows * VEC,), acc)
-            o = T.alloc_local((rows * VEC,), acc)
+            q_reg = T.alloc_local((rows * vec,), acc)
+            o = T.alloc_local((rows * vec,), acc)
             m = T.alloc_local((rows,), acc)
             l = T.alloc_local((rows,), acc)
-            k_reg = T.alloc_local((unroll * VEC,), spec.dtype)
-            v_reg = T.alloc_local((unroll * VEC,), spec.dtype)
+            k_reg = T.alloc_local((unroll * vec,), spec.dtype)
+            v_reg = T.alloc_local((unroll * vec,), spec.dtype)
+            k_next = T.alloc_local((unroll * vec,), spec.dtype)
+            v_next = T.alloc_local((unroll * vec,), spec.dtype)
+            row = T.alloc_local((row_parts,), "int32")
             s = T.alloc_local((unroll,), acc)
             dot = T.alloc_local((1,), acc)
             m_new = T.alloc_local((1,), acc)
@@ -148,32 +182,25 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                 rr = bz * rows + r
                 m[r] = neg_inf
                 l[r] = T.float32(0)
-                for x in T.unroll(VEC):
-                    q_reg[r * VEC + x] = T.float32(0)
-                    o[r * VEC + x] = T.float32(0)
+                for x in T.unroll(vec):
+                    q_reg[r * vec + x] = T.float32(0)
+                    o[r * vec + x] = T.float32(0)
                 if rr < n_rows:
-                    for x in T.vectorized(VEC):
-                        q_reg[r * VEC + x] = T.Cast(acc, view.query(b, hk * group + rr % group, rr // group, lane * VEC + x))
+                    for x in T.vectorized(vec):
+                        q_reg[r * vec + x] = T.Cast(acc, view.query(b, hk * group + rr % group, rr // group, lane * vec + x))
+            load(k_next, v_next, row, b, hk, start, end, 0, sub, lane)
             for t in T.serial(T.max(end - start + step - 1, 0) // step):
-                for u in T.unroll(unroll):
-                    j = start + (t * unroll + u) * subgroups + sub
-                    if j < end:
-                        for x in T.vectorized(VEC):
-                            k_reg[u * VEC + x] = view.key(b, hk, j, lane * VEC + x)
-                        for x in T.vectorized(VEC):
-                            v_reg[u * VEC + x] = view.value(b, hk, j, lane * VEC + x)
-                    else:
-                        for x in T.vectorized(VEC):
-                            k_reg[u * VEC + x] = T.Cast(spec.dtype, 0)
-                        for x in T.vectorized(VEC):
-                            v_reg[u * VEC + x] = T.Cast(spec.dtype, 0)
+                for i in T.unroll(unroll * vec):
+                    k_reg[i] = k_next[i]
+                    v_reg[i] = v_next[i]
+                load(k_next, v_next, row, b, hk, start, end, t + 1, sub, lane)
                 for r in T.unroll(rows):
                     rr = bz * rows + r
                     for u in T.unroll(unroll):
                         j = start + (t * unroll + u) * subgroups + sub
                         dot[0] = T.float32(0)
-                        for x in T.unroll(VEC):
-                            dot[0] = dot[0] + q_reg[r * VEC + x] * T.Cast(acc, k_reg[u * VEC + x])
+                        for x in T.unroll(vec):
+                            dot[0] = dot[0] + q_reg[r * vec + x] * T.Cast(acc, k_reg[u * vec + x])
                         for k in T.unroll(int(math.log2(lanes))):
                             dot[0] = dot[0] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), dot[0], 1 << k, 32)
                         s[u] = T.if_then_else(j < end, score(dot[0], b, hk * group + rr % group, rr // group, j), neg_inf)
@@ -182,13 +209,13 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                         m_new[0] = T.max(m_new[0], s[u])
                     repair[0] = repair_factor(spec.variant, m[r], finite(m_new[0]))
                     l[r] = l[r] * repair[0]
-                    for x in T.unroll(VEC):
-                        o[r * VEC + x] = o[r * VEC + x] * repair[0]
+                    for x in T.unroll(vec):
+                        o[r * vec + x] = o[r * vec + x] * repair[0]
                     for u in T.unroll(unroll):
                         s[u] = T.exp2(s[u] - finite(m_new[0]))
                         l[r] = l[r] + s[u]
-                        for x in T.unroll(VEC):
-                            o[r * VEC + x] = o[r * VEC + x] + s[u] * T.Cast(acc, v_reg[u * VEC + x])
+                        for x in T.unroll(vec):
+                            o[r * vec + x] = o[r * vec + x] + s[u] * T.Cast(acc, v_reg[u * vec + x])
                     m[r] = m_new[0]
             # The subgroups' states merged: each repaired to the rows' common max.
             for r in T.unroll(rows):
@@ -202,8 +229,8 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                 repair[0] = repair_factor(spec.variant, m[r], finite(m_new[0]))
                 if lane == 0:
                     merged_l[sub, r] = l[r] * repair[0]
-                for x in T.unroll(VEC):
-                    merged_o[sub, r, lane * VEC + x] = o[r * VEC + x] * repair[0]
+                for x in T.unroll(vec):
+                    merged_o[sub, r, lane * vec + x] = o[r * vec + x] * repair[0]
             T.tvm_storage_sync("shared")
             for e in T.serial((rows * d + THREADS - 1) // THREADS):
                 r = (e * THREADS + tx) // d
