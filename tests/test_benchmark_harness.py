@@ -312,6 +312,7 @@ def test_plot(tmp_path):
         ["benchmarks.tune_prefill", "--trials", "1"],
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
         ["benchmarks.wgmma_check"],
+        ["benchmarks.models_decode", "--only", "mha-b1-kv2048"],
     ],
 )
 def test_cli_without_gpu_skips(command):
@@ -459,3 +460,20 @@ def test_wgmma_check_kernels_compile_to_warpgroup_instructions():
     assert re.search(r"cvta_generic_to_shared\(\(&\(\(\(half\*\)buf_dyn_shmem_ptr\)\[\(\(\w+ \* 1024\) \+ 1024\)\]\)\)\)", scheduled)
     batch = re.findall(r"tvm_builtin_ptx_wgmma_(fence|f16_ss|commit_group|wait_group)\w*\(", scheduled.split("__global__")[-1])
     assert batch == ["fence", "f16_ss", "commit_group", "wait_group"]
+
+
+def test_models_decode_paged_layout_holds_the_keys():
+    """benchmarks.models_decode's paged tensors (on the CPU here) hold every sequence's
+    keys and values in its pages, in order, the last page partly filled."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.models_decode import paged
+
+    q, k, v = (torch.randn(2, h, n, 8) for h, n in ((4, 1), (2, 37), (2, 37)))
+    q_ragged, pool, q_indptr, page_indptr, page_ids, last = paged(q, k, v, page_size=16)
+    assert q_ragged.shape == (2, 4, 8) and torch.equal(q_ragged[1], q[1, :, 0])
+    assert q_indptr.tolist() == [0, 1, 2] and page_indptr.tolist() == [0, 3, 6] and last.tolist() == [5, 5]
+    for b in range(2):
+        ids = page_ids[page_indptr[b]:page_indptr[b + 1]].long()
+        keys = pool[ids, 0].permute(1, 0, 2, 3).reshape(2, 48, 8)[:, :37]
+        values = pool[ids, 1].permute(1, 0, 2, 3).reshape(2, 48, 8)[:, :37]
+        assert torch.equal(keys, k[b]) and torch.equal(values, v[b])
