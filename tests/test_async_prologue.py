@@ -11,8 +11,9 @@ import tvm_cascade  # noqa: F401
 
 from tvm_cascade import ops
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.schedules import prefill, software_pipeline
-from tvm_cascade.schedules.async_prologue import async_prologue_copies
+from tvm_cascade.schedules import prefill
+from tvm_cascade.cuda import software_pipeline
+from tvm_cascade.cuda.async_prologue import async_prologue_copies
 
 
 def _kernel_body(func):

@@ -5,7 +5,7 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from tvm_cascade.schedules.cast_offsets import hoist_cast_offsets
+from tvm_cascade.cuda.cast_offsets import hoist_cast_offsets
 
 
 @T.prim_func

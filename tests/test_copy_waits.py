@@ -7,7 +7,7 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from tvm_cascade.schedules.copy_waits import defer_copy_waits
+from tvm_cascade.cuda.copy_waits import defer_copy_waits
 
 
 def _loop_of_two_groups(prologue_order="kv", barrier_before_v=True, constant_depth=True):

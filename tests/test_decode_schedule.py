@@ -12,7 +12,7 @@ import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.schedules import tensor_cores
+from tvm_cascade.cuda import tensor_cores
 from tvm_cascade.schedules.decode import (
     DecodeConfig,
     choose_chunks,

@@ -7,7 +7,7 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from tvm_cascade.schedules import dependent_launch, tensor_cores
+from tvm_cascade.cuda import dependent_launch, tensor_cores
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 AMPERE = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})

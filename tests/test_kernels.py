@@ -67,7 +67,7 @@ def test_records_default_to_the_package_and_follow_the_environment(monkeypatch, 
 def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
     """``compile_attention(config=...)`` compiles the heuristic schedule with those choices
     (not a tuned record); a prefill config for a decode configuration is refused."""
-    from tvm_cascade.schedules import tensor_cores
+    from tvm_cascade.cuda import tensor_cores
     from tvm_cascade.schedules.decode import DecodeConfig, schedule_decode
     from tvm_cascade.schedules.prefill import PrefillConfig
 

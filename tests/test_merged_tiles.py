@@ -10,8 +10,9 @@ from tvm.script import tirx as T
 from tvm_cascade import kernels, ops
 from tvm_cascade.primitives import ir
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.schedules import prefill, software_pipeline
-from tvm_cascade.schedules.merged_tiles import MERGE, merge_tile_loops
+from tvm_cascade.schedules import prefill
+from tvm_cascade.cuda import software_pipeline
+from tvm_cascade.cuda.merged_tiles import MERGE, merge_tile_loops
 
 
 def _names(stmt):

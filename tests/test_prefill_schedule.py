@@ -27,8 +27,9 @@ from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.analysis.scope import vars_in
 from tvm_cascade.primitives import ir
 from tvm_cascade.primitives.tiles import _is_masked_read
-from tvm_cascade.schedules import prefill, software_pipeline, tensor_cores, warp_specialized
-from tvm_cascade.schedules.padding import padded_inputs
+from tvm_cascade.schedules import prefill, warp_specialized
+from tvm_cascade.cuda import software_pipeline, tensor_cores
+from tvm_cascade.cuda.padding import padded_inputs
 
 from tuning_records import write_records
 

@@ -12,7 +12,8 @@ from tvm.script import tirx as T
 
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.schedules import prefill, software_pipeline, wgmma, wgmma_batches
+from tvm_cascade.schedules import prefill
+from tvm_cascade.cuda import software_pipeline, wgmma, wgmma_batches
 
 from ptxas import ptxas_report
 

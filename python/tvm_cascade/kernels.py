@@ -37,10 +37,11 @@ import tvm_ffi
 
 from . import ops
 from .analysis.scope import buffer_params
+from .cuda import mma16x8, tensor_cores
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
 from .ops.variants import AttentionVariant
-from .schedules import decode, mma16x8, prefill, tensor_cores, warp_specialized
+from .schedules import decode, prefill, warp_specialized
 from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
 from .schedules.warp_specialized import WarpSpecializedConfig
 from .trace import JSONDatabase

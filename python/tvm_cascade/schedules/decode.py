@@ -62,8 +62,8 @@ from dataclasses import dataclass
 import tvm
 
 from ..analysis.scope import buffer_params
-from . import mma16x8
-from .padding import inline_padding, padded_inputs
+from ..cuda import mma16x8
+from ..cuda.padding import inline_padding, padded_inputs
 
 VECTOR = 8  # fp16/bf16 elements in a 128-bit load
 #: Key lengths the schedule takes: multiples of this (``ops.attention(pad_to=(1, PAD_KEYS))``

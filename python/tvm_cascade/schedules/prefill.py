@@ -62,10 +62,11 @@ from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params, uses_var
 from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
-from .async_prologue import async_prologue_copies
-from .padding import inline_padding
-from . import merged_tiles, software_pipeline, tensor_cores, warp_specialized, wgmma
-from .tensor_cores import cuda_intrinsics
+from ..cuda import merged_tiles, software_pipeline, tensor_cores, wgmma
+from ..cuda.async_prologue import async_prologue_copies
+from ..cuda.padding import inline_padding
+from ..cuda.tensor_cores import cuda_intrinsics
+from . import warp_specialized
 
 
 WARP = 32

@@ -69,8 +69,8 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
-from .wgmma import descriptor
-from .wgmma_batches import fence_operand
+from ..cuda.wgmma import descriptor
+from ..cuda.wgmma_batches import fence_operand
 
 #: Query rows per thread block (two consumer warpgroups of 64).
 ROWS = 128

@@ -1,0 +1,6 @@
+"""CUDA lowering for the GPU schedules' kernels: tensor intrinsics (``mma16x8``,
+``wgmma``, TVM's own registered by ``tensor_cores``), the build that lowers warp
+fragments to registers (``tensor_cores.build``), and the passes it and the prefill build
+run (``copy_waits``, ``cast_offsets``, ``software_pipeline``, ``async_prologue``,
+``dependent_launch``, ``merged_tiles``, ``wgmma_batches``), with ``padding``, the
+inlining of padded inputs into the kernels' loads."""
