@@ -46,3 +46,14 @@ def run(kernel, sequences):
         return list(out.transpose(0, 2, 1, 3))
     q_indptr = args[3] if layout == "ragged" else args[2]
     return [out[a:b] for a, b in zip(q_indptr[:-1], q_indptr[1:])]
+
+
+def check_lengths(kernel, lengths, seed=0):
+    """Run ``kernel`` on random sequences of each ``(q_lens, kv_lens)`` of ``lengths``
+    and check every sequence's output against the float64 reference."""
+    spec = kernel.spec
+    rng = np.random.default_rng(seed)
+    for q_lens, kv_lens in lengths:
+        sequences = tt.random_sequences(q_lens, kv_lens, spec.heads_q, spec.heads_kv, spec.head_dim, spec.dtype, rng)
+        for out, ref in zip(run(kernel, sequences), reference(sequences, spec.variant, spec.scale)):
+            check(out, ref, spec.dtype)

@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import VARIANTS, check, reference, run
+from library_cases import VARIANTS, check, check_lengths, reference, run
 from ptxas import ptxas_report
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import AttentionSpec, KernelArgumentError
@@ -28,44 +28,28 @@ def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype=
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_variants_every_layout(layout, variant):
-    kernel = _kernel(layout, variant=variant)
-    rng = np.random.default_rng(1)
     if layout == "bhsd":
         lengths = [([5, 5], [12, 12]), ([1, 1, 1], [9, 9, 9]), ([13], [13])]
     else:  # ragged batches: lengths differ within a call, decode rows beside prefill
         lengths = [([5, 1, 8, 3], [12, 9, 8, 30]), ([2], [2]), ([1, 1], [17, 4])]
-    for q_lens, kv_lens in lengths:
-        sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
-        for out, ref in zip(run(kernel, sequences), reference(sequences, variant)):
-            check(out, ref, "float32")
+    check_lengths(_kernel(layout, variant=variant), lengths, seed=1)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (16, 1)], ids=["mha", "gqa2", "gqa4", "mqa16"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_groups_and_half_types(heads, dtype):
-    kernel = _kernel("ragged", *heads, head_dim=8, dtype=dtype)
-    sequences = tt.random_sequences([3, 6], [10, 6], *heads, 8, dtype=dtype, rng=np.random.default_rng(2))
-    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
-        check(out, ref, dtype)
+    check_lengths(_kernel("ragged", *heads, head_dim=8, dtype=dtype), [([3, 6], [10, 6])], seed=2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
 def test_head_dims(head_dim):
-    kernel = _kernel("paged", 2, 1, head_dim, dtype="float16")
-    sequences = tt.random_sequences([2, 4], [20, 5], 2, 1, head_dim, dtype="float16", rng=np.random.default_rng(3))
-    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
-        check(out, ref, "float16")
+    check_lengths(_kernel("paged", 2, 1, head_dim, dtype="float16"), [([2, 4], [20, 5])], seed=3)
 
 
 def test_chunked_prefill_and_speculative_decode():
     """New queries over cached keys: a chunk of 24 after 150 cached keys, and 1-8
     speculative queries per sequence, all through one paged kernel."""
-    kernel = _kernel("paged", variant="causal")
-    rng = np.random.default_rng(4)
-    for q_lens, kv_lens in (([24], [174]), ([1, 4, 8, 2], [40, 44, 9, 100])):
-        sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=rng)
-        for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
-            check(out, ref, "float32")
+    check_lengths(_kernel("paged", variant="causal"), [([24], [174]), ([1, 4, 8, 2], [40, 44, 9, 100])], seed=4)
 
 
 def test_rows_that_see_no_key_are_zero():
@@ -80,9 +64,7 @@ def test_rows_that_see_no_key_are_zero():
 
 
 def test_scale():
-    kernel = _kernel("bhsd", scale=0.5, variant="global")
-    sequences = tt.random_sequences([4], [9], 4, 2, 16, rng=np.random.default_rng(6))
-    check(run(kernel, sequences)[0], reference(sequences, "global", 0.5)[0], "float32")
+    check_lengths(_kernel("bhsd", scale=0.5, variant="global"), [([4], [9])], seed=6)
 
 
 def test_lengths_and_batch_are_symbolic():

@@ -6,7 +6,7 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import VARIANTS, check, reference, run
+from library_cases import VARIANTS, check, check_lengths, reference
 from tvm_cascade.library import KernelArgumentError, attention_kernel
 from tvm_cascade.ops import testing as tt
 
@@ -25,27 +25,18 @@ def _kernel(layout, heads_q=8, heads_kv=2, head_dim=64, variant="causal", dtype=
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_variants_every_layout(layout, variant):
-    kernel = _kernel(layout, variant=variant)
-    rng = np.random.default_rng(1)
     if layout == "bhsd":
         lengths = [([37, 37], [300, 300]), ([1, 1, 1], [1000, 1000, 1000]), ([129], [129])]
     else:
         lengths = [([37, 1, 200, 5], [300, 999, 200, 70]), ([8, 4], [4000, 17])]
-    for q_lens, kv_lens in lengths:
-        sequences = tt.random_sequences(q_lens, kv_lens, 8, 2, 64, dtype="float16", rng=rng)
-        for out, ref in zip(run(kernel, sequences), reference(sequences, variant)):
-            check(out, ref, "float16")
+    check_lengths(_kernel(layout, variant=variant), lengths, seed=1)
 
 
 @pytest.mark.parametrize("heads", [(8, 8), (8, 4), (16, 4), (32, 4), (16, 1)], ids=["mha", "gqa2", "gqa4", "gqa8", "mqa"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_groups_dtypes_head_dims(heads, dtype, head_dim):
-    kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
-    sequences = tt.random_sequences([5, 1, 64], [77, 513, 64], *heads, head_dim, dtype=dtype,
-                                    rng=np.random.default_rng(2))
-    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
-        check(out, ref, dtype)
+    check_lengths(_kernel("paged", *heads, head_dim=head_dim, dtype=dtype), [([5, 1, 64], [77, 513, 64])], seed=2)
 
 
 def test_torch_tensors():
@@ -77,7 +68,4 @@ def test_split_k_decode(heads, head_dim, dtype):
     any length, ragged, through the paged layout: the split-k decode family."""
     kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
     assert kernel.family_for(8).name == "split_k_decode"
-    sequences = tt.random_sequences([1, 4, 8, 1], [1, 700, 3001, 40], *heads, head_dim, dtype=dtype,
-                                    rng=np.random.default_rng(5))
-    for out, ref in zip(run(kernel, sequences), reference(sequences, "causal")):
-        check(out, ref, dtype)
+    check_lengths(kernel, [([1, 4, 8, 1], [1, 700, 3001, 40])], seed=5)
