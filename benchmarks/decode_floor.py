@@ -37,8 +37,8 @@ import sys
 from .attention import close_to, random_inputs, skip_without_gpu
 from .configs import suite
 
-#: The Triton kernels' choices, the best of sweeps at GQA kv4096 on an H200 (twenty-fourth
-#: session's RESULTS): split-k of 4/8/16 chunks, 32/64 keys a step, 4/8 warps, 2/3 stages;
+#: The Triton kernels' choices, the best of sweeps at GQA kv4096 on an H200: split-k of
+#: 4/8/16 chunks, 32/64 keys a step, 4/8 warps, 2/3 stages;
 #: the linear reader of 8192-32768-element blocks, 4/8/16 warps; the chunked reader of
 #: 2-16 chunks, 32/64-key tiles, 4/8 warps, 1/3 stages.
 SPLIT = dict(chunks=4, keys=64, warps=4, stages=3)

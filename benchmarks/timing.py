@@ -16,8 +16,8 @@ L2_FLUSH_BYTES = 256 << 20
 #: flush buffer, leaving L2 holding clean lines; ``"zero"`` writes it, as
 #: ``triton.testing.do_bench`` does, leaving L2 holding dirty lines whose write-back to
 #: HBM then runs during the timed call (H200: a bare streaming read of 134 MB timed 33.8
-#: µs after a read flush and 42.1 µs after a zeroing one; the twenty-third session's
-#: RESULTS); ``"none"`` flushes nothing.
+#: µs after a read flush and 42.1 µs after a zeroing one: RESULTS, "The L2 flush");
+#: ``"none"`` flushes nothing.
 FLUSHES = ("read", "zero", "none")
 WARMUP_ITERS = 10
 WARMUP_MS = 100.0
