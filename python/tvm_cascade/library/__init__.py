@@ -16,8 +16,6 @@ disk).
 """
 from __future__ import annotations
 
-import logging
-
 import tvm
 
 from . import cache
@@ -25,9 +23,6 @@ from .arguments import ARGUMENTS, KernelArgumentError
 from .families import FAMILIES, choose
 from .kernel import AttentionKernel
 from .spec import LAYOUTS, AttentionSpec
-
-logger = logging.getLogger("tvm_cascade.library")
-
 
 def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", target=None,
                      layout="bhsd", scale=None, page_size=None, use_cache=True) -> AttentionKernel:

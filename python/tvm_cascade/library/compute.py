@@ -45,9 +45,7 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         value = te.compute(shape_kv, guarded(view.value, view.kv_len), name="V_view")
         query, key, value = (_indexer(t) for t in (query, key, value))
 
-    q_len = view.q_len or (lambda b: view.rows)
-    kv_len = view.kv_len or (lambda b: view.keys)
-    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, q_len, kv_len, acc)
+    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, acc)
     lowest = tirx.min_value(acc)
     scale = tirx.const(spec.scale, acc)
 

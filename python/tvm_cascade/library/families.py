@@ -52,7 +52,7 @@ class GenericFused:
         # so that the row's state never leaves them.
         row = sch.get_loops(sch.get_sblock("max"))[2]
         sch.reverse_compute_at(sch.get_sblock("out"), row)
-        if _on_gpu(spec):
+        if spec.target_kind == "cuda":
             schedule_fused_for_gpu(sch, chains)
         else:
             _schedule_rows_on_cpu(sch)
@@ -68,10 +68,6 @@ def _schedule_rows_on_cpu(sch) -> None:
     sch.compute_inline(sch.get_sblock("exp"))
     batch, head = sch.get_loops(sch.get_sblock("max"))[:2]
     sch.parallel(sch.fuse(batch, head))
-
-
-def _on_gpu(spec: AttentionSpec) -> bool:
-    return tvm.target.Target(spec.target).kind.name == "cuda"
 
 
 #: The families, asked in order.

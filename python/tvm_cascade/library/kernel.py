@@ -59,8 +59,7 @@ class AttentionKernel:
 
     def __init__(self, spec: AttentionSpec, families, mod: tvm.IRModule, module):
         self.spec, self.families, self.mod, self.module = spec, tuple(families), mod, module
-        kind = tvm.target.Target(spec.target).kind.name
-        self.device = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+        self.device = tvm.cuda(0) if spec.target_kind == "cuda" else tvm.cpu(0)
         self._functions = [module[family.name] for family in self.families]
 
     def family_for(self, max_q: int):

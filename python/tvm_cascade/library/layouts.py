@@ -57,6 +57,13 @@ class Views:
     out_shape: tuple  # the shape of ``out`` (a view's shape for bhsd)
     out_index: Callable  # (b, h, i, x) -> the index of ``out`` that row i of sequence b stores
 
+    def query_length(self, b):
+        """Sequence ``b``'s query rows."""
+        return self.rows if self.q_len is None else self.q_len(b)
+
+    def key_length(self, b):
+        """Sequence ``b``'s keys."""
+        return self.keys if self.kv_len is None else self.kv_len(b)
 
     def key(self, b, h, j, x):
         return self.key_at(self.kv_row(b, j), h, x)
@@ -90,18 +97,25 @@ def _bhsd(spec, tensor):
 
 
 def _ragged_queries(spec, tensor):
-    """Ragged queries, their indptr and the scalar maxima shared by ``ragged`` and
-    ``paged``: (q, q_indptr, batch, max_q, max_kv, q_len)."""
+    """Ragged queries and their indptr, shared by ``ragged`` and ``paged``: ``(q,
+    q_indptr, max_q, max_kv, fields)``, ``fields`` the :class:`Views` fields they set
+    (batch, lengths, the queries' reads and the output's stores)."""
     # The indptr's length is the variable: `batch + 1` as a shape would define nothing.
     indptr_len = te.var("indptr_len")
     total_q, max_q, max_kv = te.var("total_q"), te.var("max_q"), te.var("max_kv")
     q = tensor((total_q, spec.heads_q, spec.head_dim), spec.dtype, "q")
     q_indptr = tensor((indptr_len,), INDEX_DTYPE, "q_indptr")
-    return q, q_indptr, indptr_len - 1, max_q, max_kv, lambda b: q_indptr[b + 1] - q_indptr[b]
+    fields = dict(
+        batch=indptr_len - 1, rows=max_q, keys=max_kv,
+        query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
+        q_len=lambda b: q_indptr[b + 1] - q_indptr[b],
+        out_shape=q.shape, out_index=lambda b, h, i, x: (q_indptr[b] + i, h, x),
+    )
+    return q, q_indptr, max_q, max_kv, fields
 
 
 def _ragged(spec, tensor):
-    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec, tensor)
+    q, q_indptr, max_q, max_kv, fields = _ragged_queries(spec, tensor)
     total_kv = te.var("total_kv")
     k = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "k")
     v = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "v")
@@ -111,28 +125,23 @@ def _ragged(spec, tensor):
         return kv_indptr[b + 1] - kv_indptr[b]
 
     return Views(
-        inputs=[q, k, v, q_indptr, kv_indptr, max_q, max_kv], batch=batch, rows=max_q, keys=max_kv,
-        query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
+        inputs=[q, k, v, q_indptr, kv_indptr, max_q, max_kv],
         kv_row=lambda b, j: (kv_indptr[b] + j,),
         key_at=lambda row, h, x: k[row[0], h, x],
         value_at=lambda row, h, x: v[row[0], h, x],
-        q_len=q_len, kv_len=kv_len, out_shape=q.shape, out_index=_token_index(q_indptr),
+        kv_len=kv_len, **fields,
     )
 
 
-def _token_index(q_indptr):
-    return lambda b, h, i, x: (q_indptr[b] + i, h, x)
-
-
 def _paged(spec, tensor):
-    q, q_indptr, batch, max_q, max_kv, q_len = _ragged_queries(spec, tensor)
+    q, q_indptr, max_q, max_kv, fields = _ragged_queries(spec, tensor)
     num_pages, nnz_pages = te.var("num_pages"), te.var("nnz_pages")
     # A constant: a page's keys are found by shifts and masks where it is a power of two.
     page_size = spec.page_size
     pages = tensor((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, "pages")
     page_indptr = tensor(q_indptr.shape, INDEX_DTYPE, "page_indptr")
     page_ids = tensor((nnz_pages,), INDEX_DTYPE, "page_ids")
-    last_page_len = tensor((batch,), INDEX_DTYPE, "last_page_len")
+    last_page_len = tensor((fields["batch"],), INDEX_DTYPE, "last_page_len")
 
     def kv_len(b):
         used = page_indptr[b + 1] - page_indptr[b]
@@ -146,9 +155,7 @@ def _paged(spec, tensor):
 
     return Views(
         inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv],
-        batch=batch, rows=max_q, keys=max_kv, query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
-        kv_row=kv_row, key_at=cache(0), value_at=cache(1), q_len=q_len, kv_len=kv_len, out_shape=q.shape,
-        out_index=_token_index(q_indptr),
+        kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len, **fields,
     )
 
 
@@ -157,27 +164,27 @@ _BUILDERS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}
 
 def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     """``func`` with its output ``out[b, h, i, x]`` (the view's rows) stored to the
-    layout's ``out``: rows of ragged queries go to ``out[q_indptr[b] + i, h, x]``, those
-    past the sequence's queries nowhere. bhsd's ``func`` is returned as it is.
+    layout's ``out`` (the view's ``out_index``), rows past the sequence's queries
+    nowhere. bhsd's ``func`` is returned as it is.
 
     TE cannot index an output by a loaded value, so the view's output is computed and
     this rewrite, after scheduling, changes only where the block that stores it writes.
     """
     if spec.layout == "bhsd":
         return func
-    params = buffer_params(func)
-    old = next(p for p in params if p.name == "out")
-    q_indptr = next(p for p in params if p.name == "q_indptr")
-    total_q = next(p for p in params if p.name == "q").shape[0]
-    new = tirx.decl_buffer((total_q, spec.heads_q, spec.head_dim), spec.dtype, name="out")
-    others = [p for p in params if not p.same_as(old)] + [new]
+    params = {p.name: p for p in buffer_params(func)}
+    old = params.pop("out")
+    # The view over the function's own buffers: the layout says where a row goes.
+    view = views(spec, lambda shape, dtype, name: params[name])
+    new = tirx.decl_buffer(view.out_shape, spec.dtype, name="out")
+    others = list(params.values()) + [new]
 
     def store(s):
         if not s.buffer.same_as(old):
             return s
         b, h, i, x = s.indices
-        inside = i < q_indptr[b + 1] - q_indptr[b]
-        return tirx.IfThenElse(inside, tirx.BufferStore(new, s.value, [q_indptr[b] + i, h, x]), None)
+        stored = tirx.BufferStore(new, s.value, list(view.out_index(b, h, i, x)))
+        return tirx.IfThenElse(i < view.query_length(b), stored, None)
 
     def block(blk):
         if not any(w.source.same_as(old) for w in blk.writes):

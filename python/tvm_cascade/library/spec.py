@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import tvm
+
 from ..ops.variants import AttentionVariant, get_variant
 
 #: Memory layouts of a kernel's tensors (see :mod:`tvm_cascade.library.layouts`).
@@ -68,6 +70,11 @@ class AttentionSpec:
             raise ValueError(f"page_size is the paged layout's; the {layout} layout has none")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale, page_size)
+
+    @property
+    def target_kind(self) -> str:
+        """The target's kind: ``"cuda"``, ``"llvm"``, ..."""
+        return tvm.target.Target(self.target).kind.name
 
     @property
     def group(self) -> int:

@@ -47,7 +47,7 @@ class SplitKDecode:
     queries = QUERIES
 
     def supports(self, spec: AttentionSpec):
-        if tvm.target.Target(spec.target).kind.name != "cuda":
+        if spec.target_kind != "cuda":
             return "CUDA only"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
@@ -97,8 +97,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     acc = "float32"
     chunk_keys = tirx.Var("chunk_keys", "int32")
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
-    q_len = view.q_len or (lambda b: view.rows)
-    kv_len = view.kv_len or (lambda b: view.keys)
+    q_len, kv_len = view.query_length, view.key_length
     score_mod, mask_mod = variant_te_mods(spec.variant, heads_q, q_len, kv_len, acc)
     batch = view.batch
     num_chunks = (view.keys + chunk_keys - 1) // chunk_keys
