@@ -61,8 +61,9 @@ def aligned(tensor):
 
 
 def check_call(spec: AttentionSpec, device, tensors: dict) -> tuple:
-    """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout) for a kernel of ``spec`` on ``device``; returns ``(batch, max_q,
-    max_kv)``: the batch size and the longest sequence's query rows and keys."""
+    """Check ``tensors`` (name -> TVM tensor, :data:`ARGUMENTS` of the layout) for a
+    kernel of ``spec`` on ``device``; returns ``(batch, max_q, max_kv)``: the batch size
+    and the longest sequence's query rows and keys."""
     check_types(spec, device, tensors)
     return _LAYOUT_CHECKS[spec.layout](spec, tensors)
 
@@ -107,7 +108,7 @@ def _bhsd(spec, t):
 
 
 def _ragged(spec, t):
-    total_q = _ragged_q(spec, t)
+    total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
     total_kv, _, _ = _shape(t, "k", (None, spec.heads_kv, spec.head_dim))
     _shape(t, "v", (total_kv, spec.heads_kv, spec.head_dim))
     q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
@@ -116,19 +117,19 @@ def _ragged(spec, t):
 
 
 def _paged(spec, t):
-    total_q = _ragged_q(spec, t)
+    total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
     page_size = spec.page_size
     num_pages, _, _, _, _ = _shape(t, "pages", (None, 2, spec.heads_kv, page_size, spec.head_dim))
     q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
     (nnz,) = _shape(t, "page_ids", (None,))
     used = _lengths(t, "page_indptr", len(q_len) + 1, nnz, exact=False)
     _shape(t, "last_page_len", (len(q_len),))
-    ids = _host(t["page_ids"])[: int(_host(t["page_indptr"])[-1])]
+    ids = t["page_ids"].numpy()[: int(used.sum())]
     outside = np.flatnonzero((ids < 0) | (ids >= num_pages))
     if outside.size:
         k = outside[0]
         raise KernelArgumentError(f"page_ids[{k}] = {ids[k]} is not a page of the pool's {num_pages}")
-    last = _host(t["last_page_len"])
+    last = t["last_page_len"].numpy()
     wrong = np.flatnonzero(np.where(used > 0, (last < 1) | (last > page_size), last != 0))
     if wrong.size:
         b = wrong[0]
@@ -140,18 +141,13 @@ def _paged(spec, t):
     return len(q_len), _max(q_len), _max(kv_len)
 
 
-def _ragged_q(spec, t):
-    total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
-    return total_q
-
-
 def _lengths(t, name, size, total, exact):
     """The per-sequence counts of indptr ``t[name]`` (``size`` entries, or any), which
     must start at 0, not decrease and end at ``total`` (``exact``) or at most there."""
     (n,) = _shape(t, name, (size,))
     if n < 2:
         raise KernelArgumentError(f"{name}: expected batch + 1 >= 2 entries, got {n}")
-    indptr = _host(t[name]).astype(np.int64)
+    indptr = t[name].numpy().astype(np.int64)
     counts = np.diff(indptr)
     if indptr[0] != 0:
         raise KernelArgumentError(f"{name}[0] = {indptr[0]}: offsets start at 0")
@@ -166,10 +162,6 @@ def _lengths(t, name, size, total, exact):
 
 def _max(lengths) -> int:
     return int(lengths.max(initial=0))
-
-
-def _host(tensor) -> np.ndarray:
-    return tensor.numpy()
 
 
 _LAYOUT_CHECKS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}

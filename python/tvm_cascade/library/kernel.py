@@ -69,7 +69,9 @@ class AttentionKernel:
     def plan(self, *tensors) -> Plan:
         """Check a call's tensors (as the call would, ``out`` aside) and plan it: the
         family that serves its lengths and the scalars it takes."""
-        given = self._tensors(tensors)
+        return self._plan(self._tensors(tensors))
+
+    def _plan(self, given: dict) -> Plan:
         batch, max_q, max_kv = check_call(self.spec, self.device, given)
         family = self.family_for(max_q)
         scalars = [] if self.spec.layout == "bhsd" else [max_q, max_kv]
@@ -79,7 +81,7 @@ class AttentionKernel:
     def __call__(self, *tensors, out=None, plan=None):
         given = self._tensors(tensors)
         if plan is None:
-            plan = self.plan(*tensors)
+            plan = self._plan(given)
         else:
             check_types(self.spec, self.device, given)
             if _shapes(given) != plan.shapes or _index_data(given) != plan.index_data:
