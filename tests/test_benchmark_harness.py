@@ -312,7 +312,7 @@ def test_plot(tmp_path):
         ["benchmarks.tune_prefill", "--trials", "1"],
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
         ["benchmarks.wgmma_check"],
-        ["benchmarks.models_decode", "--only", "mha-b1-kv2048"],
+        ["benchmarks.models", "--only", "mha-b1-kv2048"],
     ],
 )
 def test_cli_without_gpu_skips(command):
@@ -462,11 +462,11 @@ def test_wgmma_check_kernels_compile_to_warpgroup_instructions():
     assert batch == ["fence", "f16_ss", "commit_group", "wait_group"]
 
 
-def test_models_decode_paged_layout_holds_the_keys():
-    """benchmarks.models_decode's paged tensors (on the CPU here) hold every sequence's
+def test_models_paged_layout_holds_the_keys():
+    """benchmarks.models's paged tensors (on the CPU here) hold every sequence's
     keys and values in its pages, in order, the last page partly filled."""
     torch = pytest.importorskip("torch")
-    from benchmarks.models_decode import paged
+    from benchmarks.models import paged
 
     q, k, v = (torch.randn(2, h, n, 8) for h, n in ((4, 1), (2, 37), (2, 37)))
     q_ragged, pool, q_indptr, page_indptr, page_ids, last = paged(q, k, v, page_size=16)
@@ -477,3 +477,17 @@ def test_models_decode_paged_layout_holds_the_keys():
         keys = pool[ids, 0].permute(1, 0, 2, 3).reshape(2, 48, 8)[:, :37]
         values = pool[ids, 1].permute(1, 0, 2, 3).reshape(2, 48, 8)[:, :37]
         assert torch.equal(keys, k[b]) and torch.equal(values, v[b])
+
+
+def test_models_ragged_layout_and_visible_pairs():
+    """benchmarks.models's ragged tensors pack each sequence's tokens in order; the
+    prefill FLOPs count the pairs a bottom-right causal mask leaves."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.models import ragged, visible_pairs
+
+    q, k, v = (torch.randn(3, h, n, 8) for h, n in ((4, 5), (2, 7), (2, 7)))
+    q_packed, k_packed, v_packed, q_indptr, kv_indptr = ragged(q, k, v)
+    assert q_indptr.tolist() == [0, 5, 10, 15] and kv_indptr.tolist() == [0, 7, 14, 21]
+    assert torch.equal(q_packed[5:10], q[1].permute(1, 0, 2)) and torch.equal(v_packed[14:21], v[2].permute(1, 0, 2))
+    mask = np.tril(np.ones((5, 7), bool), k=2)
+    assert visible_pairs(5, 7) == mask.sum() and visible_pairs(4, 4) == 10

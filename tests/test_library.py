@@ -231,6 +231,43 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
     assert " 0 bytes spill stores" in chunks
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+def test_warp_specialized_prefill_assembles_for_hopper(layout, tmp_path):
+    """On sm_90a at head dim 128 the kernel holds the split-k decode and the
+    warp-specialised prefill (no generic function: the prefill serves any number of
+    rows); through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its
+    lengths and batch are the PrimFunc's variables."""
+    pages = {"page_size": 16} if layout == "paged" else {}
+    kernel = _kernel(layout, 16, 4, 128, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, **pages)
+    assert [f.name for f in kernel.families] == ["split_k_decode", "warp_specialized_prefill"]
+    func = kernel.mod["warp_specialized_prefill"]
+    shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
+    assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)
+    report = ptxas_report(kernel.module.imports[0].inspect_source(), tmp_path / "kernels.cu")
+    (prefill,) = [p for p in report.split("Compiling entry function ") if p.startswith("'warp_specialized_prefill_kernel'")]
+    assert " 0 bytes spill stores" in prefill
+    for remark in ("C7508", "C7514", "C7519", "is injected"):
+        assert remark not in report, report
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(head_dim=64), "head dim 64: 128 only"),
+        (dict(target={"kind": "cuda", "arch": "sm_80"}), "needs sm_90a"),
+        (dict(layout="paged", page_size=4), "pages of 4 keys: a multiple of 8 dividing 128"),
+        (dict(dtype="float32"), "float32: fp16 and bf16 only"),
+    ],
+)
+def test_warp_specialized_prefill_names_what_it_does_not_serve(kwargs, reason):
+    from tvm_cascade.library.warp_specialized_prefill import WarpSpecializedPrefill
+
+    args = dict(head_dim=128, dtype="float16", target={"kind": "cuda", "arch": "sm_90a"}, layout="bhsd") | kwargs
+    args["target"] = tvm.target.Target(args["target"])
+    spec = AttentionSpec.make(8, 2, args.pop("head_dim"), variant="causal", **args)
+    assert reason in WarpSpecializedPrefill().supports(spec)
+
+
 def test_out_refusals():
     kernel = _kernel("ragged")
     args = _ragged_args()

@@ -69,3 +69,45 @@ def test_split_k_decode(heads, head_dim, dtype):
     kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
     assert kernel.family_for(8).name == "split_k_decode"
     check_lengths(kernel, [([1, 4, 8, 1], [1, 700, 3001, 40])], seed=5)
+
+
+def _nan_tails(args, page_size):
+    """The paged arguments with the unused rows of each sequence's last page NaN (a page
+    pool holds whatever was there before)."""
+    q, pages, q_indptr, page_indptr, page_ids, last = args
+    pages = pages.copy()
+    for b, used in enumerate(last):
+        if page_indptr[b + 1] > page_indptr[b]:
+            pages[page_ids[page_indptr[b + 1] - 1], :, :, used:] = np.nan
+    return q, pages, q_indptr, page_indptr, page_ids, last
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_warp_specialized_prefill(layout, variant, dtype):
+    """More than 8 query rows at head dim 128 on Hopper: the warp-specialised family,
+    lengths that are no tile multiples, fewer keys than queries (rows that see no key
+    under a mask give zeros), chunked prefill (512 new tokens on 2500 cached)."""
+    kernel = _kernel(layout, 16, 4, head_dim=128, variant=variant, dtype=dtype)
+    assert kernel.family_for(9).name == "warp_specialized_prefill"
+    if layout == "bhsd":
+        lengths = [([300, 300], [300, 300]), ([129], [1000]), ([200], [100]), ([9], [9])]
+    else:
+        lengths = [([37, 9, 200, 512, 130], [300, 999, 100, 3012, 130]), ([1000, 9], [1000, 4000])]
+    check_lengths(kernel, lengths, seed=7)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_warp_specialized_prefill_reads_only_the_sequences_keys(page_size):
+    """Unused rows of a last page hold NaN: the kernel masks them and clears their V rows
+    before P·V; every page size the family takes."""
+    kernel = attention_kernel(8, 2, 128, variant="causal", layout="paged", page_size=page_size, target="cuda")
+    assert kernel.family_for(9).name == "warp_specialized_prefill"
+    rng = np.random.default_rng(8)
+    sequences = tt.random_sequences([100, 33, 300], [133, 70, 301], 8, 2, 128, "float16", rng)
+    args = _nan_tails(tt.pack_paged(sequences, page_size), page_size)
+    out = kernel(*(tvm.runtime.tensor(a, kernel.device) for a in args)).numpy()
+    q_indptr = args[2]
+    for b, ref in enumerate(reference(sequences, "causal")):
+        check(out[q_indptr[b] : q_indptr[b + 1]], ref, "float16")

@@ -74,9 +74,8 @@ def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q,
     "args, message",
     [
         ((32, 32, 256, 256, 128, VARIANTS["global"], "float16", {"kind": "cuda", "arch": "sm_80"}), "needs sm_90a"),
-        ((32, 32, 256, 256, 128, VARIANTS["global"], "bfloat16", HOPPER), "computes in float16, not bfloat16"),
+        ((32, 32, 256, 256, 128, VARIANTS["global"], "float32", HOPPER), "computes in float16 or bfloat16, not float32"),
         ((32, 32, 256, 256, 64, VARIANTS["global"], "float16", HOPPER), "head dim 128, not 64"),
-        ((32, 32, 300, 250, 128, VARIANTS["global"], "float16", HOPPER), "groups of 8 keys: 250 keys"),
         ((32, 32, 512, 256, 128, VARIANTS["causal"], "float16", HOPPER), "more queries \\(512\\) than keys \\(256\\)"),
     ],
 )
@@ -94,6 +93,7 @@ def test_stages_must_fit_in_shared_memory(stages):
 def test_supported_configurations_are_not_refused():
     assert ws.unsupported(32, 8, 1024, 2048, 128, VARIANTS["causal"], "float16", HOPPER) is None
     assert ws.unsupported(32, 8, 1000, 1000, 128, VARIANTS["causal"], "float16", HOPPER) is None
+    assert ws.unsupported(32, 8, 300, 250, 128, VARIANTS["global"], "bfloat16", HOPPER) is None
     assert ws.sm90a(HOPPER).attrs["arch"] == "sm_90a"
 
 
@@ -102,8 +102,7 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         1, 4, 2, 256, 384, 128, variant=VARIANTS["causal"], target=HOPPER, records=tmp_path
     ).mod.imports[0].inspect_source()
     for instruction in (
-        "cp.async.bulk.tensor.2d",
-        "cp.async.bulk.tensor.4d",
+        "cp.async.bulk.tensor.3d",
         "setmaxnreg.dec.sync.aligned.u32 40",
         "setmaxnreg.inc.sync.aligned.u32 232",
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
@@ -114,16 +113,20 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         1, 4, 2, 200, 200, 128, variant=VARIANTS["causal"], target=HOPPER, records=tmp_path
     ).mod.imports[0].inspect_source()
     assert "setmaxnreg" in part
-    # Keys not in groups of 8, a PrefillConfig, a sliding window (not preferred): the
-    # mma.sync prefill schedule.
+    # Keys not in groups of 8, in bfloat16: the kernel too.
+    odd = kernels.compile_attention(
+        1, 4, 2, 200, 203, 128, variant=VARIANTS["causal"], dtype="bfloat16", target=HOPPER, records=tmp_path
+    ).mod.imports[0].inspect_source()
+    assert "setmaxnreg" in odd and "m64n128k16.f32.bf16.bf16" in odd
+    # A PrefillConfig, a sliding window (not preferred): the mma.sync prefill schedule.
     assert not ws.preferred(VARIANTS["window"]) and ws.preferred(VARIANTS["alibi"])
-    for variant, seq, config in (("causal", 203, None), ("causal", 256, PrefillConfig()), ("window", 256, None)):
+    for variant, seq, config in (("causal", 256, PrefillConfig()), ("window", 256, None)):
         other = kernels.compile_attention(
             1, 4, 2, seq, seq, 128, variant=VARIANTS[variant], target=HOPPER, records=tmp_path, config=config
         ).mod.imports[0].inspect_source()
         assert "setmaxnreg" not in other and "mma.sync" in other
-    with pytest.raises(ValueError, match="groups of 8 keys"):
-        kernels.compile_attention(1, 4, 2, 200, 203, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
+    with pytest.raises(ValueError, match="more queries \\(256\\) than keys \\(128\\)"):
+        kernels.compile_attention(1, 4, 2, 256, 128, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
     with pytest.raises(ValueError, match="config must be a PrefillConfig or WarpSpecializedConfig"):
         kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
 
@@ -285,9 +288,9 @@ def test_build_lowers_only_the_fused_key_tile_loop_of_a_supported_function():
             ws.build(sch.mod, HOPPER)
     with pytest.raises(ValueError, match="needs sm_90a"):
         ws.build(ws.schedule(func, variant).mod, {"kind": "cuda", "arch": "sm_80"})
-    bf16 = ops.attention(1, 4, 4, 256, 256, 128, dtype="bfloat16", variant=variant)
-    with pytest.raises(ValueError, match="computes in float16, not bfloat16"):
-        ws.build(ws.schedule(bf16, variant).mod, HOPPER)
+    fp32 = ops.attention(1, 4, 4, 256, 256, 128, dtype="float32", variant=variant)
+    with pytest.raises(ValueError, match="computes in float16 or bfloat16, not float32"):
+        ws.build(ws.schedule(fp32, variant).mod, HOPPER)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS.values()) + [AttentionVariant("x", window=7, alibi=True, softcap=2.5)])
@@ -368,8 +371,7 @@ def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_t
     ).mod.imports[0].inspect_source()
     for instruction in (
         "%cluster_ctarank",
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
         "mapa.shared::cluster.u32",
         "mbarrier.arrive.shared::cluster.b64",
         "barrier.cluster.wait",

@@ -25,12 +25,13 @@ _INSTRUCTIONS = ("tirx.ptx.wgmma_f16_ss", "tirx.ptx.wgmma_f16_rs")
 FENCE_OPERAND = "tvm_cascade_wgmma_fence_operand"
 #: An empty asm statement that takes a register as input and output: the compiler must
 #: have computed the value before it and cannot assume it after it. Without it, the
-#: register writes before a batch (zeroed accumulators, the fp16 operand) and the reads
+#: register writes before a batch (zeroed accumulators, the fp16 or bf16 operand) and the reads
 #: after its wait move across the wgmma fence and wait (asm statements order memory, not
 #: registers), and ptxas serialises the instructions around them.
 FENCE_OPERAND_SOURCE = f"""
 __forceinline__ __device__ void {FENCE_OPERAND}(float& r) {{ asm volatile("" : "+f"(r) :: "memory"); }}
-__forceinline__ __device__ void {FENCE_OPERAND}(half2& r) {{
+template <typename Pair> __forceinline__ __device__ void {FENCE_OPERAND}(Pair& r) {{
+  static_assert(sizeof(Pair) == 4, "a pair of fp16 or bf16");
   asm volatile("" : "+r"(*reinterpret_cast<unsigned*>(&r)) :: "memory");
 }}
 """

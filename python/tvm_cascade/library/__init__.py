@@ -59,6 +59,8 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
         if entry is not None:
             return AttentionKernel(spec, families, *entry)
     mod = tvm.IRModule({family.name: family.build(spec) for family in families})
+    for family in families:
+        target = family.compile_target(target)
     executable = tvm.compile(mod, target=target)
     if use_cache:
         cache.store(spec, names, mod, executable, root)

@@ -4,7 +4,8 @@ A family has a ``name`` (its PrimFunc's name too), ``queries`` (the most query r
 sequence it serves, None for any), ``supports(spec) -> reason or None``, ``build(spec)
 -> PrimFunc`` taking the layout's tensors and scalars (:mod:`.layouts`), then the
 family's own scalars, then ``out``, and ``plan(spec, batch, max_q, max_kv, device) ->
-list`` giving those scalars for one call's lengths. Every kernel takes runtime lengths.
+list`` giving those scalars for one call's lengths, and ``compile_target(target)``, the
+target its function compiles for (a Hopper family asks for sm_90a's features). Every kernel takes runtime lengths.
 
 :func:`choose` picks, in :data:`FAMILIES` order, the first family that supports a spec
 for each range of query rows: a kernel holds one function per range (decode's few rows,
@@ -23,6 +24,7 @@ from .compute import VIEW_BLOCKS, attention_chain
 from .layouts import scatter_output
 from .spec import AttentionSpec
 from .split_k_decode import SplitKDecode
+from .warp_specialized_prefill import WarpSpecializedPrefill
 
 logger = logging.getLogger("tvm_cascade.library")
 
@@ -61,6 +63,9 @@ class GenericFused:
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
         return []
 
+    def compile_target(self, target):
+        return target
+
 
 def _schedule_rows_on_cpu(sch) -> None:
     """One query row per iteration of a parallel loop over (sequence, head): the row's
@@ -71,7 +76,7 @@ def _schedule_rows_on_cpu(sch) -> None:
 
 
 #: The families, asked in order.
-FAMILIES = (SplitKDecode(), GenericFused())
+FAMILIES = (SplitKDecode(), WarpSpecializedPrefill(), GenericFused())
 
 
 def choose(spec: AttentionSpec) -> list:

@@ -87,19 +87,19 @@ class AttentionKernel:
             if _shapes(given) != plan.shapes or _index_data(given) != plan.index_data:
                 raise KernelArgumentError("the tensors are not those the plan was made for (shapes or index arrays differ)")
         shape = given["q"].shape
-        if out is not None:
-            given["out"] = as_tensor("out", out)
-            check_out(self.spec, self.device, given["q"], given["out"])
-        result = out if out is not None else tvm.runtime.empty(shape, self.spec.dtype, self.device)
-        target = given.get("out", result)
+        if out is None:
+            # A new output comes from q's framework: torch's caching allocator, not a
+            # device allocation (and its synchronising release) per call.
+            out = _empty_like(tensors[0], shape, self.spec.dtype, self.device)
+        given["out"] = as_tensor("out", out)
+        check_out(self.spec, self.device, given["q"], given["out"])
+        target = given["out"]
         into = target if is_aligned(target) else tvm.runtime.empty(shape, self.spec.dtype, self.device)
         function = self._functions[self.families.index(plan.family)]
         function(*(aligned(given[n]) for n in ARGUMENTS[self.spec.layout]), *plan.scalars, into)
         if into is not target:
             target.copyfrom(into)
-        if out is not None or isinstance(tensors[0], tvm.runtime.Tensor):
-            return result
-        return _like(tensors[0], result)
+        return out
 
     def _tensors(self, tensors) -> dict:
         names = ARGUMENTS[self.spec.layout]
@@ -122,15 +122,16 @@ def _index_data(given) -> tuple:
     return tuple(t.data_ptr() for name, t in given.items() if is_index(name))
 
 
-def _like(example, tensor):
-    """``tensor`` as the kind of tensor ``example`` is, through DLPack."""
+def _empty_like(example, shape, dtype, device):
+    """A new tensor of ``shape`` on ``device``, of the kind and dtype of ``example`` (torch
+    or numpy, else a TVM tensor of ``dtype``)."""
     kind = type(example).__module__.split(".")[0]
     if kind == "torch":
         import torch  # pylint: disable=import-outside-toplevel
 
-        return torch.from_dlpack(tensor)
+        return torch.empty(tuple(shape), dtype=example.dtype, device=example.device)
     if kind == "numpy":
         import numpy as np  # pylint: disable=import-outside-toplevel
 
-        return np.from_dlpack(tensor)
-    return tensor
+        return np.empty(tuple(shape), dtype=example.dtype)
+    return tvm.runtime.empty(shape, dtype, device)

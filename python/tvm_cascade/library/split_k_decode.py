@@ -69,6 +69,9 @@ class SplitKDecode:
         chunks = max(1, min(-(-WAVES * sms // blocks), -(-max_kv // step)))
         return [max(step, -(-max_kv // chunks // step) * step)]
 
+    def compile_target(self, target):
+        return target
+
 
 def _vec(head_dim):
     """Elements of a key row a lane loads: a warp's 32 lanes span a row of 128 or more."""

@@ -13,8 +13,8 @@ A thread block of three warpgroups owns :data:`ROWS` query rows of one head:
   TMA writes them), the scores in registers in the wgmma accumulator layout, the online
   softmax there (row max and sum by quad shuffles), the exps converted to fp16 in place:
   they are already the register A operand of P·V (``wgmma`` with V from shared memory,
-  MN-major core matrices), accumulated onto the output in registers; the epilogue
-  divides by the row sums and stores.
+  laid out as K is and read MN-major), accumulated onto the output in registers; the
+  epilogue divides by the row sums and stores.
 
 The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives and
 proves for the function's softmax cascade (``m = max s``, ``l = Σ exp(s - m)``,
@@ -32,11 +32,14 @@ the mask's edge (a uniform branch per tile) mask their scores, with the masked s
 to every score. Grouped-query heads read their group's K and V (each head its own
 copy: the heads of a group do not share a tile in one block).
 
-Lengths need not be whole tiles: a part tile's TMA boxes read the next head's rows (or
-zeros past the tensor), its rows past ``seq_q`` are not stored and its keys past
-``seq_kv`` are masked on the edge tile. Supported: fp16, head dim 128, keys in groups of
-8 (V's tensor map addresses 8-key core matrices), the causal offset ``seq_kv - seq_q``
-not negative; :func:`unsupported` names what is not.
+Where Q, K and V lie is a :class:`Tiles`: TMA maps over the tensors and each sequence's
+lengths, static (:func:`attention`, ``ops.attention``'s bhsd tensors) or read at run time
+(the ragged and paged layouts of :mod:`tvm_cascade.library`). Lengths need not be whole
+tiles: a part tile's TMA boxes read zeros past a head's rows (or another sequence's
+rows), its rows past the sequence's queries are not stored, its keys past the
+sequence's keys are masked on the edge tile and their V rows cleared in shared memory
+(whatever they hold, NaN included, meets a zero exp). Supported: fp16 and bf16, head dim
+128; :func:`unsupported` names what is not.
 
 With ``cluster=2`` two blocks form a cluster that shares each K/V
 tile: two query heads of a group on one row tile (or, without a mask, two row tiles of
@@ -53,6 +56,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import sympy
@@ -86,12 +90,10 @@ SHARED_BYTES = 227 * 1024
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
 MASKED_SCORE = float(np.finfo(np.float32).min)
 _TILE = KEYS * HEAD_DIM  # elements of a K or V stage
-# V lands as core matrices of 8 keys: its tensor map addresses groups of 8 rows.
-_V_GROUP = 8
 _LOG2E = math.log2(math.e)
 _ALL_LANES = 0xFFFFFFFF
 _TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
-_MMA = T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: The design space's choices (:func:`design_space`): K/V stages, and the consumers'
 #: form, ``(overlap, pingpong)``.
 STAGE_CHOICES = (2, 3)
@@ -110,6 +112,8 @@ CLUSTER = "tvm_cascade.warp_specialized_cluster"
 # The named barriers of the consumer warpgroups' ping-pong: consumer w waits on
 # _PINGPONG + w for its turn (barrier 0 is __syncthreads').
 _PINGPONG = 3
+# Consumer warpgroup w waits on _CLEARED + w for its threads to have cleared a V tail.
+_CLEARED = 1
 
 
 @dataclass(frozen=True)
@@ -139,12 +143,10 @@ def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, targ
     """Why the kernel cannot serve this configuration on ``target``, or None."""
     if not serves_target(target):
         return f"the warp-specialised kernel needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}"
-    if dtype != "float16":
-        return f"the warp-specialised kernel computes in float16, not {dtype}"
+    if dtype not in _PTX_TYPE:
+        return f"the warp-specialised kernel computes in float16 or bfloat16, not {dtype}"
     if head_dim != HEAD_DIM:
         return f"the warp-specialised kernel takes head dim {HEAD_DIM}, not {head_dim}"
-    if seq_kv % _V_GROUP:
-        return f"the warp-specialised kernel reads V in groups of {_V_GROUP} keys: {seq_kv} keys are not whole groups"
     if heads_q % heads_kv:
         return f"{heads_q} query heads do not form groups of {heads_kv} key/value heads"
     if variant.is_causal and seq_kv < seq_q:
@@ -197,11 +199,17 @@ def sm90a(target):
     return tvm.target.Target(config)
 
 
+def _whole(length, size):
+    """Whether ``length`` is known to be whole tiles of ``size`` (an int multiple of it)."""
+    return isinstance(length, int) and length % size == 0
+
+
 def key_tiles(r0, seq_q, seq_kv, variant):
     """``(lo, hi)``: the key tiles ``[lo, hi)`` that some of query rows ``r0`` to
-    ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` is)."""
+    ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` and the
+    lengths are; ``hi <= lo`` where the rows see no key)."""
     offset = seq_kv - seq_q
-    hi = -(-seq_kv // KEYS)
+    hi = (seq_kv + KEYS - 1) // KEYS
     if variant.is_causal:
         hi = T.min(hi, (_last_row(r0, seq_q) + offset) // KEYS + 1)
     lo = 0
@@ -219,7 +227,7 @@ def straddles(r0, t, seq_q, seq_kv, variant):
         edges.append(t * KEYS + KEYS - 1 > r0 + offset)
     if variant.window is not None:
         edges.append(_last_row(r0, seq_q) + offset - t * KEYS >= variant.window)
-    if seq_kv % KEYS:
+    if not _whole(seq_kv, KEYS):
         edges.append(t * KEYS + KEYS > seq_kv)
     return functools.reduce(T.Or, edges, T.bool(False))
 
@@ -233,14 +241,14 @@ def visible(row, key, seq_q, seq_kv, variant):
         seen.append(key <= row + offset)
     if variant.window is not None:
         seen.append(row + offset - key < variant.window)
-    if seq_kv % KEYS:
+    if not _whole(seq_kv, KEYS):
         seen.append(key < seq_kv)
     return functools.reduce(T.And, seen, T.bool(True))
 
 
 def _last_row(r0, seq_q):
     """The last row below ``seq_q`` of the tile from ``r0``."""
-    return T.min(r0 + ROWS - 1, seq_q - 1) if seq_q % ROWS else r0 + ROWS - 1
+    return r0 + ROWS - 1 if _whole(seq_q, ROWS) else T.min(r0 + ROWS - 1, seq_q - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,22 +293,111 @@ def repair_factor(variant, m_old, m_new):
     return to_tir(_repair_factor(variant), {_OLD: m_old, _NEW: m_new}, "float32")
 
 
-def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig()):
+@dataclass(frozen=True)
+class TensorMap:
+    """A TMA map over ``buffer`` as a 3-d tensor ``(head_dim, a, c)``: ``extents`` (a, c),
+    the byte ``strides`` of a step along a and along c, and the ``box`` (a, c) one copy
+    moves (64 columns wide: one 128-byte swizzled panel)."""
+
+    buffer: object
+    extents: tuple
+    strides: tuple
+    box: tuple
+
+    def encode(self, handle, head_dim, dtype):
+        (a, c), (box_a, box_c) = self.extents, self.box
+        return T.tensormap_encode_tiled(
+            handle, self.buffer.data, head_dim, a, c, *self.strides, 64, box_a, box_c, 1, 1, 1,
+            descriptor_dtype=dtype, rank=3, swizzle=3,
+        )
+
+    @property
+    def rows(self):
+        """The rows (of ``head_dim`` elements) one copy moves."""
+        return self.box[0] * self.box[1]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Where the kernel's tiles lie in memory and what its sequences are: the PrimFunc's
+    ``params`` (``out`` last), ``batch`` sequences of at most ``rows`` query rows, each with
+    ``q_len(b)`` rows and ``kv_len(b)`` keys (queries aligned to the end of the keys); the
+    TMA maps of Q, K and V (V's may be K's); ``q_at(b, h, r0)``, the map coordinates
+    ``(a, c)`` of a box of :data:`ROWS` rows of head ``h`` from row ``r0``; ``kv_at(b, hk,
+    t, s, which)`` those of box ``s`` of key tile ``t`` of K (``which`` 0) or V (1), a
+    tile being :data:`KEYS` keys in boxes of the map's rows (coordinates past the map
+    where the sequence has no such keys: TMA fills zeros); ``out_index(b, h, row, x)``,
+    where row ``row`` of sequence ``b`` stores element ``x``."""
+
+    params: list
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+    batch: object
+    rows: object
+    q_len: Callable
+    kv_len: Callable
+    q_map: TensorMap
+    k_map: TensorMap
+    v_map: TensorMap
+    q_at: Callable
+    kv_at: Callable
+    out_index: Callable
+
+
+def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16"):
+    """:class:`Tiles` of ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out[b, hq, sq, d]``
+    (ints, or variables for lengths known at run time)."""
+    q = tvm.tirx.decl_buffer((batch, heads_q, seq_q, head_dim), dtype, "Q")
+    k = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, head_dim), dtype, "K")
+    v = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, head_dim), dtype, "V")
+    out = tvm.tirx.decl_buffer((batch, heads_q, seq_q, head_dim), dtype, "out")
+    row_bytes = head_dim * 2
+
+    def sequences(buf, length, heads, box):
+        # (d, rows of a head, heads of all sequences): rows past a head's end read zeros.
+        return TensorMap(buf, (length, batch * heads), (row_bytes, length * row_bytes), (box, 1))
+
+    return Tiles(
+        params=[q, k, v, out], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+        batch=batch, rows=seq_q, q_len=lambda b: seq_q, kv_len=lambda b: seq_kv,
+        q_map=sequences(q, seq_q, heads_q, ROWS), k_map=sequences(k, seq_kv, heads_kv, KEYS),
+        v_map=sequences(v, seq_kv, heads_kv, KEYS),
+        q_at=lambda b, h, r0: (r0, b * heads_q + h),
+        kv_at=lambda b, hk, t, s, which: (t * KEYS, b * heads_kv + hk),
+        out_index=lambda b, h, row, x: (b, h, row, x),
+    )
+
+
+def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig(), dtype="float16"):
     """The kernel's PrimFunc for ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out`` (like
     ``ops.attention``'s ``main``); :func:`unsupported` must hold None for it."""
-    stages, overlap, pingpong, cluster = config.stages, config.overlap, config.pingpong, config.cluster
-    causal = variant.is_causal
-    group = heads_q // heads_kv
-    offset = seq_kv - seq_q
-    q_tiles = -(-seq_q // ROWS)
-    pair_heads = cluster > 1 and group % 2 == 0
-    multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
-    refusal = cluster_unsupported(cluster, heads_q, heads_kv, seq_q, variant)
+    refusal = cluster_unsupported(config.cluster, heads_q, heads_kv, seq_q, variant)
     if refusal:
         raise ValueError(refusal)
-    part_rows = seq_q % ROWS != 0
-    masked_tiles = causal or seq_kv % KEYS != 0  # some tile straddles an edge
-    scale = 1.0 / math.sqrt(head_dim)
+    return kernel(bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype), variant, config)
+
+
+def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
+    """The kernel's PrimFunc over ``tiles`` (:class:`Tiles`) for ``variant``, Q·Kᵀ scaled
+    by ``scale`` (default ``1/sqrt(head_dim)``)."""
+    stages, overlap, pingpong, cluster = config.stages, config.overlap, config.pingpong, config.cluster
+    causal = variant.is_causal
+    heads_q, heads_kv, head_dim, dtype = tiles.heads_q, tiles.heads_kv, tiles.head_dim, tiles.dtype
+    group = heads_q // heads_kv
+    q_tiles = (tiles.rows + ROWS - 1) // ROWS
+    pair_heads = cluster > 1 and group % 2 == 0
+    multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
+    # Rows past a sequence's queries, and keys past its keys: some tile may hold them.
+    part_rows = not (_whole(tiles.rows, ROWS) and isinstance(tiles.q_len(0), int))
+    part_keys = not _whole(tiles.kv_len(0), KEYS)
+    masked_tiles = causal or variant.window is not None or part_keys
+    # Rows may see no key: a sequence without keys, or more queries than keys under a mask.
+    keyless_rows = not isinstance(tiles.kv_len(0), int) or not isinstance(tiles.q_len(0), int)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32, _PTX_TYPE[dtype])
+    mma = getattr(mma, _PTX_TYPE[dtype])
     k_base = ROWS * head_dim
     v_base = k_base + stages * _TILE
     shared = v_base + stages * _TILE
@@ -308,6 +405,7 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         raise ValueError(
             f"{stages} K/V stages need {shared * 2} bytes of shared memory; an sm_90 block has {SHARED_BYTES}"
         )
+    kv_boxes = KEYS // tiles.k_map.rows
 
     # Scores go to log2 units in one multiply-add: with a softcap, the inner term
     # s·scale/cap + bias/cap, times cap·log2(e) after the tanh.
@@ -331,13 +429,31 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         return descriptor(smem.ptr_to([k_base + st * _TILE + ks // 4 * (KEYS * 64) + ks % 4 * 16]), 16, 1024, swizzle=True)
 
     def v_operand(smem, st, ks):
-        # V: core matrices (key // 8, d // 8, key % 8, d % 8), MN-major: the leading byte
-        # offset steps along the keys (8-key groups), the stride along d.
-        return descriptor(smem.ptr_to([v_base + st * _TILE + ks * 2 * (8 * head_dim)]), 16 * head_dim, 128)
+        # V: as K, [key, d] in 64-column 128-byte swizzled panels, read MN-major: the
+        # leading byte offset steps to the next panel along d, the stride to the next 8
+        # keys; step ks starts 16 keys on.
+        return descriptor(smem.ptr_to([v_base + st * _TILE + ks * 16 * 64]), KEYS * 64 * 2, 1024, swizzle=True)
 
     @T.macro
     def wait(bar, t):
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
+
+    @T.macro
+    def clear_tail(smem, st, t, seq_kv, cw, tx):
+        """Zero stage ``st``'s V rows past the sequence's keys (tile ``t``): their exps are
+        zero, but the rows may hold anything (a page's unused keys), NaN among it."""
+        if t * KEYS + KEYS > seq_kv:
+            first = T.max(seq_kv - t * KEYS, 0)
+            chunks = T.meta_var((KEYS - first) * (head_dim // 8))
+            for e in T.serial((chunks + 127) // 128):
+                c = e * 128 + tx % 128
+                if c < chunks:
+                    row = first + c // (head_dim // 8)
+                    column = c % (head_dim // 8) * 8
+                    for x in T.vectorized(8):
+                        smem[v_base + st * _TILE + column // 64 * (KEYS * 64) + row * 64 + column % 64 + x] = T.Cast(dtype, 0)
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.bar.sync(T.uint32(_CLEARED) + T.Cast("uint32", cw), T.uint32(128))
 
     @T.macro
     def fence_scores(S):
@@ -349,28 +465,28 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         for i in T.unroll(64):
             T.evaluate(fence_operand(O_acc[i]))
         for i in T.unroll(32):
-            T.evaluate(fence_operand(P.vload([2 * i], "float16x2")))
+            T.evaluate(fence_operand(P.vload([2 * i], f"{dtype}x2")))
 
     @T.macro
     def issue_scores(S, smem, st, cw):
         for ks in T.unroll(head_dim // 16):
-            T.evaluate(_MMA(*[S[i] for i in range(64)], q_operand(smem, ks, cw), k_operand(smem, st, ks), ks > 0, 1, 1, 0, 0))
+            T.evaluate(mma(*[S[i] for i in range(64)], q_operand(smem, ks, cw), k_operand(smem, st, ks), ks > 0, 1, 1, 0, 0))
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
     def issue_output(O_acc, P, smem, st):
         for ks in T.unroll(KEYS // 16):
             T.evaluate(
-                _MMA(
+                mma(
                     *[O_acc[i] for i in range(64)],
-                    *[T.reinterpret("uint32", P.vload([8 * ks + 2 * q], "float16x2")) for q in range(4)],
+                    *[T.reinterpret("uint32", P.vload([8 * ks + 2 * q], f"{dtype}x2")) for q in range(4)],
                     v_operand(smem, st, ks), True, 1, 1, 1,
                 )
             )
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
-    def scores(S, bias, slope, t, r0, cw, w, lane, masked):
+    def scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, masked):
         for n in T.unroll(16):
             for g in T.unroll(2):
                 for e in T.unroll(2):
@@ -382,24 +498,24 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
                             S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
 
     @T.macro
-    def softmax(S, m, l, m_new, repair, slope, bias, t, r0, cw, w, lane):
+    def softmax(S, m, l, m_new, repair, slope, bias, t, r0, seq_q, seq_kv, cw, w, lane):
         # Accumulator element 4 n + 2 g + e of lane `lane` in warp w: row 16 w + lane / 4 + 8 g
         # of the warpgroup's 64, key 8 n + 2 (lane % 4) + e of the tile.
         if variant.alibi:
             for g in T.unroll(2):
                 # the bias of the row's key 2 (lane % 4) of the tile; key 8 n + e adds (8 n + e) slopes
                 bias[g] = slope[0] * T.Cast(
-                    "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + offset)
+                    "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + seq_kv - seq_q)
                 )
         if masked_tiles:
             # Only a tile on the mask's edge computes it (a uniform branch; as one
             # predicate per score, nvcc would select on every tile).
             if straddles(r0, t, seq_q, seq_kv, variant):
-                scores(S, bias, slope, t, r0, cw, w, lane, True)
+                scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, True)
             else:
-                scores(S, bias, slope, t, r0, cw, w, lane, False)
+                scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
         else:
-            scores(S, bias, slope, t, r0, cw, w, lane, False)
+            scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
         for g in T.unroll(2):
             m_new[g] = m[g]
         for n in T.unroll(16):
@@ -421,20 +537,27 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     @T.macro
     def repair_output(S, P, O_acc, repair):
         for i in T.unroll(64):
-            P[i] = T.Cast("float16", S[i])
+            P[i] = T.Cast(dtype, S[i])
             O_acc[i] = O_acc[i] * repair[i % 4 // 2]
 
+    def sees_keys(row, seq_q, seq_kv, n_tiles):
+        """Whether ``row`` sees some key (else its output is zero)."""
+        if not keyless_rows:
+            return T.bool(True)
+        seen = n_tiles > 0
+        if causal:
+            seen = T.And(seen, row + seq_kv - seq_q >= 0)
+        return seen
+
     @T.macro
-    def store(out, b, h, row, column, value):
-        # The rows of a part tile past seq_q (another head's, or TMA's zeros) are not stored.
+    def store(out, b, h, row, column, value, seq_q):
+        # The rows of a part tile past the sequence's queries (another's, or TMA's zeros)
+        # are not stored.
         if part_rows:
             if row < seq_q:
-                out[b, h, row, column] = T.Cast("float16", value)
+                out[tiles.out_index(b, h, row, column)] = T.Cast(dtype, value)
         else:
-            out[b, h, row, column] = T.Cast("float16", value)
-
-    rows_q = batch * heads_q * seq_q
-    rows_kv = batch * heads_kv * seq_kv
+            out[tiles.out_index(b, h, row, column)] = T.Cast(dtype, value)
 
     @T.macro
     def release(empty, st, rank):
@@ -451,16 +574,89 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
             T.ptx.mbarrier.arrive.shared__cluster.b64(remote[0])
 
     @T.macro
-    def block(Q, K, V, out, q_map, k_map, v_map, bx, rank, tx):
+    def fetch(smem, tensor_map, base, st, b, hk, t, which, bar):
+        """Key tile ``t``'s K (``which`` 0) or V (1) rows into stage ``st``, box by box."""
+        for s in T.unroll(kv_boxes):
+            a, c = T.meta_var(tiles.kv_at(b, hk, t, s, which))
+            for p in T.unroll(head_dim // 64):
+                T.ptx[_TMA.format(3) + multicast](
+                    smem.ptr_to([base + st * _TILE + p * KEYS * 64 + s * tiles.k_map.rows * 64]),
+                    T.address_of(tensor_map), T.int32(p * 64), T.int32(a), T.int32(c), bar, *mask,
+                )
+
+    @T.macro
+    def consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank):
+        T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
+        if overlap:
+            wait(full, 0)
+            clear_tail(smem, 0, lo, seq_kv, cw, tx)
+            fence_scores(S)
+            T.ptx.wgmma.fence.sync.aligned()
+            issue_scores(S, smem, 0, cw)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_scores(S)
+            softmax(S, m, l, m_new, repair, slope, bias, lo, r0, seq_q, seq_kv, cw, w, lane)
+            repair_output(S, P, O_acc, repair)
+            if pingpong:
+                # The first warpgroup issues first.
+                if cw == 1 and n_tiles > 1:
+                    T.ptx.bar.arrive(T.uint32(_PINGPONG), T.uint32(256))
+            for i in range(1, n_tiles):
+                wait(full, i)
+                clear_tail(smem, i % stages, lo + i, seq_kv, cw, tx)
+                if pingpong:
+                    T.ptx.bar.sync(T.uint32(_PINGPONG) + T.Cast("uint32", cw), T.uint32(256))
+                fence_scores(S)
+                fence_output(O_acc, P)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_scores(S, smem, i % stages, cw)
+                issue_output(O_acc, P, smem, (i - 1) % stages)
+                if pingpong:
+                    # (The second warpgroup's last turn has no one to hand over to.)
+                    if cw == 0 or i < n_tiles - 1:
+                        T.ptx.bar.arrive(T.uint32(_PINGPONG + 1) - T.Cast("uint32", cw), T.uint32(256))
+                T.ptx.wgmma.wait_group.sync.aligned(1)
+                fence_scores(S)
+                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_output(O_acc, P)
+                release(empty, (i - 1) % stages, rank)
+                repair_output(S, P, O_acc, repair)
+            fence_output(O_acc, P)
+            T.ptx.wgmma.fence.sync.aligned()
+            issue_output(O_acc, P, smem, (n_tiles - 1) % stages)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_output(O_acc, P)
+            release(empty, (n_tiles - 1) % stages, rank)
+        else:
+            for i in range(n_tiles):
+                wait(full, i)
+                clear_tail(smem, i % stages, lo + i, seq_kv, cw, tx)
+                fence_scores(S)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_scores(S, smem, i % stages, cw)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_scores(S)
+                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
+                repair_output(S, P, O_acc, repair)
+                fence_output(O_acc, P)
+                T.ptx.wgmma.fence.sync.aligned()
+                issue_output(O_acc, P, smem, i % stages)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_output(O_acc, P)
+                release(empty, i % stages, rank)
+
+    @T.macro
+    def block(q_map, k_map, v_map, bx, rank, tx):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
-        smem = T.alloc_buffer((shared,), "float16", scope="shared.dyn", align=1024)
+        smem = T.alloc_buffer((shared,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         q_full = T.alloc_shared((1,), "uint64")
         S = T.alloc_local((64,), "float32")
         O_acc = T.alloc_local((64,), "float32")
-        P = T.alloc_local((64,), "float16")
+        P = T.alloc_local((64,), dtype)
         m = T.alloc_local((2,), "float32")
         l = T.alloc_local((2,), "float32")
         m_new = T.alloc_local((2,), "float32")
@@ -477,159 +673,102 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         row_tile = T.meta_var(bx // 2 % q_tiles if pair_heads else bx % q_tiles)
         b = bh // heads_q
         h = bh % heads_q
+        hk = h // group
+        seq_q = tiles.q_len(b)
+        seq_kv = tiles.kv_len(b)
         # Under a causal mask the last row tiles see the most keys: they start first.
         qt = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile)
         r0 = qt * ROWS
-        kv_row = (b * heads_kv + h // group) * seq_kv
         if variant.alibi:
             slope[0] = T.pow(T.float32(2.0), T.Cast("float32", -8 * (h + 1)) / T.float32(heads_q)) * T.float32(inner)
         lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant))
         n_tiles = hi - lo
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                # every consumer thread of the cluster releases every stage
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256 * cluster))
-            T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        if cluster > 1:
-            # The peer's multicasts and arrivals need this block's barriers initialised.
-            T.ptx.barrier.cluster.arrive()
-            T.ptx.barrier.cluster.wait()
-        else:
-            T.cuda.cta_sync()
-        if warpgroup == 0:
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+        # (a block of a sequence shorter than the longest has no rows: it leaves at once)
+        if r0 < seq_q:
             if tx == 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
-                for p in T.unroll(head_dim // 64):
-                    T.ptx[_TMA.format(2)](
-                        smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64),
-                        T.int32((b * heads_q + h) * seq_q + r0), q_full.ptr_to([0]),
-                    )
-                for i in range(n_tiles):
-                    st = i % stages
-                    T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * _TILE * 2))
-                    # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
-                    # (the bytes complete on each block's full[st]).
-                    if cluster == 1 or rank == 0:
-                        for p in T.unroll(head_dim // 64):
-                            T.ptx[_TMA.format(2) + multicast](
-                                smem.ptr_to([k_base + st * _TILE + p * KEYS * 64]), T.address_of(k_map),
-                                T.int32(p * 64), T.int32(kv_row + (lo + i) * KEYS), full.ptr_to([st]), *mask,
-                            )
-                    if cluster == 1 or rank == 1:
-                        T.ptx[_TMA.format(4) + multicast](
-                            smem.ptr_to([v_base + st * _TILE]), T.address_of(v_map), T.int32(0), T.int32(0),
-                            T.int32(0), T.int32((kv_row + (lo + i) * KEYS) // 8), full.ptr_to([st]), *mask,
-                        )
-        else:
-            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            cw = warpgroup - 1
-            w = (tx // 32) % 4
-            lane = tx % 32
-            for g in T.unroll(2):
-                m[g] = T.float32("-inf")
-                l[g] = T.float32(0)
-            for i in T.unroll(64):
-                O_acc[i] = T.float32(0)
-            T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
-            if overlap:
-                wait(full, 0)
-                fence_scores(S)
-                T.ptx.wgmma.fence.sync.aligned()
-                issue_scores(S, smem, 0, cw)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_scores(S)
-                softmax(S, m, l, m_new, repair, slope, bias, lo, r0, cw, w, lane)
-                repair_output(S, P, O_acc, repair)
-                if pingpong:
-                    # The first warpgroup issues first.
-                    if cw == 1 and n_tiles > 1:
-                        T.ptx.bar.arrive(T.uint32(_PINGPONG), T.uint32(256))
-                for i in range(1, n_tiles):
-                    wait(full, i)
-                    if pingpong:
-                        T.ptx.bar.sync(T.uint32(_PINGPONG) + T.Cast("uint32", cw), T.uint32(256))
-                    fence_scores(S)
-                    fence_output(O_acc, P)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_scores(S, smem, i % stages, cw)
-                    issue_output(O_acc, P, smem, (i - 1) % stages)
-                    if pingpong:
-                        # (The second warpgroup's last turn has no one to hand over to.)
-                        if cw == 0 or i < n_tiles - 1:
-                            T.ptx.bar.arrive(T.uint32(_PINGPONG + 1) - T.Cast("uint32", cw), T.uint32(256))
-                    T.ptx.wgmma.wait_group.sync.aligned(1)
-                    fence_scores(S)
-                    softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, cw, w, lane)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_output(O_acc, P)
-                    release(empty, (i - 1) % stages, rank)
-                    repair_output(S, P, O_acc, repair)
-                fence_output(O_acc, P)
-                T.ptx.wgmma.fence.sync.aligned()
-                issue_output(O_acc, P, smem, (n_tiles - 1) % stages)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_output(O_acc, P)
-                release(empty, (n_tiles - 1) % stages, rank)
+                for s in T.unroll(stages):
+                    T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                    # every consumer thread of the cluster releases every stage
+                    T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256 * cluster))
+                T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
+                T.ptx.fence.mbarrier_init.release.cluster()
+            if cluster > 1:
+                # The peer's multicasts and arrivals need this block's barriers initialised.
+                T.ptx.barrier.cluster.arrive()
+                T.ptx.barrier.cluster.wait()
             else:
-                for i in range(n_tiles):
-                    wait(full, i)
-                    fence_scores(S)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_scores(S, smem, i % stages, cw)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_scores(S)
-                    softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, cw, w, lane)
-                    repair_output(S, P, O_acc, repair)
-                    fence_output(O_acc, P)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_output(O_acc, P, smem, i % stages)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    fence_output(O_acc, P)
-                    release(empty, i % stages, rank)
-            for g in T.unroll(2):
-                l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
-                l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
-            for n in T.unroll(16):
+                T.cuda.cta_sync()
+            if warpgroup == 0:
+                T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+                if tx == 0:
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
+                    qa, qc = T.meta_var(tiles.q_at(b, h, r0))
+                    for p in T.unroll(head_dim // 64):
+                        T.ptx[_TMA.format(3)](
+                            smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64), T.int32(qa), T.int32(qc),
+                            q_full.ptr_to([0]),
+                        )
+                    for i in range(n_tiles):
+                        st = i % stages
+                        T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * _TILE * 2))
+                        # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
+                        # (the bytes complete on each block's full[st]).
+                        if cluster == 1 or rank == 0:
+                            fetch(smem, k_map, k_base, st, b, hk, lo + i, 0, full.ptr_to([st]))
+                        if cluster == 1 or rank == 1:
+                            fetch(smem, v_map, v_base, st, b, hk, lo + i, 1, full.ptr_to([st]))
+            else:
+                T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+                cw = warpgroup - 1
+                w = (tx // 32) % 4
+                lane = tx % 32
                 for g in T.unroll(2):
-                    for e in T.unroll(2):
-                        store(out, b, h, r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, 8 * n + 2 * (lane % 4) + e, O_acc[4 * n + 2 * g + e] / l[g])
-        if cluster > 1:
-            # No block leaves while its peer may still arrive on its barriers.
-            T.ptx.barrier.cluster.arrive()
-            T.ptx.barrier.cluster.wait()
+                    m[g] = T.float32("-inf")
+                    l[g] = T.float32(0)
+                for i in T.unroll(64):
+                    O_acc[i] = T.float32(0)
+                if keyless_rows:
+                    if n_tiles > 0:
+                        consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank)
+                else:
+                    consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank)
+                for g in T.unroll(2):
+                    l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
+                    l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
+                for n in T.unroll(16):
+                    for g in T.unroll(2):
+                        for e in T.unroll(2):
+                            row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                            store(
+                                tiles.params[-1], b, h, row, 8 * n + 2 * (lane % 4) + e,
+                                T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
+                                seq_q,
+                            )
+            if cluster > 1:
+                # No block leaves while its peer may still arrive on its barriers.
+                T.ptx.barrier.cluster.arrive()
+                T.ptx.barrier.cluster.wait()
 
-    @T.prim_func
-    def main(
-        Q: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
-        K: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
-        V: T.Buffer((batch, heads_kv, seq_kv, head_dim), "float16"),
-        out: T.Buffer((batch, heads_q, seq_q, head_dim), "float16"),
-    ):
+    @T.prim_func(private=True, check_well_formed=False)
+    def main():
         q_map = T.tvm_stack_alloca("tensormap", 1)
         k_map = T.tvm_stack_alloca("tensormap", 1)
         v_map = T.tvm_stack_alloca("tensormap", 1)
-        # Q and K as [rows, d] in 64-column boxes, 128-byte swizzled; V as
-        # (d % 8, key % 8, d // 8, key // 8) boxes, which land as MN-major core matrices.
-        T.tensormap_encode_tiled(q_map, Q.data, head_dim, rows_q, head_dim * 2, 64, ROWS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
-        T.tensormap_encode_tiled(k_map, K.data, head_dim, rows_kv, head_dim * 2, 64, KEYS, 1, 1, descriptor_dtype="float16", rank=2, swizzle=3)
-        T.tensormap_encode_tiled(
-            v_map, V.data, 8, 8, head_dim // 8, rows_kv // 8, head_dim * 2, 16, head_dim * 16,
-            8, 8, head_dim // 8, KEYS // 8, 1, 1, 1, 1, descriptor_dtype="float16", rank=4, swizzle=0,
-        )
-        bx = T.launch_thread("blockIdx.x", batch * heads_q * q_tiles)
+        # Q, K and V as rows of d in 64-column boxes, 128-byte swizzled.
+        T.evaluate(tiles.q_map.encode(q_map, head_dim, dtype))
+        T.evaluate(tiles.k_map.encode(k_map, head_dim, dtype))
+        T.evaluate(tiles.v_map.encode(v_map, head_dim, dtype))
+        bx = T.launch_thread("blockIdx.x", tiles.batch * heads_q * q_tiles)
         if cluster > 1:
             rank = T.launch_thread("clusterCtaIdx.x", cluster)
             tx = T.launch_thread("threadIdx.x", THREADS)
-            block(Q, K, V, out, q_map, k_map, v_map, bx, rank, tx)
+            block(q_map, k_map, v_map, bx, rank, tx)
         else:
             tx = T.launch_thread("threadIdx.x", THREADS)
-            block(Q, K, V, out, q_map, k_map, v_map, bx, 0, tx)
+            block(q_map, k_map, v_map, bx, 0, tx)
 
-    return main
+    return tvm.tirx.PrimFunc(tiles.params, main.body).with_attr("global_symbol", "main")
 
 
 def design_space(variant):
@@ -749,7 +888,7 @@ def build(mod, target):
     producer, consumer = (int(r) for r in annotations[REGISTERS])
     cluster = int(annotations[CLUSTER]) if CLUSTER in annotations else 1
     config = WarpSpecializedConfig(int(annotations[STAGES]), overlap, pingpong, producer, consumer, cluster)
-    batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, _ = shapes(func)
+    batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype = shapes(func)
     fused = {block.name_hint for block in ir.nodes(loop.body, SBlock)}
     if int(loop.extent) != -(-seq_kv // KEYS) or not {"max", "sum", "pv"} <= fused:
         raise ValueError(
@@ -760,5 +899,5 @@ def build(mod, target):
     reason = function_unsupported(func, variant, target)
     if reason is not None:
         raise ValueError(reason)
-    kernel = attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config)
-    return tvm.compile(tvm.IRModule({"main": kernel}), target=sm90a(target))
+    func = attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config, dtype)
+    return tvm.compile(tvm.IRModule({"main": func}), target=sm90a(target))

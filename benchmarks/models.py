@@ -1,15 +1,20 @@
-"""Decode at the shapes models have: ``tvm_cascade.kernels.attention_kernel`` (one kernel a
-model, lengths at run time) beside PyTorch SDPA (cuDNN, FlashAttention-2) on one GPU.
+"""Causal attention at the shapes models have, prefill and decode:
+``tvm_cascade.kernels.attention_kernel`` (one kernel a model, lengths at run time)
+beside PyTorch SDPA (cuDNN, FlashAttention-2) on one GPU.
 
-    python -m benchmarks.models_decode [--out DIR] [--only NAME ...]
+    python -m benchmarks.models [--out DIR] [--only NAME ...]
 
-Each configuration runs the library's kernel in the bhsd layout and in the paged layout
-(pages of 16 keys in a shuffled pool, as TVM's paged KV cache holds them; the call
-planned once, as a model's layers share a step's plan), and SDPA on the bhsd tensors
-where one query row makes causal masking moot. Every output is checked against float32
-SDPA first; times are medians of CUDA-event timed calls with the L2 cache flushed before
-each (:func:`benchmarks.timing.bench`); the roofline is the bytes of K, V, Q and the
-output over the measured copy bandwidth. Prints a table, writes ``models_decode.json``.
+Each configuration runs the library's kernel in the bhsd layout and in the layout a
+server holds it in: paged for decode (pages of 16 keys in a shuffled pool, as TVM's
+paged KV cache holds them), ragged for prefill (sequences packed along tokens, as
+FlashAttention's varlen); calls are planned once, as a model's layers share a step's
+plan. SDPA runs on the bhsd tensors, causal aligned to the end of the keys (its
+``causal_lower_right`` where there are more keys than queries). Every output is checked
+against float32 SDPA first; times are medians of CUDA-event timed calls with the L2
+cache flushed before each (:func:`benchmarks.timing.bench`); the roofline (decode) is
+the bytes of K, V, Q and the output over the measured copy bandwidth, the TFLOP/s
+(prefill) count the visible (query, key) pairs' 4·head_dim FLOPs. Prints a table,
+writes ``models.json``.
 """
 from __future__ import annotations
 
@@ -50,12 +55,22 @@ SHAPES = (
     Shape("d64-b16-kv4096", 16, 16, 64, 16, 1, 4096),
     Shape("mha-b1-kv2048", 32, 32, 128, 1, 1, 2048),
     Shape("llama3-8b-spec4-b16-kv4096", 32, 8, 128, 16, 4, 4096),
+    Shape("llama3-8b-prefill-1x2048", 32, 8, 128, 1, 2048, 2048),
+    Shape("llama3-8b-prefill-1x8192", 32, 8, 128, 1, 8192, 8192),
+    Shape("llama3-8b-prefill-4x1000", 32, 8, 128, 4, 1000, 1000),
+    Shape("llama3-8b-prefill-1x500", 32, 8, 128, 1, 500, 500),
+    Shape("llama3-8b-chunk-512-on-3000", 32, 8, 128, 1, 512, 3512),
+    Shape("llama3-70b-tp8-prefill-2x4096", 8, 1, 128, 2, 4096, 4096),
+    Shape("qwen2-7b-prefill-1x4096", 28, 4, 128, 1, 4096, 4096),
+    Shape("mha-prefill-2x2048", 32, 32, 128, 2, 2048, 2048),
+    Shape("gemma2-9b-prefill-1x2048", 16, 8, 256, 1, 2048, 2048),
+    Shape("d64-prefill-1x2048", 16, 16, 64, 1, 2048, 2048),
 )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.models_decode", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where models_decode.json goes")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where models.json goes")
     p.add_argument("--only", nargs="+", choices=[s.name for s in SHAPES], help="run these shapes only")
     return p.parse_args(argv)
 
@@ -89,6 +104,25 @@ def paged(q, k, v, page_size: int = PAGE_SIZE):
     )
 
 
+def ragged(q, k, v):
+    """The ragged layout's tensors of bhsd ``q, k, v``: sequences packed along tokens."""
+    import torch
+
+    def pack(x):
+        return x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+
+    def indptr(n):
+        return (torch.arange(q.shape[0] + 1, device=q.device) * n).to(torch.int32)
+
+    return pack(q), pack(k), pack(v), indptr(q.shape[2]), indptr(k.shape[2])
+
+
+def visible_pairs(queries: int, keys: int) -> int:
+    """(query, key) pairs a causal mask aligned to the end of the keys leaves visible."""
+    offset = keys - queries
+    return sum(min(keys, i + offset + 1) for i in range(queries))
+
+
 def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -102,39 +136,53 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
     group = s.heads_q // s.heads_kv
     visible = torch.arange(s.keys, device="cuda")[None, :] <= torch.arange(s.queries, device="cuda")[:, None] + s.keys - s.queries
     ref = sdpa(q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=visible)
+    decode = s.queries <= 8
     moved = 2 * (q.numel() + 2 * k.numel())  # bytes of Q, K, V and the output
     roofline = moved / (bandwidth * 1e9) * 1e3
+    flops = 4 * s.head_dim * s.batch * s.heads_q * visible_pairs(s.queries, s.keys)
     rows = []
 
     def record(name, run, out):
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        ms = bench(run) if err < TOLERANCE else None
+        err = ((out.float() - ref).norm() / ref.norm()).item() if out is not None else None
+        ms = bench(run) if err is not None and err < TOLERANCE else None
         rows.append({"shape": s.name, "implementation": name, "error": err, "ms": ms,
-                     "roofline": roofline / ms if ms else None})
+                     "roofline": roofline / ms if ms and decode else None,
+                     "tflops": flops / ms / 1e9 if ms else None})
 
-    for layout in ("bhsd", "paged"):
+    for layout in ("bhsd", "paged" if decode else "ragged"):
         kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant="causal", dtype="float16",
                                   layout=layout, target="cuda")
-        args = (q, k, v) if layout == "bhsd" else paged(q, k, v)
+        args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if decode else ragged(q, k, v)
         plan = kernel.plan(*args)
         out = kernel(*args, plan=plan)
-        if layout == "paged":
+        if layout != "bhsd":
             out = out.reshape(s.batch, s.queries, s.heads_q, s.head_dim).permute(0, 2, 1, 3)
         record(f"tvm-cascade {layout} ({plan.family.name})", lambda: kernel(*args, plan=plan), out)
     if s.queries == 1:
-        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
-            def peer(backend=backend):
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    return sdpa(q, k, v, enable_gqa=group > 1)
+        mask = {}
+    elif s.queries == s.keys:
+        mask = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
 
-            record(f"sdpa {backend.split('_')[0].lower()}", peer, peer())
+        mask = {"attn_mask": causal_lower_right(s.queries, s.keys)}
+    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+        def peer(backend=backend):
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                return sdpa(q, k, v, enable_gqa=group > 1, **mask)
+
+        try:
+            out = peer()
+        except RuntimeError:  # the backend does not take this configuration
+            out = None
+        record(f"sdpa {backend.split('_')[0].lower()}", peer, out)
     return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if skip_without_gpu("benchmarks.models_decode"):
+    if skip_without_gpu("benchmarks.models"):
         return 0
     bandwidth = copy_bandwidth_gbps()
     shapes = [s for s in SHAPES if not args.only or s.name in args.only]
@@ -145,15 +193,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results.extend(rows)
         best = min((r["ms"] for r in rows if r["ms"] and r["implementation"].startswith("sdpa")), default=None)
         for r in rows:
-            ms = f"{r['ms']:.4f}" if r["ms"] else "wrong"
+            ms = f"{r['ms']:.4f}" if r["ms"] else "wrong" if r["error"] is not None else "n/a"
             ratio = f"{best / r['ms']:.2f}x best SDPA" if best and r["ms"] else ""
-            roof = f"{100 * r['roofline']:.0f}% roofline" if r["roofline"] else ""
-            print(f"{shape.name:28s} {r['implementation']:36s} {ms:>8s} ms  {roof:14s} {ratio}  (err {r['error']:.1e})",
-                  flush=True)
+            rate = (f"{100 * r['roofline']:.0f}% roofline" if r["roofline"]
+                    else f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else "")
+            err = f"(err {r['error']:.1e})" if r["error"] is not None else "(not run: backend refused)"
+            print(f"{shape.name:30s} {r['implementation']:44s} {ms:>8s} ms  {rate:14s} {ratio}  {err}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.models_decode", *argv])
-    (args.out / "models_decode.json").write_text(json.dumps(
+    env["command"] = " ".join(["python", "-m", "benchmarks.models", *argv])
+    (args.out / "models.json").write_text(json.dumps(
         {"environment": env, "copy_bandwidth_gbps": bandwidth, "shapes": [asdict(s) for s in shapes],
          "results": results}, indent=1))
     return 0

@@ -1,0 +1,96 @@
+"""The warp-specialised prefill family: FlashAttention-3's structure on Hopper
+(:mod:`tvm_cascade.schedules.warp_specialized`: TMA producer warpgroup, two wgmma
+consumer warpgroups) over every layout, lengths at run time.
+
+A block takes :data:`~tvm_cascade.schedules.warp_specialized.ROWS` query rows of one
+head of one sequence; the grid covers the longest sequence's rows (``max_q``) and the
+blocks of shorter sequences past their rows leave at once. Each layout is a set of TMA
+maps over its tensors as ``(head_dim, a, c)``:
+
+- ``bhsd``: rows of a head (a) of every (sequence, head) (c): a tile's rows past the
+  sequence are TMA's zeros;
+- ``ragged``: heads (a) of every token (c): a tile is 128 tokens of one head from the
+  sequence's first token;
+- ``paged``: a page's keys (a) of every (page, K or V, head) (c): a tile is
+  ``128 / page_size`` pages, looked up in the page table by the producer, a page the
+  sequence does not have read as TMA's zeros (a coordinate past the map).
+
+Keys past a sequence's end in its last tile are masked, and their V rows cleared in
+shared memory before P·V reads them (a page's unused rows may hold anything).
+"""
+from __future__ import annotations
+
+from tvm import tirx
+
+from ..schedules import warp_specialized as ws
+from .layouts import views
+from .spec import AttentionSpec
+
+
+class WarpSpecializedPrefill:
+    """Prefill on sm_90a: any number of query rows per sequence, head dim 128, fp16 and
+    bf16, every variant."""
+
+    name = "warp_specialized_prefill"
+    queries = None
+
+    def supports(self, spec: AttentionSpec):
+        if not ws.serves_target(spec.target):
+            return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
+        if spec.dtype not in ("float16", "bfloat16"):
+            return f"{spec.dtype}: fp16 and bf16 only"
+        if spec.head_dim != ws.HEAD_DIM:
+            return f"head dim {spec.head_dim}: {ws.HEAD_DIM} only"
+        if spec.page_size is not None and (ws.KEYS % spec.page_size or spec.page_size % 8):
+            return f"pages of {spec.page_size} keys: a multiple of 8 dividing {ws.KEYS}"
+        return None
+
+    def build(self, spec: AttentionSpec) -> tirx.PrimFunc:
+        func = ws.kernel(tiles(spec), spec.variant, scale=spec.scale)
+        return func.with_attr("global_symbol", self.name)
+
+    def plan(self, spec, batch, max_q, max_kv, device) -> list:
+        return []
+
+    def compile_target(self, target):
+        return ws.sm90a(target)
+
+
+def tiles(spec: AttentionSpec) -> ws.Tiles:
+    """The kernel's :class:`~tvm_cascade.schedules.warp_specialized.Tiles` of ``spec``'s
+    layout, over the buffers of its view (:func:`~tvm_cascade.library.layouts.views`)."""
+    view = views(spec, tirx.decl_buffer)
+    d, hq, hkv = spec.head_dim, spec.heads_q, spec.heads_kv
+    if spec.layout == "bhsd":
+        return ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, d, spec.dtype)
+    buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
+    q = buffers["q"]
+    out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
+    row = d * 2
+    q_indptr = buffers["q_indptr"]
+    common = dict(
+        params=list(view.inputs) + [out], heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype,
+        batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
+        q_map=ws.TensorMap(q, (hq, q.shape[0]), (row, hq * row), (1, ws.ROWS)),
+        q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index,
+    )
+    if spec.layout == "ragged":
+        k, v, kv_indptr = buffers["k"], buffers["v"], buffers["kv_indptr"]
+        return ws.Tiles(
+            k_map=ws.TensorMap(k, (hkv, k.shape[0]), (row, hkv * row), (1, ws.KEYS)),
+            v_map=ws.TensorMap(v, (hkv, v.shape[0]), (row, hkv * row), (1, ws.KEYS)),
+            kv_at=lambda b, hk, t, s, which: (hk, kv_indptr[b] + t * ws.KEYS), **common,
+        )
+    pages, page_indptr, page_ids = buffers["pages"], buffers["page_indptr"], buffers["page_ids"]
+    size = spec.page_size
+    # (d, a page's keys, every (page, K or V, head)); one past the last is no page.
+    planes = pages.shape[0] * 2 * hkv
+    pool = ws.TensorMap(pages, (size, planes), (row, size * row), (size, 1))
+
+    def kv_at(b, hk, t, s, which):
+        page = t * (ws.KEYS // size) + s
+        used = page_indptr[b + 1] - page_indptr[b]
+        plane = (page_ids[page_indptr[b] + page] * 2 + which) * hkv + hk
+        return 0, tirx.if_then_else(page < used, plane, planes)
+
+    return ws.Tiles(k_map=pool, v_map=pool, kv_at=kv_at, **common)
