@@ -232,13 +232,14 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
-def test_warp_specialized_prefill_assembles_for_hopper(layout, tmp_path):
-    """On sm_90a at head dim 128 the kernel holds the split-k decode and the
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, tmp_path):
+    """On sm_90a the kernel holds the split-k decode and the
     warp-specialised prefill (no generic function: the prefill serves any number of
     rows); through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its
     lengths and batch are the PrimFunc's variables."""
     pages = {"page_size": 16} if layout == "paged" else {}
-    kernel = _kernel(layout, 16, 4, 128, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, **pages)
+    kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, **pages)
     assert [f.name for f in kernel.families] == ["split_k_decode", "warp_specialized_prefill"]
     func = kernel.mod["warp_specialized_prefill"]
     shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
@@ -253,7 +254,8 @@ def test_warp_specialized_prefill_assembles_for_hopper(layout, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(head_dim=64), "head dim 64: 128 only"),
+        (dict(head_dim=96), "head dim 96: one of (64, 128, 256)"),
+        (dict(head_dim=256, layout="paged", page_size=128), "pages of 128 keys: a multiple of 8 dividing 64"),
         (dict(target={"kind": "cuda", "arch": "sm_80"}), "needs sm_90a"),
         (dict(layout="paged", page_size=4), "pages of 4 keys: a multiple of 8 dividing 128"),
         (dict(dtype="float32"), "float32: fp16 and bf16 only"),

@@ -98,6 +98,19 @@ def test_warp_specialized_prefill(layout, variant, dtype):
     check_lengths(kernel, lengths, seed=7)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[-1]], ids=lambda v: v.name)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_warp_specialized_prefill_head_dims(head_dim, layout, variant, dtype):
+    """Head dims 64 and 256 (64-key tiles) on the warp-specialised family."""
+    kernel = _kernel(layout, 8, 2, head_dim=head_dim, variant=variant, dtype=dtype)
+    assert kernel.family_for(9).name == "warp_specialized_prefill"
+    lengths = [([300], [300]), ([129], [1000]), ([200], [100])] if layout == "bhsd" else \
+        [([37, 9, 200, 512, 130], [300, 999, 100, 1012, 130])]
+    check_lengths(kernel, lengths, seed=9)
+
+
 @pytest.mark.parametrize("page_size", [8, 16, 64])
 def test_warp_specialized_prefill_reads_only_the_sequences_keys(page_size):
     """Unused rows of a last page hold NaN: the kernel masks them and clears their V rows

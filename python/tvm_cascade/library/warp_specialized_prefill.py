@@ -12,7 +12,7 @@ maps over its tensors as ``(head_dim, a, c)``:
 - ``ragged``: heads (a) of every token (c): a tile is 128 tokens of one head from the
   sequence's first token;
 - ``paged``: a page's keys (a) of every (page, K or V, head) (c): a tile is
-  ``128 / page_size`` pages, looked up in the page table by the producer, a page the
+  ``keys / page_size`` pages, looked up in the page table by the producer, a page the
   sequence does not have read as TMA's zeros (a coordinate past the map).
 
 Keys past a sequence's end in its last tile are masked, and their V rows cleared in
@@ -26,10 +26,13 @@ from ..schedules import warp_specialized as ws
 from .layouts import views
 from .spec import AttentionSpec
 
+#: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
+HEAD_DIMS = (64, 128, 256)
+
 
 class WarpSpecializedPrefill:
-    """Prefill on sm_90a: any number of query rows per sequence, head dim 128, fp16 and
-    bf16, every variant."""
+    """Prefill on sm_90a: any number of query rows per sequence, head dims 64, 128 and
+    256, fp16 and bf16, every variant."""
 
     name = "warp_specialized_prefill"
     queries = None
@@ -39,14 +42,18 @@ class WarpSpecializedPrefill:
             return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
-        if spec.head_dim != ws.HEAD_DIM:
-            return f"head dim {spec.head_dim}: {ws.HEAD_DIM} only"
-        if spec.page_size is not None and (ws.KEYS % spec.page_size or spec.page_size % 8):
-            return f"pages of {spec.page_size} keys: a multiple of 8 dividing {ws.KEYS}"
+        if spec.head_dim not in HEAD_DIMS:
+            return f"head dim {spec.head_dim}: one of {HEAD_DIMS}"
+        keys = ws.key_tile(spec.head_dim)
+        if spec.page_size is not None and (keys % spec.page_size or spec.page_size % 8):
+            return f"pages of {spec.page_size} keys: a multiple of 8 dividing {keys} (a key tile)"
         return None
 
     def build(self, spec: AttentionSpec) -> tirx.PrimFunc:
-        func = ws.kernel(tiles(spec), spec.variant, scale=spec.scale)
+        # As many K/V stages as shared memory holds (3 to 2 at head dim 256).
+        stages = 3 if spec.head_dim <= 128 else 2
+        config = ws.WarpSpecializedConfig(stages=stages)
+        func = ws.kernel(tiles(spec), spec.variant, config, scale=spec.scale)
         return func.with_attr("global_symbol", self.name)
 
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
@@ -63,6 +70,7 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     d, hq, hkv = spec.head_dim, spec.heads_q, spec.heads_kv
     if spec.layout == "bhsd":
         return ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, d, spec.dtype)
+    keys = ws.key_tile(d)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
@@ -72,14 +80,14 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         params=list(view.inputs) + [out], heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
         q_map=ws.TensorMap(q, (hq, q.shape[0]), (row, hq * row), (1, ws.ROWS)),
-        q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index,
+        q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index, keys=keys,
     )
     if spec.layout == "ragged":
         k, v, kv_indptr = buffers["k"], buffers["v"], buffers["kv_indptr"]
         return ws.Tiles(
-            k_map=ws.TensorMap(k, (hkv, k.shape[0]), (row, hkv * row), (1, ws.KEYS)),
-            v_map=ws.TensorMap(v, (hkv, v.shape[0]), (row, hkv * row), (1, ws.KEYS)),
-            kv_at=lambda b, hk, t, s, which: (hk, kv_indptr[b] + t * ws.KEYS), **common,
+            k_map=ws.TensorMap(k, (hkv, k.shape[0]), (row, hkv * row), (1, keys)),
+            v_map=ws.TensorMap(v, (hkv, v.shape[0]), (row, hkv * row), (1, keys)),
+            kv_at=lambda b, hk, t, s, which: (hk, kv_indptr[b] + t * keys), **common,
         )
     pages, page_indptr, page_ids = buffers["pages"], buffers["page_indptr"], buffers["page_ids"]
     size = spec.page_size
@@ -88,7 +96,7 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     pool = ws.TensorMap(pages, (size, planes), (row, size * row), (size, 1))
 
     def kv_at(b, hk, t, s, which):
-        page = t * (ws.KEYS // size) + s
+        page = t * (keys // size) + s
         used = page_indptr[b + 1] - page_indptr[b]
         plane = (page_ids[page_indptr[b] + page] * 2 + which) * hkv + hk
         return 0, tirx.if_then_else(page < used, plane, planes)

@@ -89,7 +89,6 @@ SHARED_BYTES = 227 * 1024
 #: only masked keys their exps are exp2(0) = 1, and the repair at its first visible key,
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
 MASKED_SCORE = float(np.finfo(np.float32).min)
-_TILE = KEYS * HEAD_DIM  # elements of a K or V stage
 _LOG2E = math.log2(math.e)
 _ALL_LANES = 0xFFFFFFFF
 _TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -146,7 +145,7 @@ def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, targ
     if dtype not in _PTX_TYPE:
         return f"the warp-specialised kernel computes in float16 or bfloat16, not {dtype}"
     if head_dim != HEAD_DIM:
-        return f"the warp-specialised kernel takes head dim {HEAD_DIM}, not {head_dim}"
+        return f"the warp-specialised kernel of ops.attention takes head dim {HEAD_DIM}, not {head_dim}"
     if heads_q % heads_kv:
         return f"{heads_q} query heads do not form groups of {heads_kv} key/value heads"
     if variant.is_causal and seq_kv < seq_q:
@@ -204,35 +203,35 @@ def _whole(length, size):
     return isinstance(length, int) and length % size == 0
 
 
-def key_tiles(r0, seq_q, seq_kv, variant):
-    """``(lo, hi)``: the key tiles ``[lo, hi)`` that some of query rows ``r0`` to
-    ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` and the
-    lengths are; ``hi <= lo`` where the rows see no key)."""
+def key_tiles(r0, seq_q, seq_kv, variant, keys=KEYS):
+    """``(lo, hi)``: the tiles of ``keys`` keys ``[lo, hi)`` that some of query rows ``r0``
+    to ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` and
+    the lengths are; ``hi <= lo`` where the rows see no key)."""
     offset = seq_kv - seq_q
-    hi = (seq_kv + KEYS - 1) // KEYS
+    hi = (seq_kv + keys - 1) // keys
     if variant.is_causal:
-        hi = T.min(hi, (_last_row(r0, seq_q) + offset) // KEYS + 1)
+        hi = T.min(hi, (_last_row(r0, seq_q) + offset) // keys + 1)
     lo = 0
     if variant.window is not None:
-        lo = T.max(0, r0 + offset - variant.window + 1) // KEYS
+        lo = T.max(0, r0 + offset - variant.window + 1) // keys
     return lo, hi
 
 
-def straddles(r0, t, seq_q, seq_kv, variant):
+def straddles(r0, t, seq_q, seq_kv, variant, keys=KEYS):
     """Whether key tile ``t`` holds a key that one of rows ``r0``.. (below ``seq_q``)
     cannot see: a masked key or a key past ``seq_kv`` (a part tile's)."""
     offset = seq_kv - seq_q
     edges = []
     if variant.is_causal:
-        edges.append(t * KEYS + KEYS - 1 > r0 + offset)
+        edges.append(t * keys + keys - 1 > r0 + offset)
     if variant.window is not None:
-        edges.append(_last_row(r0, seq_q) + offset - t * KEYS >= variant.window)
-    if not _whole(seq_kv, KEYS):
-        edges.append(t * KEYS + KEYS > seq_kv)
+        edges.append(_last_row(r0, seq_q) + offset - t * keys >= variant.window)
+    if not _whole(seq_kv, keys):
+        edges.append(t * keys + keys > seq_kv)
     return functools.reduce(T.Or, edges, T.bool(False))
 
 
-def visible(row, key, seq_q, seq_kv, variant):
+def visible(row, key, seq_q, seq_kv, variant, keys=KEYS):
     """Whether query ``row`` sees ``key`` (as :class:`~tvm_cascade.ops.variants.AttentionVariant`
     defines; keys past ``seq_kv``, which a part tile holds, are not seen)."""
     offset = seq_kv - seq_q
@@ -241,7 +240,7 @@ def visible(row, key, seq_q, seq_kv, variant):
         seen.append(key <= row + offset)
     if variant.window is not None:
         seen.append(row + offset - key < variant.window)
-    if not _whole(seq_kv, KEYS):
+    if not _whole(seq_kv, keys):
         seen.append(key < seq_kv)
     return functools.reduce(T.And, seen, T.bool(True))
 
@@ -325,7 +324,7 @@ class Tiles:
     TMA maps of Q, K and V (V's may be K's); ``q_at(b, h, r0)``, the map coordinates
     ``(a, c)`` of a box of :data:`ROWS` rows of head ``h`` from row ``r0``; ``kv_at(b, hk,
     t, s, which)`` those of box ``s`` of key tile ``t`` of K (``which`` 0) or V (1), a
-    tile being :data:`KEYS` keys in boxes of the map's rows (coordinates past the map
+    tile being ``keys`` keys (:func:`key_tile`) in boxes of the map's rows (coordinates past the map
     where the sequence has no such keys: TMA fills zeros); ``out_index(b, h, row, x)``,
     where row ``row`` of sequence ``b`` stores element ``x``."""
 
@@ -344,6 +343,13 @@ class Tiles:
     q_at: Callable
     kv_at: Callable
     out_index: Callable
+    keys: int = KEYS
+
+
+def key_tile(head_dim):
+    """Keys per tile for ``head_dim``: :data:`KEYS`, or half as many past 128 (Q and two
+    K/V stages of head dim 256 fill shared memory)."""
+    return KEYS if head_dim <= 128 else KEYS // 2
 
 
 def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16"):
@@ -354,6 +360,7 @@ def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16
     v = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, head_dim), dtype, "V")
     out = tvm.tirx.decl_buffer((batch, heads_q, seq_q, head_dim), dtype, "out")
     row_bytes = head_dim * 2
+    keys = key_tile(head_dim)
 
     def sequences(buf, length, heads, box):
         # (d, rows of a head, heads of all sequences): rows past a head's end read zeros.
@@ -362,11 +369,11 @@ def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16
     return Tiles(
         params=[q, k, v, out], heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
         batch=batch, rows=seq_q, q_len=lambda b: seq_q, kv_len=lambda b: seq_kv,
-        q_map=sequences(q, seq_q, heads_q, ROWS), k_map=sequences(k, seq_kv, heads_kv, KEYS),
-        v_map=sequences(v, seq_kv, heads_kv, KEYS),
+        q_map=sequences(q, seq_q, heads_q, ROWS), k_map=sequences(k, seq_kv, heads_kv, keys),
+        v_map=sequences(v, seq_kv, heads_kv, keys),
         q_at=lambda b, h, r0: (r0, b * heads_q + h),
-        kv_at=lambda b, hk, t, s, which: (t * KEYS, b * heads_kv + hk),
-        out_index=lambda b, h, row, x: (b, h, row, x),
+        kv_at=lambda b, hk, t, s, which: (t * keys, b * heads_kv + hk),
+        out_index=lambda b, h, row, x: (b, h, row, x), keys=keys,
     )
 
 
@@ -391,21 +398,28 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
     # Rows past a sequence's queries, and keys past its keys: some tile may hold them.
     part_rows = not (_whole(tiles.rows, ROWS) and isinstance(tiles.q_len(0), int))
-    part_keys = not _whole(tiles.kv_len(0), KEYS)
+    keys = tiles.keys
+    tile = keys * head_dim  # elements of a K or V stage
+    part_keys = not _whole(tiles.kv_len(0), keys)
     masked_tiles = causal or variant.window is not None or part_keys
     # Rows may see no key: a sequence without keys, or more queries than keys under a mask.
     keyless_rows = not isinstance(tiles.kv_len(0), int) or not isinstance(tiles.q_len(0), int)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned.m64n128k16.f32, _PTX_TYPE[dtype])
-    mma = getattr(mma, _PTX_TYPE[dtype])
+    def instruction(columns):
+        shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32
+        return getattr(getattr(shape, _PTX_TYPE[dtype]), _PTX_TYPE[dtype])
+
+    # Per thread: a row pair's scores of a tile, and of the output.
+    scores_mma, output_mma = instruction(keys), instruction(head_dim)
+    n_scores, n_output = keys // 2, head_dim // 2
     k_base = ROWS * head_dim
-    v_base = k_base + stages * _TILE
-    shared = v_base + stages * _TILE
+    v_base = k_base + stages * tile
+    shared = v_base + stages * tile
     if stages < 1 or shared * 2 > SHARED_BYTES:
         raise ValueError(
             f"{stages} K/V stages need {shared * 2} bytes of shared memory; an sm_90 block has {SHARED_BYTES}"
         )
-    kv_boxes = KEYS // tiles.k_map.rows
+    kv_boxes = keys // tiles.k_map.rows
 
     # Scores go to log2 units in one multiply-add: with a softcap, the inner term
     # s·scale/cap + bias/cap, times cap·log2(e) after the tanh.
@@ -426,13 +440,13 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         return descriptor(smem.ptr_to([ks // 4 * (ROWS * 64) + cw * 64 * 64 + ks % 4 * 16]), 16, 1024, swizzle=True)
 
     def k_operand(smem, st, ks):
-        return descriptor(smem.ptr_to([k_base + st * _TILE + ks // 4 * (KEYS * 64) + ks % 4 * 16]), 16, 1024, swizzle=True)
+        return descriptor(smem.ptr_to([k_base + st * tile + ks // 4 * (keys * 64) + ks % 4 * 16]), 16, 1024, swizzle=True)
 
     def v_operand(smem, st, ks):
         # V: as K, [key, d] in 64-column 128-byte swizzled panels, read MN-major: the
         # leading byte offset steps to the next panel along d, the stride to the next 8
         # keys; step ks starts 16 keys on.
-        return descriptor(smem.ptr_to([v_base + st * _TILE + ks * 16 * 64]), KEYS * 64 * 2, 1024, swizzle=True)
+        return descriptor(smem.ptr_to([v_base + st * tile + ks * 16 * 64]), keys * 64 * 2, 1024, swizzle=True)
 
     @T.macro
     def wait(bar, t):
@@ -442,43 +456,43 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     def clear_tail(smem, st, t, seq_kv, cw, tx):
         """Zero stage ``st``'s V rows past the sequence's keys (tile ``t``): their exps are
         zero, but the rows may hold anything (a page's unused keys), NaN among it."""
-        if t * KEYS + KEYS > seq_kv:
-            first = T.max(seq_kv - t * KEYS, 0)
-            chunks = T.meta_var((KEYS - first) * (head_dim // 8))
+        if t * keys + keys > seq_kv:
+            first = T.max(seq_kv - t * keys, 0)
+            chunks = T.meta_var((keys - first) * (head_dim // 8))
             for e in T.serial((chunks + 127) // 128):
                 c = e * 128 + tx % 128
                 if c < chunks:
                     row = first + c // (head_dim // 8)
                     column = c % (head_dim // 8) * 8
                     for x in T.vectorized(8):
-                        smem[v_base + st * _TILE + column // 64 * (KEYS * 64) + row * 64 + column % 64 + x] = T.Cast(dtype, 0)
+                        smem[v_base + st * tile + column // 64 * (keys * 64) + row * 64 + column % 64 + x] = T.Cast(dtype, 0)
             T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.bar.sync(T.uint32(_CLEARED) + T.Cast("uint32", cw), T.uint32(128))
 
     @T.macro
     def fence_scores(S):
-        for i in T.unroll(64):
+        for i in T.unroll(n_scores):
             T.evaluate(fence_operand(S[i]))
 
     @T.macro
     def fence_output(O_acc, P):
-        for i in T.unroll(64):
+        for i in T.unroll(n_output):
             T.evaluate(fence_operand(O_acc[i]))
-        for i in T.unroll(32):
+        for i in T.unroll(n_scores // 2):
             T.evaluate(fence_operand(P.vload([2 * i], f"{dtype}x2")))
 
     @T.macro
     def issue_scores(S, smem, st, cw):
         for ks in T.unroll(head_dim // 16):
-            T.evaluate(mma(*[S[i] for i in range(64)], q_operand(smem, ks, cw), k_operand(smem, st, ks), ks > 0, 1, 1, 0, 0))
+            T.evaluate(scores_mma(*[S[i] for i in range(n_scores)], q_operand(smem, ks, cw), k_operand(smem, st, ks), ks > 0, 1, 1, 0, 0))
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
     def issue_output(O_acc, P, smem, st):
-        for ks in T.unroll(KEYS // 16):
+        for ks in T.unroll(keys // 16):
             T.evaluate(
-                mma(
-                    *[O_acc[i] for i in range(64)],
+                output_mma(
+                    *[O_acc[i] for i in range(n_output)],
                     *[T.reinterpret("uint32", P.vload([8 * ks + 2 * q], f"{dtype}x2")) for q in range(4)],
                     v_operand(smem, st, ks), True, 1, 1, 1,
                 )
@@ -487,14 +501,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     @T.macro
     def scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, masked):
-        for n in T.unroll(16):
+        for n in T.unroll(keys // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     S[4 * n + 2 * g + e] = score(S[4 * n + 2 * g + e], bias[g] + slope[0] * T.float32(8 * n + e))
                     if masked:
                         row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
-                        key = t * KEYS + 8 * n + 2 * (lane % 4) + e
-                        if not visible(row, key, seq_q, seq_kv, variant):
+                        key = t * keys + 8 * n + 2 * (lane % 4) + e
+                        if not visible(row, key, seq_q, seq_kv, variant, keys):
                             S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
 
     @T.macro
@@ -505,12 +519,12 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             for g in T.unroll(2):
                 # the bias of the row's key 2 (lane % 4) of the tile; key 8 n + e adds (8 n + e) slopes
                 bias[g] = slope[0] * T.Cast(
-                    "float32", t * KEYS + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + seq_kv - seq_q)
+                    "float32", t * keys + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + seq_kv - seq_q)
                 )
         if masked_tiles:
             # Only a tile on the mask's edge computes it (a uniform branch; as one
             # predicate per score, nvcc would select on every tile).
-            if straddles(r0, t, seq_q, seq_kv, variant):
+            if straddles(r0, t, seq_q, seq_kv, variant, keys):
                 scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, True)
             else:
                 scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
@@ -518,7 +532,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
         for g in T.unroll(2):
             m_new[g] = m[g]
-        for n in T.unroll(16):
+        for n in T.unroll(keys // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     m_new[g] = T.max(m_new[g], S[4 * n + 2 * g + e])
@@ -528,7 +542,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             repair[g] = repair_factor(variant, m[g], m_new[g])
             m[g] = m_new[g]
             l[g] = l[g] * repair[g]
-        for n in T.unroll(16):
+        for n in T.unroll(keys // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     S[4 * n + 2 * g + e] = T.exp2(S[4 * n + 2 * g + e] - m[g])
@@ -536,8 +550,9 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     @T.macro
     def repair_output(S, P, O_acc, repair):
-        for i in T.unroll(64):
+        for i in T.unroll(n_scores):
             P[i] = T.Cast(dtype, S[i])
+        for i in T.unroll(n_output):
             O_acc[i] = O_acc[i] * repair[i % 4 // 2]
 
     def sees_keys(row, seq_q, seq_kv, n_tiles):
@@ -580,7 +595,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             a, c = T.meta_var(tiles.kv_at(b, hk, t, s, which))
             for p in T.unroll(head_dim // 64):
                 T.ptx[_TMA.format(3) + multicast](
-                    smem.ptr_to([base + st * _TILE + p * KEYS * 64 + s * tiles.k_map.rows * 64]),
+                    smem.ptr_to([base + st * tile + p * keys * 64 + s * tiles.k_map.rows * 64]),
                     T.address_of(tensor_map), T.int32(p * 64), T.int32(a), T.int32(c), bar, *mask,
                 )
 
@@ -654,9 +669,9 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         q_full = T.alloc_shared((1,), "uint64")
-        S = T.alloc_local((64,), "float32")
-        O_acc = T.alloc_local((64,), "float32")
-        P = T.alloc_local((64,), dtype)
+        S = T.alloc_local((n_scores,), "float32")
+        O_acc = T.alloc_local((n_output,), "float32")
+        P = T.alloc_local((n_scores,), dtype)
         m = T.alloc_local((2,), "float32")
         l = T.alloc_local((2,), "float32")
         m_new = T.alloc_local((2,), "float32")
@@ -681,7 +696,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         r0 = qt * ROWS
         if variant.alibi:
             slope[0] = T.pow(T.float32(2.0), T.Cast("float32", -8 * (h + 1)) / T.float32(heads_q)) * T.float32(inner)
-        lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant))
+        lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant, keys))
         n_tiles = hi - lo
         # (a block of a sequence shorter than the longest has no rows: it leaves at once)
         if r0 < seq_q:
@@ -711,7 +726,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     for i in range(n_tiles):
                         st = i % stages
                         T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
-                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * _TILE * 2))
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * tile * 2))
                         # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
                         # (the bytes complete on each block's full[st]).
                         if cluster == 1 or rank == 0:
@@ -726,7 +741,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 for g in T.unroll(2):
                     m[g] = T.float32("-inf")
                     l[g] = T.float32(0)
-                for i in T.unroll(64):
+                for i in T.unroll(n_output):
                     O_acc[i] = T.float32(0)
                 if keyless_rows:
                     if n_tiles > 0:
@@ -736,7 +751,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 for g in T.unroll(2):
                     l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
                     l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
-                for n in T.unroll(16):
+                for n in T.unroll(head_dim // 8):
                     for g in T.unroll(2):
                         for e in T.unroll(2):
                             row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
