@@ -29,8 +29,8 @@ from .attention import environment, skip_without_gpu
 from .timing import bench, copy_bandwidth_gbps
 
 PAGE_SIZE = 16
-#: Relative Frobenius error allowed against float32 SDPA (fp16 inputs and output).
-TOLERANCE = 2e-3
+#: Relative Frobenius error allowed against float32 SDPA (fp16 or bf16 inputs and output).
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class Shape:
     batch: int
     queries: int
     keys: int
+    dtype: str = "float16"
 
 
 SHAPES = (
@@ -65,6 +66,8 @@ SHAPES = (
     Shape("mha-prefill-2x2048", 32, 32, 128, 2, 2048, 2048),
     Shape("gemma2-9b-prefill-1x2048", 16, 8, 256, 1, 2048, 2048),
     Shape("d64-prefill-1x2048", 16, 16, 64, 1, 2048, 2048),
+    Shape("llama3-8b-prefill-2x4096-bf16", 32, 8, 128, 2, 4096, 4096, "bfloat16"),
+    Shape("llama3-8b-b16-kv8000-bf16", 32, 8, 128, 16, 1, 8000, "bfloat16"),
 )
 
 
@@ -131,7 +134,7 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     s = shape
-    q, k, v = (torch.randn(s.batch, h, n, s.head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = (torch.randn(s.batch, h, n, s.head_dim, device="cuda", dtype=getattr(torch, s.dtype))
                for h, n in ((s.heads_q, s.queries), (s.heads_kv, s.keys), (s.heads_kv, s.keys)))
     group = s.heads_q // s.heads_kv
     visible = torch.arange(s.keys, device="cuda")[None, :] <= torch.arange(s.queries, device="cuda")[:, None] + s.keys - s.queries
@@ -144,13 +147,13 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
 
     def record(name, run, out):
         err = ((out.float() - ref).norm() / ref.norm()).item() if out is not None else None
-        ms = bench(run) if err is not None and err < TOLERANCE else None
+        ms = bench(run) if err is not None and err < TOLERANCE[s.dtype] else None
         rows.append({"shape": s.name, "implementation": name, "error": err, "ms": ms,
                      "roofline": roofline / ms if ms and decode else None,
                      "tflops": flops / ms / 1e9 if ms else None})
 
     for layout in ("bhsd", "paged" if decode else "ragged"):
-        kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant="causal", dtype="float16",
+        kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant="causal", dtype=s.dtype,
                                   layout=layout, target="cuda")
         args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if decode else ragged(q, k, v)
         plan = kernel.plan(*args)
