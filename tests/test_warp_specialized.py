@@ -126,7 +126,9 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         ).mod.imports[0].inspect_source()
         assert "setmaxnreg" not in other and "mma.sync" in other
     with pytest.raises(ValueError, match="more queries \\(256\\) than keys \\(128\\)"):
-        kernels.compile_attention(1, 4, 2, 256, 128, 128, target=HOPPER, config=ws.WarpSpecializedConfig())
+        kernels.compile_attention(
+            1, 4, 2, 256, 128, 128, variant=VARIANTS["causal"], target=HOPPER, config=ws.WarpSpecializedConfig()
+        )
     with pytest.raises(ValueError, match="config must be a PrefillConfig or WarpSpecializedConfig"):
         kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
 
