@@ -50,8 +50,8 @@ class WarpSpecializedPrefill:
         return None
 
     def build(self, spec: AttentionSpec) -> tirx.PrimFunc:
-        # As many K/V stages as shared memory holds (3 to 2 at head dim 256).
-        stages = 3 if spec.head_dim <= 128 else 2
+        # As many K/V stages as shared memory holds.
+        stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(spec.head_dim, s) <= ws.SHARED_BYTES)
         config = ws.WarpSpecializedConfig(stages=stages)
         func = ws.kernel(tiles(spec), spec.variant, config, scale=spec.scale)
         return func.with_attr("global_symbol", self.name)
@@ -76,17 +76,20 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
     row = d * 2
     q_indptr = buffers["q_indptr"]
+
+    def tokens(buf, heads, box):
+        # (d, heads, tokens): a box is `box` tokens of one head.
+        return ws.TensorMap(buf, (heads, buf.shape[0]), (row, heads * row), (1, box))
+
     common = dict(
         params=list(view.inputs) + [out], heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
-        q_map=ws.TensorMap(q, (hq, q.shape[0]), (row, hq * row), (1, ws.ROWS)),
-        q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index, keys=keys,
+        q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index,
     )
     if spec.layout == "ragged":
         k, v, kv_indptr = buffers["k"], buffers["v"], buffers["kv_indptr"]
         return ws.Tiles(
-            k_map=ws.TensorMap(k, (hkv, k.shape[0]), (row, hkv * row), (1, keys)),
-            v_map=ws.TensorMap(v, (hkv, v.shape[0]), (row, hkv * row), (1, keys)),
+            k_map=tokens(k, hkv, keys), v_map=tokens(v, hkv, keys),
             kv_at=lambda b, hk, t, s, which: (hk, kv_indptr[b] + t * keys), **common,
         )
     pages, page_indptr, page_ids = buffers["pages"], buffers["page_indptr"], buffers["page_ids"]

@@ -324,7 +324,7 @@ class Tiles:
     TMA maps of Q, K and V (V's may be K's); ``q_at(b, h, r0)``, the map coordinates
     ``(a, c)`` of a box of :data:`ROWS` rows of head ``h`` from row ``r0``; ``kv_at(b, hk,
     t, s, which)`` those of box ``s`` of key tile ``t`` of K (``which`` 0) or V (1), a
-    tile being ``keys`` keys (:func:`key_tile`) in boxes of the map's rows (coordinates past the map
+    tile being :func:`key_tile` keys in boxes of the map's rows (coordinates past the map
     where the sequence has no such keys: TMA fills zeros); ``out_index(b, h, row, x)``,
     where row ``row`` of sequence ``b`` stores element ``x``."""
 
@@ -343,13 +343,18 @@ class Tiles:
     q_at: Callable
     kv_at: Callable
     out_index: Callable
-    keys: int = KEYS
 
 
 def key_tile(head_dim):
     """Keys per tile for ``head_dim``: :data:`KEYS`, or half as many past 128 (Q and two
     K/V stages of head dim 256 fill shared memory)."""
     return KEYS if head_dim <= 128 else KEYS // 2
+
+
+def shared_bytes(head_dim, stages):
+    """The dynamic shared memory of the kernel at ``head_dim`` with ``stages`` K/V
+    stages: Q's tile and each stage's K and V tiles (2-byte elements)."""
+    return 2 * (ROWS + 2 * stages * key_tile(head_dim)) * head_dim
 
 
 def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16"):
@@ -373,7 +378,7 @@ def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16
         v_map=sequences(v, seq_kv, heads_kv, keys),
         q_at=lambda b, h, r0: (r0, b * heads_q + h),
         kv_at=lambda b, hk, t, s, which: (t * keys, b * heads_kv + hk),
-        out_index=lambda b, h, row, x: (b, h, row, x), keys=keys,
+        out_index=lambda b, h, row, x: (b, h, row, x),
     )
 
 
@@ -398,13 +403,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
     # Rows past a sequence's queries, and keys past its keys: some tile may hold them.
     part_rows = not (_whole(tiles.rows, ROWS) and isinstance(tiles.q_len(0), int))
-    keys = tiles.keys
+    keys = key_tile(head_dim)
     tile = keys * head_dim  # elements of a K or V stage
     part_keys = not _whole(tiles.kv_len(0), keys)
-    masked_tiles = causal or variant.window is not None or part_keys
+    masked_tiles = causal or part_keys
     # Rows may see no key: a sequence without keys, or more queries than keys under a mask.
     keyless_rows = not isinstance(tiles.kv_len(0), int) or not isinstance(tiles.q_len(0), int)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+
     def instruction(columns):
         shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32
         return getattr(getattr(shape, _PTX_TYPE[dtype]), _PTX_TYPE[dtype])
@@ -415,9 +421,10 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     k_base = ROWS * head_dim
     v_base = k_base + stages * tile
     shared = v_base + stages * tile
-    if stages < 1 or shared * 2 > SHARED_BYTES:
+    if stages < 1 or shared_bytes(head_dim, stages) > SHARED_BYTES:
         raise ValueError(
-            f"{stages} K/V stages need {shared * 2} bytes of shared memory; an sm_90 block has {SHARED_BYTES}"
+            f"{stages} K/V stages need {shared_bytes(head_dim, stages)} bytes of shared memory; "
+            f"an sm_90 block has {SHARED_BYTES}"
         )
     kv_boxes = keys // tiles.k_map.rows
 
