@@ -120,10 +120,11 @@ def ragged(q, k, v):
     return pack(q), pack(k), pack(v), indptr(q.shape[2]), indptr(k.shape[2])
 
 
-def visible_pairs(queries: int, keys: int) -> int:
-    """(query, key) pairs a causal mask aligned to the end of the keys leaves visible."""
-    offset = keys - queries
-    return sum(min(keys, i + offset + 1) for i in range(queries))
+def causal_mask(queries: int, keys: int, device="cpu"):
+    """The (query, key) pairs a causal mask aligned to the end of the keys leaves visible."""
+    import torch
+
+    return torch.arange(keys, device=device)[None, :] <= torch.arange(queries, device=device)[:, None] + keys - queries
 
 
 def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
@@ -137,12 +138,12 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
     q, k, v = (torch.randn(s.batch, h, n, s.head_dim, device="cuda", dtype=getattr(torch, s.dtype))
                for h, n in ((s.heads_q, s.queries), (s.heads_kv, s.keys), (s.heads_kv, s.keys)))
     group = s.heads_q // s.heads_kv
-    visible = torch.arange(s.keys, device="cuda")[None, :] <= torch.arange(s.queries, device="cuda")[:, None] + s.keys - s.queries
+    visible = causal_mask(s.queries, s.keys, "cuda")
     ref = sdpa(q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=visible)
     decode = s.queries <= 8
     moved = 2 * (q.numel() + 2 * k.numel())  # bytes of Q, K, V and the output
     roofline = moved / (bandwidth * 1e9) * 1e3
-    flops = 4 * s.head_dim * s.batch * s.heads_q * visible_pairs(s.queries, s.keys)
+    flops = 4 * s.head_dim * s.batch * s.heads_q * int(visible.sum())
     rows = []
 
     def record(name, run, out):

@@ -479,15 +479,16 @@ def test_models_paged_layout_holds_the_keys():
         assert torch.equal(keys, k[b]) and torch.equal(values, v[b])
 
 
-def test_models_ragged_layout_and_visible_pairs():
-    """benchmarks.models's ragged tensors pack each sequence's tokens in order; the
-    prefill FLOPs count the pairs a bottom-right causal mask leaves."""
+def test_models_ragged_layout_and_causal_mask():
+    """benchmarks.models's ragged tensors pack each sequence's tokens in order; its
+    causal mask (the reference's, whose pairs the prefill FLOPs count) is aligned to
+    the end of the keys."""
     torch = pytest.importorskip("torch")
-    from benchmarks.models import ragged, visible_pairs
+    from benchmarks.models import causal_mask, ragged
 
     q, k, v = (torch.randn(3, h, n, 8) for h, n in ((4, 5), (2, 7), (2, 7)))
     q_packed, k_packed, v_packed, q_indptr, kv_indptr = ragged(q, k, v)
     assert q_indptr.tolist() == [0, 5, 10, 15] and kv_indptr.tolist() == [0, 7, 14, 21]
     assert torch.equal(q_packed[5:10], q[1].permute(1, 0, 2)) and torch.equal(v_packed[14:21], v[2].permute(1, 0, 2))
     mask = np.tril(np.ones((5, 7), bool), k=2)
-    assert visible_pairs(5, 7) == mask.sum() and visible_pairs(4, 4) == 10
+    assert np.array_equal(causal_mask(5, 7).numpy(), mask) and int(causal_mask(4, 4).sum()) == 10
