@@ -199,14 +199,14 @@ def test_paged_call_refusals(make, message):
 
 @pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
 def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
-    """The CUDA kernels of every layout (split-k decode for few query rows, generic
+    """The CUDA kernels of every layout (tensor-core decode for few query rows, generic
     otherwise: an sm_80 target has no warp-specialised prefill) go through TVM's CUDA
     code generation and nvcc here (no GPU needed); host tensors given to them are
     refused."""
     kernel = _kernel(layout, 8, 2, 64, dtype="float16", target={"kind": "cuda", "arch": "sm_80"})
-    assert [f.name for f in kernel.families] == ["split_k_decode", "generic"]
+    assert [f.name for f in kernel.families] == ["tensor_core_decode", "generic"]
     source = kernel.module.imports[0].inspect_source()
-    assert "split_k_decode_kernel" in source and "generic_kernel" in source
+    assert "tensor_core_decode_kernel" in source and "generic_kernel" in source
     report = ptxas_report(source, tmp_path / "kernels.cu")
     assert "spill stores" in report and not re.search(r"[1-9]\d* bytes spill stores", report)
     sequences = tt.random_sequences([2], [5], 8, 2, 64, dtype="float16")
@@ -232,15 +232,60 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
     assert " 0 bytes spill stores" in chunks
 
 
+@pytest.mark.parametrize(
+    "heads, head_dim, dtype, layout", [((32, 8), 128, "bfloat16", "paged"), ((28, 4), 128, "float16", "bhsd"), ((16, 16), 64, "bfloat16", "ragged")]
+)
+def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, tmp_path):
+    """The tensor-core decode's chunk kernel through nvcc: no register spills (its
+    operands and accumulators stay in registers), its products on ``mma.sync``."""
+    from tvm_cascade.library.tensor_core_decode import TensorCoreDecode, decode_kernel
+
+    spec = AttentionSpec.make(*heads, head_dim, variant="sliding_window", dtype=dtype, layout=layout,
+                              target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert TensorCoreDecode().supports(spec) is None
+    executable = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target)
+    source = executable.mod.imports[0].inspect_source()
+    assert source.count("mma.sync.aligned.m16n8k16") == 4 * head_dim // 16  # QK: 2 tiles x k-steps; PV: d / 8 tiles
+    report = ptxas_report(source, tmp_path / "decode.cu")
+    (chunks,) = [part for part in report.split("Compiling entry function ") if part.startswith("'tensor_core_decode_kernel'")]
+    assert " 0 bytes spill stores" in chunks
+
+
+def test_tensor_core_decode_plans_and_refuses():
+    """Chunks of whole steps of every warp fill about two blocks per SM, none below 256
+    keys; a sliding window's chunks cover the window, not the keys before it. CUDA from
+    sm_80, fp16/bf16, head dims 64 and 128 only."""
+    from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
+
+    family = TensorCoreDecode()
+    sm90 = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    spec = AttentionSpec.make(32, 8, 128, variant="causal", layout="paged", target=sm90)
+    gpu = type("Device", (), {"exist": True, "multi_processor_count": 132})()
+    assert family.plan(spec, 1, 1, 32768, gpu) == [1024]  # 8 blocks a chunk: 33 chunks
+    assert family.plan(spec, 16, 1, 8000, gpu) == [2688]  # 128 blocks a chunk: 3 chunks
+    assert family.plan(spec, 64, 1, 4096, gpu) == [4096]  # 512 blocks: one chunk
+    assert family.plan(spec, 1, 1, 4096, gpu) == [256]  # never below 256 keys
+    assert family.plan(spec, 1, 8, 4096, gpu) == [256]  # 4 x 8 rows: 2 passes of 16 rows
+    window = AttentionSpec.make(32, 8, 128, variant=AttentionVariant("w", causal=True, window=1000), target=sm90)
+    assert family.plan(window, 1, 1, 32768, gpu) == [256]  # 1000 keys seen, not 32768
+    assert family.supports(spec) is None
+    for kwargs, reason in [(dict(target="llvm"), "CUDA only"), (dict(dtype="float32", target=sm90), "fp16 and bf16"),
+                           (dict(head_dim=256, target=sm90), "head dim 256: one of (64, 128)"),
+                           (dict(target=tvm.target.Target({"kind": "cuda", "arch": "sm_75"})), "needs sm_80 or later")]:
+        args = dict(head_dim=128) | kwargs
+        assert reason in family.supports(AttentionSpec.make(32, 8, args.pop("head_dim"), **args))
+
+
 @pytest.mark.parametrize("layout, head_dim", [("bhsd", 128), ("ragged", 64), ("paged", 256)])
 def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, tmp_path):
-    """On sm_90a the kernel holds the split-k decode and the
-    warp-specialised prefill (no generic function: the prefill serves any number of
-    rows); through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its
+    """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
+    and the warp-specialised prefill (no generic function: the prefill serves any number
+    of rows); through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its
     lengths and batch are the PrimFunc's variables."""
     pages = {"page_size": 16} if layout == "paged" else {}
     kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, **pages)
-    assert [f.name for f in kernel.families] == ["split_k_decode", "warp_specialized_prefill"]
+    decode = "split_k_decode" if head_dim == 256 else "tensor_core_decode"
+    assert [f.name for f in kernel.families] == [decode, "warp_specialized_prefill"]
     func = kernel.mod["warp_specialized_prefill"]
     shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
     assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)

@@ -65,10 +65,26 @@ def test_torch_tensors():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_split_k_decode(heads, head_dim, dtype):
     """1-8 query rows per sequence (speculative decode beside plain decode) over keys of
-    any length, ragged, through the paged layout: the split-k decode family."""
+    any length, ragged, through the paged layout: the split-k decode families (tensor
+    cores at head dims 64 and 128)."""
     kernel = _kernel("paged", *heads, head_dim=head_dim, dtype=dtype)
-    assert kernel.family_for(8).name == "split_k_decode"
+    assert kernel.family_for(8).name == ("split_k_decode" if head_dim == 256 else "tensor_core_decode")
     check_lengths(kernel, [([1, 4, 8, 1], [1, 700, 3001, 40])], seed=5)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_decode(layout, variant, head_dim):
+    """The tensor-core decode family: every layout and variant, a GQA group of 4 with 1-8
+    query rows (16-row tiles full and partial), keys of any length (and none)."""
+    kernel = _kernel(layout, 16, 4, head_dim=head_dim, variant=variant)
+    assert kernel.family_for(8).name == "tensor_core_decode"
+    if layout == "bhsd":
+        lengths = [([1], [3000]), ([4, 4], [37, 37]), ([8], [8])]
+    else:
+        lengths = [([1, 4, 8, 1, 2], [1, 700, 3001, 40, 0])]
+    check_lengths(kernel, lengths, seed=11)
 
 
 def _nan_tails(args, page_size):

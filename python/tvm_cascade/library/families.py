@@ -24,6 +24,7 @@ from .compute import VIEW_BLOCKS, attention_chain
 from .layouts import scatter_output
 from .spec import AttentionSpec
 from .split_k_decode import SplitKDecode
+from .tensor_core_decode import TensorCoreDecode
 from .warp_specialized_prefill import WarpSpecializedPrefill
 
 logger = logging.getLogger("tvm_cascade.library")
@@ -76,7 +77,7 @@ def _schedule_rows_on_cpu(sch) -> None:
 
 
 #: The families, asked in order.
-FAMILIES = (SplitKDecode(), WarpSpecializedPrefill(), GenericFused())
+FAMILIES = (TensorCoreDecode(), SplitKDecode(), WarpSpecializedPrefill(), GenericFused())
 
 
 def choose(spec: AttentionSpec) -> list:

@@ -8,10 +8,11 @@ of each row's query and output, each subgroup a few keys a step (K and V read on
 all the rows; the next step's keys loaded while this step's are used), scores reduced
 by shuffles; each subgroup keeps a running max, sum and output per row, repaired as the
 max grows, and at the chunk's end the subgroups are merged through shared memory into
-the chunk's partial (max, sum, output). The second combines a row's chunks. Both repairs, within a chunk and
-across chunks, are the factor the algebra derives and proves for ``ops.attention``'s
-sum and output (:func:`~tvm_cascade.schedules.warp_specialized.repair_factor`); scores
-are kept in log2 units.
+the chunk's partial (max, sum, output). The second combines a row's chunks
+(:mod:`.split_k`). Both repairs, within a chunk and across chunks, are the factor the
+algebra derives and proves for ``ops.attention``'s sum and output
+(:func:`~tvm_cascade.schedules.warp_specialized.repair_factor`); scores are kept in log2
+units.
 
 The host plans the chunk size from the longest sequence, the blocks it needs and the
 GPU's SMs (:meth:`SplitKDecode.plan`), so short and long contexts fill the GPU alike.
@@ -24,20 +25,19 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..ops.flex_attention import variant_te_mods
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
+from .split_k import (
+    ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
+    plan_chunk_keys, score_of,
+)
 
-#: Query rows a sequence may have for this family to serve it.
-QUERIES = 8
 THREADS = 128
 #: Registers a thread spends on its rows' query and output slices and its keys in flight.
 REGISTERS = 64
 #: Blocks per SM the chunk size is planned for.
 WAVES = 4
-_LOG2E = math.log2(math.e)
-_ALL_LANES = 0xFFFFFFFF
 
 
 class SplitKDecode:
@@ -65,9 +65,7 @@ class SplitKDecode:
         :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
         _, rows, _, step = _shape(spec)
         blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // rows)
-        sms = device.multi_processor_count if device.exist else 132
-        chunks = max(1, min(-(-WAVES * sms // blocks), -(-max_kv // step)))
-        return [max(step, -(-max_kv // chunks // step) * step)]
+        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, WAVES, step, step)]
 
     def compile_target(self, target):
         return target
@@ -97,32 +95,17 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     vec, rows, unroll, step = _shape(spec)
     lanes = d // vec
     subgroups = THREADS // lanes
-    acc = "float32"
+    acc = ACC
     chunk_keys = tirx.Var("chunk_keys", "int32")
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
     q_len, kv_len = view.query_length, view.key_length
-    score_mod, mask_mod = variant_te_mods(spec.variant, heads_q, q_len, kv_len, acc)
+    score = score_of(spec, view)
     batch = view.batch
-    num_chunks = (view.keys + chunk_keys - 1) // chunk_keys
+    num_chunks = chunk_count(spec, view, chunk_keys)
     passes = (group * view.rows + rows - 1) // rows
-    neg_inf = T.float32("-inf")
-
-    def score(dot, b, h, qi, j):
-        s = dot * T.float32(spec.scale)
-        if score_mod is not None:
-            s = score_mod(s, b, h, qi, j).astype(acc)
-        s = s * T.float32(_LOG2E)
-        seen = j < kv_len(b)
-        if mask_mod is not None:
-            seen = tirx.And(seen, mask_mod(b, h, qi, j))
-        return tirx.Select(seen, s, neg_inf)
-
-    def finite(m):
-        """The max the exponentials are taken against: 0 while no key was seen."""
-        return tirx.Select(m == neg_inf, T.float32(0), m)
-
-    # Partials of row (b, query position, head) and chunk: output, max, sum.
-    partial_shape = (batch, view.rows, heads_q, num_chunks)
+    neg_inf = NEG_INF
+    combine = combine_kernel(spec, view, chunk_keys, num_chunks, out, THREADS)
+    store = partials_store(spec, rows, THREADS // lanes, THREADS)
 
     row_parts = len(view.kv_row(0, 0))
 
@@ -150,9 +133,10 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
     @T.prim_func(private=True, check_well_formed=False)
     def body():
-        part_o = T.alloc_buffer(partial_shape + (d,), acc)
-        part_m = T.alloc_buffer(partial_shape, acc)
-        part_l = T.alloc_buffer(partial_shape, acc)
+        # Partials of row (b, query position, head) and chunk: output, max, sum.
+        part_o = T.alloc_buffer(partial_shape(view, num_chunks, heads_q) + (d,), acc)
+        part_m = T.alloc_buffer(partial_shape(view, num_chunks, heads_q), acc)
+        part_l = T.alloc_buffer(partial_shape(view, num_chunks, heads_q), acc)
         with T.launch_thread("blockIdx.x", num_chunks) as c:
             by = T.launch_thread("blockIdx.y", batch * heads_kv)
             bz = T.launch_thread("blockIdx.z", passes)
@@ -178,7 +162,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             sub = tx // lanes
             lane = tx % lanes
             n_rows = group * q_len(b)
-            start = c * chunk_keys
+            start = first_key(spec, view, b) + c * chunk_keys
             end = T.min(start + chunk_keys, kv_len(b))
             for r in T.unroll(rows):
                 rr = bz * rows + r
@@ -204,7 +188,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                         for x in T.unroll(vec):
                             dot[0] = dot[0] + q_reg[r * vec + x] * T.Cast(acc, k_reg[u * vec + x])
                         for k in T.unroll(int(math.log2(lanes))):
-                            dot[0] = dot[0] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), dot[0], 1 << k, 32)
+                            dot[0] = dot[0] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), dot[0], 1 << k, 32)
                         s[u] = T.if_then_else(j < end, score(dot[0], b, hk * group + rr % group, rr // group, j), neg_inf)
                     m_new[0] = m[r]
                     for u in T.unroll(unroll):
@@ -234,55 +218,8 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                 for x in T.unroll(vec):
                     merged_o[sub, r, lane * vec + x] = o[r * vec + x] * repair[0]
             T.tvm_storage_sync("shared")
-            for e in T.serial((rows * d + THREADS - 1) // THREADS):
-                r = (e * THREADS + tx) // d
-                x = (e * THREADS + tx) % d
-                rr = bz * rows + r
-                if r < rows and rr < n_rows:
-                    dot[0] = T.float32(0)
-                    for g in T.serial(subgroups):
-                        dot[0] = dot[0] + merged_o[g, r, x]
-                    part_o[b, rr // group, hk * group + rr % group, c, x] = dot[0]
-            if tx < rows:
-                rr = bz * rows + tx
-                if rr < n_rows:
-                    m_new[0] = merged_m[0, tx]
-                    dot[0] = merged_l[0, tx]
-                    for g in T.serial(1, subgroups):
-                        m_new[0] = T.max(m_new[0], merged_m[g, tx])
-                        dot[0] = dot[0] + merged_l[g, tx]
-                    part_m[b, rr // group, hk * group + rr % group, c] = m_new[0]
-                    part_l[b, rr // group, hk * group + rr % group, c] = dot[0]
-        # The chunks of each row combined: one block of threads over the row's dimensions.
-        with T.launch_thread("blockIdx.x", batch * view.rows * heads_q) as row:
-            tx = T.launch_thread("threadIdx.x", THREADS)
-            total_m = T.alloc_local((1,), acc)
-            total_l = T.alloc_local((1,), acc)
-            weight = T.alloc_local((1,), acc)
-            value = T.alloc_local((1,), acc)
-            b = row // (view.rows * heads_q)
-            qi = row % (view.rows * heads_q) // heads_q
-            h = row % heads_q
-            if qi < q_len(b):
-                total_m[0] = neg_inf
-                for c in T.serial(num_chunks):
-                    total_m[0] = T.max(total_m[0], part_m[b, qi, h, c])
-                for e in T.serial((d + THREADS - 1) // THREADS):
-                    x = e * THREADS + tx
-                    if x < d:
-                        total_l[0] = T.float32(0)
-                        value[0] = T.float32(0)
-                        for c in T.serial(num_chunks):
-                            weight[0] = T.if_then_else(
-                                c * chunk_keys < kv_len(b),
-                                repair_factor(spec.variant, part_m[b, qi, h, c], finite(total_m[0])),
-                                T.float32(0),
-                            )
-                            total_l[0] = total_l[0] + part_l[b, qi, h, c] * weight[0]
-                            value[0] = value[0] + part_o[b, qi, h, c, x] * weight[0]
-                        out[view.out_index(b, h, qi, x)] = T.Cast(
-                            spec.dtype, T.if_then_else(total_l[0] > T.float32(0), value[0] / total_l[0], T.float32(0))
-                        )
+            store(merged_m, merged_l, merged_o, part_o, part_m, part_l, tx, b, hk, c, bz * rows, n_rows, dot, m_new)
+        combine(part_o, part_m, part_l)
 
     params = list(view.inputs) + [chunk_keys, out]
     return tirx.PrimFunc(params, body.body).with_attr("global_symbol", SplitKDecode.name)

@@ -1,0 +1,167 @@
+"""What the split-k decode families share: the scores of a chunk's keys, the keys a
+sequence's rows can see, the kernel that combines a row's chunks, and the chunk plan.
+
+A chunk kernel writes, for each query row and chunk of keys, the chunk's partial state:
+the max of its scores (log2 units), the sum of their exponentials and the output they
+weigh, all taken against that max. :func:`combine_kernel` repairs each chunk's state to
+the row's common max and divides: the repair is the factor the algebra derives and
+proves for ``ops.attention``'s sum and output
+(:func:`~tvm_cascade.schedules.warp_specialized.repair_factor`).
+
+Chunks start at the first key the first query row of a sequence can see (a sliding
+window's first; key 0 otherwise), so a window's decode reads the window, not the keys
+before it.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..ops.flex_attention import variant_te_mods
+from ..schedules.warp_specialized import repair_factor
+
+#: Query rows a sequence may have for the split-k decode families to serve it.
+QUERIES = 8
+LOG2E = math.log2(math.e)
+ALL_LANES = 0xFFFFFFFF
+ACC = "float32"
+NEG_INF = T.float32("-inf")
+
+
+def partial_shape(view, num_chunks, heads_q):
+    """The shape of a row's partial max and sum, by (sequence, query row, head, chunk)."""
+    return (view.batch, view.rows, heads_q, num_chunks)
+
+
+def first_key(spec, view, b):
+    """The first key any query row of sequence ``b`` sees."""
+    window = spec.variant.window
+    if window is None:
+        return 0
+    return T.max(view.key_length(b) - view.query_length(b) - window + 1, 0)
+
+
+def chunk_count(spec, view, chunk_keys):
+    """The chunks of ``chunk_keys`` keys that cover the keys any sequence's rows see."""
+    keys = view.keys
+    if spec.variant.window is not None:
+        keys = T.min(keys, spec.variant.window + view.rows - 1)
+    return (keys + chunk_keys - 1) // chunk_keys
+
+
+def visible_keys(spec, max_q: int, max_kv: int) -> int:
+    """The most keys the rows of a sequence of ``max_q`` queries and ``max_kv`` keys see."""
+    window = spec.variant.window
+    return max_kv if window is None else min(max_kv, window + max_q - 1)
+
+
+def score_of(spec, view):
+    """``score(dot, b, h, qi, j)``: query row ``qi``'s score of key ``j`` (head ``h`` of
+    sequence ``b``) from the dot product, scaled, modified by the variant and in log2
+    units, -inf where the key is masked or past the sequence's keys."""
+    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, ACC)
+
+    def score(dot, b, h, qi, j):
+        s = dot * T.float32(spec.scale)
+        if score_mod is not None:
+            s = score_mod(s, b, h, qi, j).astype(ACC)
+        s = s * T.float32(LOG2E)
+        seen = j < view.key_length(b)
+        if mask_mod is not None:
+            seen = tirx.And(seen, mask_mod(b, h, qi, j))
+        return tirx.Select(seen, s, NEG_INF)
+
+    return score
+
+
+def finite(m):
+    """The max the exponentials are taken against: 0 while no key was seen."""
+    return tirx.Select(m == NEG_INF, T.float32(0), m)
+
+
+def partials_store(spec, rows: int, parts: int, threads: int):
+    """A macro that stores a chunk's partials from ``parts`` running states of ``rows``
+    rows a block merged in shared memory (``merged_m[part, row]``, and ``merged_l`` and
+    ``merged_o[part, row, dim]`` already repaired to the rows' common max): row ``r`` is
+    the block's row ``first_row + r`` of sequence ``b``'s K/V head ``hk``, stored if it is
+    one of the sequence's ``n_rows`` rows (query, head); ``tid`` is the thread of
+    ``threads``, ``total`` and ``top`` a local float each."""
+    d, group = spec.head_dim, spec.group
+
+    @T.macro
+    def store(merged_m, merged_l, merged_o, part_o, part_m, part_l, tid, b, hk, c, first_row, n_rows, total, top):
+        for e in T.serial((rows * d + threads - 1) // threads):
+            r = (e * threads + tid) // d
+            x = (e * threads + tid) % d
+            rr = first_row + r
+            if r < rows and rr < n_rows:
+                total[0] = T.float32(0)
+                for w in T.serial(parts):
+                    total[0] = total[0] + merged_o[w, r, x]
+                part_o[b, rr // group, hk * group + rr % group, c, x] = total[0]
+        if tid < rows:
+            rr = first_row + tid
+            if rr < n_rows:
+                top[0] = merged_m[0, tid]
+                total[0] = merged_l[0, tid]
+                for w in T.serial(1, parts):
+                    top[0] = T.max(top[0], merged_m[w, tid])
+                    total[0] = total[0] + merged_l[w, tid]
+                part_m[b, rr // group, hk * group + rr % group, c] = top[0]
+                part_l[b, rr // group, hk * group + rr % group, c] = total[0]
+
+    return store
+
+
+def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
+    """A macro ``combine(part_o, part_m, part_l)``: the kernel that combines each row's
+    chunks into ``out``, one block of ``threads`` per row (sequence, query row, head),
+    a thread per output dimension."""
+    d, heads_q = spec.head_dim, spec.heads_q
+
+    @T.macro
+    def combine(part_o, part_m, part_l):
+        with T.launch_thread("blockIdx.x", view.batch * view.rows * heads_q) as row:
+            tx = T.launch_thread("threadIdx.x", threads)
+            total_m = T.alloc_local((1,), ACC)
+            total_l = T.alloc_local((1,), ACC)
+            weight = T.alloc_local((1,), ACC)
+            value = T.alloc_local((1,), ACC)
+            b = row // (view.rows * heads_q)
+            qi = row % (view.rows * heads_q) // heads_q
+            h = row % heads_q
+            lo = first_key(spec, view, b)
+            if qi < view.query_length(b):
+                total_m[0] = NEG_INF
+                for c in T.serial(num_chunks):
+                    total_m[0] = T.max(total_m[0], part_m[b, qi, h, c])
+                for e in T.serial((d + threads - 1) // threads):
+                    x = e * threads + tx
+                    if x < d:
+                        total_l[0] = T.float32(0)
+                        value[0] = T.float32(0)
+                        for c in T.serial(num_chunks):
+                            weight[0] = T.if_then_else(
+                                lo + c * chunk_keys < view.key_length(b),
+                                repair_factor(spec.variant, part_m[b, qi, h, c], finite(total_m[0])),
+                                T.float32(0),
+                            )
+                            total_l[0] = total_l[0] + part_l[b, qi, h, c] * weight[0]
+                            value[0] = value[0] + part_o[b, qi, h, c, x] * weight[0]
+                        out[view.out_index(b, h, qi, x)] = T.Cast(
+                            spec.dtype, T.if_then_else(total_l[0] > T.float32(0), value[0] / total_l[0], T.float32(0))
+                        )
+
+    return combine
+
+
+def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: int, step: int, least: int) -> int:
+    """Keys per chunk (a multiple of ``step``, at least ``least``) so that the chunk kernel
+    launches about ``per_sm`` of its ``blocks``-per-chunk blocks per SM, never more
+    chunks than needed to cover the keys a sequence's rows see."""
+    keys = max(visible_keys(spec, max_q, max_kv), 1)
+    sms = device.multi_processor_count if device.exist else 132
+    chunks = max(1, -(-per_sm * sms // blocks))
+    return max(least, -(-keys // chunks // step) * step)

@@ -1,0 +1,268 @@
+"""The tensor-core split-k decode family: a few query rows per sequence over many keys
+(FlashDecoding) on ``mma.sync.m16n8k16``, lengths and chunk size at run time, for CUDA
+GPUs from sm_80, head dims 64 and 128.
+
+Every warp takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
+(the rows (query, head) of the group's heads, as the M dimension of the products; more
+rows take further blocks), 16 keys a step, with no shared memory and no reduction across
+lanes but the row max and sum over the four lanes of a quad:
+
+* scores ``S[row, key] = Q[row, :] · K[key, :]``: two 16 x 8 tiles of keys. Lane ``(g,
+  q)`` (``g = lane / 4``, ``q = lane % 4``) loads key ``g`` of each tile, a quarter of
+  its dims with 128-bit loads, and holds the B fragments of every k-step as they come:
+  the sum over the head dim is taken in an order of the dims in which each lane's
+  quarter is contiguous, and Q's A fragments, loaded once, follow the same order;
+* ``O[row, dim] += P[row, key] · V[key, dim]``: the scores' accumulator fragments are
+  the A fragment of ``P`` as they stand (FlashAttention-2's observation); lane ``(g,
+  q)`` loads the four keys its B fragments need, an eighth of each row's dims
+  (128-bit loads), and output column ``g`` of tile ``t`` is the dim those loads hold
+  at ``t``.
+
+Each warp writes its chunk's partial (max, sum, output) and the second kernel combines
+a row's chunks (:mod:`.split_k`); the running max and the repair of sum and output are
+those of :mod:`.split_k`, scores in log2 units.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..schedules.warp_specialized import repair_factor
+from .layouts import views
+from .spec import AttentionSpec
+from .split_k import (
+    ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
+    plan_chunk_keys, score_of,
+)
+
+WARP = 32
+#: Warps per block: they share a chunk, a step each in turn.
+WARPS = 4
+#: Query rows (query, head) of a K/V head a warp serves: the M of m16n8k16.
+ROWS = 16
+#: Keys a warp takes per step: two 8-key tiles of scores, one k-step of P·V.
+STEP = 16
+#: Blocks per SM the chunk size is planned for (two fit at once), and the fewest keys a
+#: chunk takes (a chunk's set-up and merge repay only a few steps of every warp). Swept
+#: on an H200 over chunk sizes at Llama-3-8B/70B and MHA decode shapes.
+BLOCKS_PER_SM = 2
+LEAST_CHUNK = 256
+HEAD_DIMS = (64, 128)
+_PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+class TensorCoreDecode:
+    """Split-k decode on tensor cores for up to :data:`QUERIES` query rows per sequence."""
+
+    name = "tensor_core_decode"
+    queries = QUERIES
+
+    def supports(self, spec: AttentionSpec):
+        if spec.target_kind != "cuda":
+            return "CUDA only"
+        arch = str(tvm.target.Target(spec.target).attrs.get("arch", ""))
+        if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
+            return f"mma.sync.m16n8k16 needs sm_80 or later; target arch is {arch or 'unknown'}"
+        if spec.dtype not in _PTX_TYPE:
+            return f"{spec.dtype}: fp16 and bf16 only"
+        if spec.head_dim not in HEAD_DIMS:
+            return f"head dim {spec.head_dim}: one of {HEAD_DIMS}"
+        return None
+
+    def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+        return decode_kernel(spec)
+
+    def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
+        """``[chunk_keys]``: keys per chunk, so that about :data:`BLOCKS_PER_SM` blocks run
+        per SM, none shorter than :data:`LEAST_CHUNK`."""
+        blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // ROWS)
+        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK)]
+
+    def compile_target(self, target):
+        return target
+
+
+def _k_dim(quad, e):
+    """The dim of element ``e`` of the quarter of a key row lane ``quad`` of a quad holds
+    (16-byte pieces, the quad's four lanes side by side)."""
+    return (e // 8) * 32 + quad * 8 + e % 8
+
+
+def _v_dim(g, e):
+    """The dim of element ``e`` of the eighth of a value row lane group ``g`` holds."""
+    return (e // 8) * 64 + g * 8 + e % 8
+
+
+def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """The family's PrimFunc for ``spec``: the layout's tensors, its scalars, then
+    ``chunk_keys``, then ``out``."""
+    view = views(spec, tirx.decl_buffer)
+    d, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
+    ptx = _PTX_TYPE[dtype]
+    k_steps, k_elems, v_elems = d // 16, d // 4, d // 8
+    chunk_keys = tirx.Var("chunk_keys", "int32")
+    out = tirx.decl_buffer(view.out_shape, dtype, "out")
+    num_chunks = chunk_count(spec, view, chunk_keys)
+    passes = (group * view.rows + ROWS - 1) // ROWS
+    score = score_of(spec, view)
+    combine = combine_kernel(spec, view, chunk_keys, num_chunks, out)
+    store = partials_store(spec, ROWS, WARPS, WARP * WARPS)
+    shape = partial_shape(view, num_chunks, heads_q)
+    row_parts = len(view.kv_row(0, 0))
+
+    @T.macro
+    def load_row(dst, offset, row, b, hk, j, end, at, pieces, base, stride):
+        """Key ``j``'s dims ``base + stride * i + x`` (``pieces`` 8-element pieces ``i``)
+        to ``dst[offset:]`` by ``at``, zeros past ``end``."""
+        if j < end:
+            parts = T.meta_var(view.kv_row(b, j))
+            row[0] = parts[0]
+            if row_parts > 1:
+                row[1] = parts[1]
+            located = T.meta_var((row[0], row[1]) if row_parts > 1 else (row[0],))
+            for i in T.unroll(pieces):
+                for x in T.vectorized(8):
+                    dst[offset + i * 8 + x] = at(located, hk, base + stride * i + x)
+        else:
+            for i in T.unroll(pieces):
+                for x in T.vectorized(8):
+                    dst[offset + i * 8 + x] = T.Cast(dtype, 0)
+
+    def mma(a, a_at, b, b_at, c, c_at):
+        return T.ptx_legacy.mma(
+            "m16n8k16", "row", "col", ptx, ptx, "fp32", a.data, a_at, b.data, b_at, c.data, c_at, False,
+            dtype="float32",
+        )
+
+    @T.macro
+    def load_step(k_buf, v_buf, row, b, hk, j0, end, g, quad):
+        """The keys of the step at ``j0`` a lane needs: keys ``g`` and ``8 + g`` (a quarter
+        of their dims each) and keys ``2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
+        for n in T.unroll(2):
+            load_row(k_buf, n * k_elems, row, b, hk, j0 + n * 8 + g, end, view.key_at, k_elems // 8, quad * 8, 32)
+        for kk in T.unroll(4):
+            load_row(v_buf, kk * v_elems, row, b, hk, j0 + 2 * quad + kk % 2 + 8 * (kk // 2), end,
+                     view.value_at, v_elems // 8, g * 8, 64)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def body():
+        part_o = T.alloc_buffer(shape + (d,), ACC)
+        part_m = T.alloc_buffer(shape, ACC)
+        part_l = T.alloc_buffer(shape, ACC)
+        with T.launch_thread("blockIdx.x", num_chunks) as c:
+            by = T.launch_thread("blockIdx.y", view.batch * spec.heads_kv)
+            bz = T.launch_thread("blockIdx.z", passes)
+            tx = T.launch_thread("threadIdx.x", WARP)
+            ty = T.launch_thread("threadIdx.y", WARPS)
+            staged = T.alloc_local((2 * k_elems,), dtype)
+            q_frag = T.alloc_local((k_steps * 8,), dtype)
+            k_reg = T.alloc_local((2 * k_elems,), dtype)
+            v_reg = T.alloc_local((4 * v_elems,), dtype)
+            k_next = T.alloc_local((2 * k_elems,), dtype)
+            v_next = T.alloc_local((4 * v_elems,), dtype)
+            k_frag = T.alloc_local((4,), dtype)
+            v_frag = T.alloc_local((4,), dtype)
+            s = T.alloc_local((8,), ACC)
+            p = T.alloc_local((8,), dtype)
+            o = T.alloc_local((v_elems * 4,), ACC)
+            m = T.alloc_local((2,), ACC)
+            l = T.alloc_local((2,), ACC)
+            m_new = T.alloc_local((1,), ACC)
+            repair = T.alloc_local((1,), ACC)
+            row = T.alloc_local((row_parts,), "int32")
+            merged_m = T.alloc_shared((WARPS, ROWS), ACC)
+            merged_l = T.alloc_shared((WARPS, ROWS), ACC)
+            merged_o = T.alloc_shared((WARPS, ROWS, d), ACC)
+            b = by // spec.heads_kv
+            hk = by % spec.heads_kv
+            g = tx // 4
+            quad = tx % 4
+            n_rows = group * view.query_length(b)
+            start = first_key(spec, view, b) + c * chunk_keys
+            end = T.min(start + chunk_keys, view.key_length(b))
+            # Q's A fragments: rows g and g + 8, element f of k-step t at the quad's dims.
+            for half in T.unroll(2):
+                rr = bz * ROWS + g + 8 * half
+                for i in T.unroll(k_elems // 8):
+                    for x in T.vectorized(8):
+                        staged[half * k_elems + i * 8 + x] = T.Cast(dtype, 0)
+                if rr < n_rows:
+                    for i in T.unroll(k_elems // 8):
+                        for x in T.vectorized(8):
+                            staged[half * k_elems + i * 8 + x] = view.query(
+                                b, hk * group + rr % group, rr // group, _k_dim(quad, i * 8 + x)
+                            )
+            for t in T.unroll(k_steps):
+                for f in T.unroll(8):
+                    q_frag[t * 8 + f] = staged[(f // 2) % 2 * k_elems + t * 4 + 2 * (f // 4) + f % 2]
+            for half in T.unroll(2):
+                m[half] = NEG_INF
+                l[half] = T.float32(0)
+            for i in T.unroll(v_elems * 4):
+                o[i] = T.float32(0)
+            # The warps take the chunk's steps in turn, each loading its next step's keys
+            # while it computes with this one's.
+            load_step(k_next, v_next, row, b, hk, start + ty * STEP, end, g, quad)
+            for it in T.serial((T.max(end - start, 0) + WARPS * STEP - 1) // (WARPS * STEP)):
+                j0 = start + (it * WARPS + ty) * STEP
+                for i in T.unroll(2 * k_elems):
+                    k_reg[i] = k_next[i]
+                for i in T.unroll(4 * v_elems):
+                    v_reg[i] = v_next[i]
+                load_step(k_next, v_next, row, b, hk, j0 + WARPS * STEP, end, g, quad)
+                for n in T.unroll(2):
+                    for e in T.unroll(4):
+                        s[n * 4 + e] = T.float32(0)
+                    for t in T.unroll(k_steps):
+                        for e in T.unroll(4):
+                            k_frag[e] = k_reg[n * k_elems + t * 4 + e]
+                        T.evaluate(mma(q_frag, t * 8, k_frag, 0, s, n * 4))
+                # s[4n + e]: row g + 8 (e // 2), key 8n + 2 quad + e % 2 of the step.
+                for e in T.unroll(8):
+                    rr = bz * ROWS + g + 8 * (e % 4 // 2)
+                    j = j0 + e // 4 * 8 + 2 * quad + e % 2
+                    s[e] = T.if_then_else(j < end, score(s[e], b, hk * group + rr % group, rr // group, j), NEG_INF)
+                for half in T.unroll(2):
+                    m_new[0] = T.max(T.max(s[half * 2], s[half * 2 + 1]), T.max(s[4 + half * 2], s[5 + half * 2]))
+                    for k in T.unroll(2):
+                        m_new[0] = T.max(m_new[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), m_new[0], 1 << k, 32))
+                    m_new[0] = T.max(m_new[0], m[half])
+                    repair[0] = repair_factor(spec.variant, m[half], finite(m_new[0]))
+                    l[half] = l[half] * repair[0]
+                    for i in T.unroll(v_elems):
+                        for e in T.unroll(2):
+                            o[i * 4 + half * 2 + e] = o[i * 4 + half * 2 + e] * repair[0]
+                    m[half] = m_new[0]
+                for e in T.unroll(8):
+                    s[e] = T.exp2(s[e] - finite(m[e % 4 // 2]))
+                    l[e % 4 // 2] = l[e % 4 // 2] + s[e]
+                    p[e] = T.Cast(dtype, s[e])
+                for i in T.unroll(v_elems):
+                    for kk in T.unroll(4):
+                        v_frag[kk] = v_reg[kk * v_elems + i]
+                    T.evaluate(mma(p, 0, v_frag, 0, o, i * 4))
+            # The warps' states merged: each repaired to the rows' common max.
+            for half in T.unroll(2):
+                for k in T.unroll(2):
+                    l[half] = l[half] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[half], 1 << k, 32)
+                if quad == 0:
+                    merged_m[ty, g + 8 * half] = m[half]
+            T.tvm_storage_sync("shared")
+            for half in T.unroll(2):
+                m_new[0] = merged_m[0, g + 8 * half]
+                for w in T.unroll(1, WARPS):
+                    m_new[0] = T.max(m_new[0], merged_m[w, g + 8 * half])
+                repair[0] = repair_factor(spec.variant, m[half], finite(m_new[0]))
+                if quad == 0:
+                    merged_l[ty, g + 8 * half] = l[half] * repair[0]
+                for i in T.unroll(v_elems):
+                    for e in T.unroll(2):
+                        merged_o[ty, g + 8 * half, _v_dim(2 * quad + e, i)] = o[i * 4 + half * 2 + e] * repair[0]
+            T.tvm_storage_sync("shared")
+            store(merged_m, merged_l, merged_o, part_o, part_m, part_l, ty * WARP + tx, b, hk, c, bz * ROWS, n_rows,
+                  repair, m_new)
+        combine(part_o, part_m, part_l)
+
+    params = list(view.inputs) + [chunk_keys, out]
+    return tirx.PrimFunc(params, body.body).with_attr("global_symbol", TensorCoreDecode.name)
