@@ -34,7 +34,8 @@ SEED = 0
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.splitlines()[0])
-    p.add_argument("--suite", choices=("prefill", "decode", "all"), default="all")
+    p.add_argument("--suite", choices=("prefill", "decode", "all", "models"), default="all",
+                   help="models: the model-shaped configurations of benchmarks.models (which takes the other arguments)")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -237,6 +238,13 @@ def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results, flush: st
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    suite_only = argparse.ArgumentParser(add_help=False)
+    suite_only.add_argument("--suite")
+    chosen, rest = suite_only.parse_known_args(argv)
+    if chosen.suite == "models":
+        from .models import main as models_main
+
+        return models_main(rest)
     args = parse_args(argv)
     if skip_without_gpu("benchmarks.attention"):
         return 0

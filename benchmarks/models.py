@@ -1,6 +1,8 @@
 """Causal attention at the shapes models have, prefill and decode:
 ``tvm_cascade.kernels.attention_kernel`` (one kernel a model, lengths at run time)
-beside PyTorch SDPA (cuDNN, FlashAttention-2) on one GPU.
+beside PyTorch SDPA (cuDNN, FlashAttention-2), compiled FlexAttention and TVM's own LLM
+kernels (``relax.frontend.nn.llm``'s paged decode and ragged prefill, what a TVM model's
+KV cache runs) on one GPU.
 
     python -m benchmarks.models [--out DIR] [--only NAME ...]
 
@@ -19,6 +21,7 @@ writes ``models.json``.
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -43,6 +46,28 @@ class Shape:
     queries: int
     keys: int
     dtype: str = "float16"
+    window: Optional[int] = None  # a sliding window (of keys a query sees) on the causal mask
+    softcap: Optional[float] = None
+
+    def variant(self):
+        from tvm_cascade.ops import AttentionVariant
+
+        return AttentionVariant(self.name, causal=True, window=self.window, softcap=self.softcap)
+
+
+@dataclass(frozen=True)
+class _Operator:
+    """What :func:`benchmarks.peers.flex` reads of a :class:`benchmarks.configs.Operator`,
+    for a shape's own window and softcap."""
+
+    kind: str
+    name: str
+    heads_q: int
+    heads_kv: int
+    window: Optional[int]
+    softcap: Optional[float]
+    causal: bool = True
+    alibi: bool = False
 
 
 SHAPES = (
@@ -68,6 +93,10 @@ SHAPES = (
     Shape("d64-prefill-1x2048", 16, 16, 64, 1, 2048, 2048),
     Shape("llama3-8b-prefill-2x4096-bf16", 32, 8, 128, 2, 4096, 4096, "bfloat16"),
     Shape("llama3-8b-b16-kv8000-bf16", 32, 8, 128, 16, 1, 8000, "bfloat16"),
+    Shape("mistral-7b-prefill-1x8192-window4096", 32, 8, 128, 1, 8192, 8192, window=4096),
+    Shape("mistral-7b-b16-kv8000-window4096", 32, 8, 128, 16, 1, 8000, window=4096),
+    Shape("gemma2-9b-prefill-1x2048-softcap50", 16, 8, 256, 1, 2048, 2048, softcap=50.0),
+    Shape("gemma2-9b-b16-kv4096-softcap50", 16, 8, 256, 16, 1, 4096, softcap=50.0),
 )
 
 
@@ -120,11 +149,75 @@ def ragged(q, k, v):
     return pack(q), pack(k), pack(v), indptr(q.shape[2]), indptr(k.shape[2])
 
 
-def causal_mask(queries: int, keys: int, device="cpu"):
-    """The (query, key) pairs a causal mask aligned to the end of the keys leaves visible."""
+def causal_mask(queries: int, keys: int, device="cpu", window: Optional[int] = None):
+    """The (query, key) pairs a causal mask aligned to the end of the keys leaves visible
+    (within ``window`` keys of the query, if given)."""
     import torch
 
-    return torch.arange(keys, device=device)[None, :] <= torch.arange(queries, device=device)[:, None] + keys - queries
+    behind = torch.arange(queries, device=device)[:, None] + keys - queries - torch.arange(keys, device=device)[None, :]
+    return (behind >= 0) & (behind < window) if window is not None else behind >= 0
+
+
+def reference(s: Shape, q, k, v, visible):
+    """The float32 output of ``s``'s attention."""
+    import torch
+
+    group = s.heads_q // s.heads_kv
+    k, v = (x.float().repeat_interleave(group, 1) for x in (k, v))
+    if s.softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=visible)
+    scores = q.float() @ k.transpose(-1, -2) / math.sqrt(s.head_dim)
+    scores = (s.softcap * torch.tanh(scores / s.softcap)).masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def tvm_llm(s: Shape, q, k, v):
+    """TVM's own LLM attention kernels, what a ``relax.frontend.nn.llm`` model's paged KV
+    cache runs: the paged decode (one query per sequence) or the ragged prefill, compiled
+    for the GPU and called on this shape's paged or ragged tensors. Returns ``(run,
+    out)``, ``out`` as bhsd; None where the shape is neither."""
+    import torch
+    import tvm
+    from tvm.relax.frontend.nn.llm import _decode_kernels, _prefill_kernels
+
+    target = tvm.target.Target("cuda")
+    sm_scale = 1 / math.sqrt(s.head_dim)
+    zeros = lambda n: torch.zeros(n, dtype=torch.int32, device="cuda")  # noqa: E731  (no RoPE positions)
+    if s.queries == 1:
+        func = _decode_kernels._attention_decode(s.heads_kv, s.heads_q, s.head_dim, s.dtype, False, {}, target)
+        q_, pages, _, page_indptr, page_ids, last = paged(q, k, v)
+        args = (q_, pages, page_indptr, page_ids, last, zeros(s.batch), zeros(s.batch))
+        tail = (0, 1.0, 1e4, sm_scale)
+    elif s.queries > 8:
+        func = _prefill_kernels._attention_prefill_ragged(s.heads_kv, s.heads_q, s.head_dim, s.head_dim, s.dtype, {},
+                                                          target)
+        q_, k_, v_, q_indptr, kv_indptr = ragged(q, k, v)
+        args = (q_, q_indptr, k_, v_, kv_indptr, zeros(q_.shape[0]), zeros(s.batch))
+        tail = (1, 0, 1.0, 1e4, sm_scale)  # causal, aligned to the end of the keys
+    else:
+        return None
+    function = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
+    out = torch.empty_like(q_)
+    lse = torch.empty(q_.shape[:2], dtype=torch.float32, device="cuda")
+
+    def run():
+        function(*args, out, lse, *tail)
+
+    run()
+    return run, out.reshape(s.batch, s.queries, s.heads_q, s.head_dim).permute(0, 2, 1, 3)
+
+
+def flex_peer(s: Shape, q, k, v):
+    """Compiled FlexAttention (:func:`benchmarks.peers.flex`) with the causal block mask
+    aligned to the end of the keys (and the shape's window and softcap). Returns ``(run,
+    out)``."""
+    from .configs import Config
+    from .peers import flex
+
+    op = _Operator("decode" if s.queries <= 8 else "prefill", s.name, s.heads_q, s.heads_kv, s.window, s.softcap)
+    config = Config(op, s.batch, s.queries, s.keys, s.head_dim, s.dtype)
+    run, _ = flex(config, q, k, v)
+    return (lambda: run(q, k, v)), run(q, k, v)
 
 
 def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
@@ -138,10 +231,11 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
     q, k, v = (torch.randn(s.batch, h, n, s.head_dim, device="cuda", dtype=getattr(torch, s.dtype))
                for h, n in ((s.heads_q, s.queries), (s.heads_kv, s.keys), (s.heads_kv, s.keys)))
     group = s.heads_q // s.heads_kv
-    visible = causal_mask(s.queries, s.keys, "cuda")
-    ref = sdpa(q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=visible)
+    visible = causal_mask(s.queries, s.keys, "cuda", s.window)
+    ref = reference(s, q, k, v, visible)
     decode = s.queries <= 8
-    moved = 2 * (q.numel() + 2 * k.numel())  # bytes of Q, K, V and the output
+    seen = s.keys if s.window is None else min(s.keys, s.window + s.queries - 1)
+    moved = 2 * (2 * q.numel() + 2 * k.numel() // s.keys * seen)  # bytes of Q, the output and the K, V rows seen
     roofline = moved / (bandwidth * 1e9) * 1e3
     flops = 4 * s.head_dim * s.batch * s.heads_q * int(visible.sum())
     rows = []
@@ -154,7 +248,7 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
                      "tflops": flops / ms / 1e9 if ms else None})
 
     for layout in ("bhsd", "paged" if decode else "ragged"):
-        kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant="causal", dtype=s.dtype,
+        kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant=s.variant(), dtype=s.dtype,
                                   layout=layout, target="cuda")
         args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if decode else ragged(q, k, v)
         plan = kernel.plan(*args)
@@ -162,7 +256,11 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
         if layout != "bhsd":
             out = out.reshape(s.batch, s.queries, s.heads_q, s.head_dim).permute(0, 2, 1, 3)
         record(f"tvm-cascade {layout} ({plan.family.name})", lambda: kernel(*args, plan=plan), out)
-    if s.queries == 1:
+    if s.softcap is not None:
+        mask = None  # SDPA has no softcap
+    elif s.window is not None:
+        mask = {"attn_mask": visible}
+    elif s.queries == 1:
         mask = {}
     elif s.queries == s.keys:
         mask = {"is_causal": True}
@@ -176,10 +274,14 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
                 return sdpa(q, k, v, enable_gqa=group > 1, **mask)
 
         try:
-            out = peer()
+            out = peer() if mask is not None else None
         except RuntimeError:  # the backend does not take this configuration
             out = None
         record(f"sdpa {backend.split('_')[0].lower()}", peer, out)
+    record("flex", *flex_peer(s, q, k, v))
+    llm = tvm_llm(s, q, k, v) if s.window is None and s.softcap is None else None
+    if llm is not None:
+        record("tvm llm (relax.frontend.nn.llm)", *llm)
     return rows
 
 
@@ -191,24 +293,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = copy_bandwidth_gbps()
     shapes = [s for s in SHAPES if not args.only or s.name in args.only]
     results = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv)
+    env["command"] = " ".join(["python", "-m", "benchmarks.models", *argv])
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
-    for shape in shapes:
+    for done, shape in enumerate(shapes, 1):
         rows = run_shape(shape, bandwidth)
         results.extend(rows)
-        best = min((r["ms"] for r in rows if r["ms"] and r["implementation"].startswith("sdpa")), default=None)
+        best = min((r["ms"] for r in rows if r["ms"] and not r["implementation"].startswith("tvm-cascade")), default=None)
         for r in rows:
             ms = f"{r['ms']:.4f}" if r["ms"] else "wrong" if r["error"] is not None else "n/a"
-            ratio = f"{best / r['ms']:.2f}x best SDPA" if best and r["ms"] else ""
+            ratio = f"{best / r['ms']:.2f}x best peer" if best and r["ms"] else ""
             rate = (f"{100 * r['roofline']:.0f}% roofline" if r["roofline"]
                     else f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else "")
             err = f"(err {r['error']:.1e})" if r["error"] is not None else "(not run: backend refused)"
             print(f"{shape.name:30s} {r['implementation']:44s} {ms:>8s} ms  {rate:14s} {ratio}  {err}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.models", *argv])
-    (args.out / "models.json").write_text(json.dumps(
-        {"environment": env, "copy_bandwidth_gbps": bandwidth, "shapes": [asdict(s) for s in shapes],
-         "results": results}, indent=1))
+        # Written after every shape: a run cut short keeps what it measured.
+        (args.out / "models.json").write_text(json.dumps(
+            {"environment": env, "copy_bandwidth_gbps": bandwidth, "shapes": [asdict(s) for s in shapes[:done]],
+             "results": results}, indent=1))
     return 0
 
 

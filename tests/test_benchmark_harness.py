@@ -313,6 +313,7 @@ def test_plot(tmp_path):
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],
         ["benchmarks.wgmma_check"],
         ["benchmarks.models", "--only", "mha-b1-kv2048"],
+        ["benchmarks.attention", "--suite", "models", "--only", "mha-b1-kv2048"],
     ],
 )
 def test_cli_without_gpu_skips(command):
@@ -492,3 +493,22 @@ def test_models_ragged_layout_and_causal_mask():
     assert torch.equal(q_packed[5:10], q[1].permute(1, 0, 2)) and torch.equal(v_packed[14:21], v[2].permute(1, 0, 2))
     mask = np.tril(np.ones((5, 7), bool), k=2)
     assert np.array_equal(causal_mask(5, 7).numpy(), mask) and int(causal_mask(4, 4).sum()) == 10
+    # A window of 2 keys: query i (at key position i + 2) sees keys i + 1 and i + 2.
+    assert np.array_equal(causal_mask(5, 7, window=2).numpy(), mask & ~np.tril(np.ones((5, 7), bool), k=0))
+
+
+def test_models_reference_softcap():
+    """benchmarks.models's float32 reference with a softcap against numpy in float64."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.models import Shape, causal_mask, reference
+
+    shape = Shape("s", 4, 2, 8, 1, 3, 6, softcap=5.0)
+    q, k, v = (torch.randn(1, h, n, 8) for h, n in ((4, 3), (2, 6), (2, 6)))
+    out = reference(shape, q, k, v, causal_mask(3, 6)).numpy()
+    qn, kn, vn = (x.double().numpy()[0] for x in (q, k, v))
+    kn, vn = kn.repeat(2, 0), vn.repeat(2, 0)
+    scores = 5.0 * np.tanh(qn @ kn.transpose(0, 2, 1) / np.sqrt(8) / 5.0)
+    scores = np.where(causal_mask(3, 6).numpy(), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (weights / weights.sum(-1, keepdims=True)) @ vn
+    np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)

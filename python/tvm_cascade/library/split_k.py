@@ -157,11 +157,14 @@ def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
     return combine
 
 
-def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: int, step: int, least: int) -> int:
+def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: int, step: int, least: int,
+                    whole_waves: bool) -> int:
     """Keys per chunk (a multiple of ``step``, at least ``least``) so that the chunk kernel
-    launches about ``per_sm`` of its ``blocks``-per-chunk blocks per SM, never more
-    chunks than needed to cover the keys a sequence's rows see."""
+    launches about ``per_sm`` of its ``blocks``-per-chunk blocks per SM: at most that
+    many if ``whole_waves`` (a family whose ``per_sm`` blocks fit an SM at once: one wave
+    rather than one and a fraction), else at least. Never more chunks than needed to
+    cover the keys a sequence's rows see."""
     keys = max(visible_keys(spec, max_q, max_kv), 1)
     sms = device.multi_processor_count if device.exist else 132
-    chunks = max(1, -(-per_sm * sms // blocks))
+    chunks = max(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))
     return max(least, -(-keys // chunks // step) * step)

@@ -65,7 +65,7 @@ class SplitKDecode:
         :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
         _, rows, _, step = _shape(spec)
         blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // rows)
-        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, WAVES, step, step)]
+        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, WAVES, step, step, whole_waves=False)]
 
     def compile_target(self, target):
         return target

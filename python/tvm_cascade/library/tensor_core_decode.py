@@ -74,10 +74,11 @@ class TensorCoreDecode:
         return decode_kernel(spec)
 
     def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
-        """``[chunk_keys]``: keys per chunk, so that about :data:`BLOCKS_PER_SM` blocks run
-        per SM, none shorter than :data:`LEAST_CHUNK`."""
+        """``[chunk_keys]``: keys per chunk, so that at most about :data:`BLOCKS_PER_SM`
+        blocks run per SM (one wave), none shorter than :data:`LEAST_CHUNK`."""
         blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // ROWS)
-        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK)]
+        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK,
+                                whole_waves=True)]
 
     def compile_target(self, target):
         return target
