@@ -324,6 +324,24 @@ def test_out_refusals():
         kernel(*args, out=np.zeros((5, 4, 16), "float16"))
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("variant", ["global", "causal"])
+def test_calls_without_queries_or_keys(layout, variant):
+    """A call with no query rows returns its (empty) output and one whose sequences have
+    no keys returns zeros, with no kernel launched (a grid of no blocks is no launch on a
+    GPU); sequences without keys beside others with keys give zeros for their rows."""
+    kernel = _kernel(layout, variant=variant)
+    cases = [([0], [0]), ([0], [4]), ([3], [0]), ([2, 2], [0, 0])]
+    cases += [] if layout == "bhsd" else [([0, 0], [5, 0]), ([3, 2], [0, 6])]
+    for q_lens, kv_lens in cases:
+        sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=np.random.default_rng(4))
+        args = (tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
+                if layout == "bhsd" else tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, 4))
+        args = [tvm.runtime.tensor(a) for a in args]
+        assert (kernel.plan(*args).family is None) == (max(q_lens) == 0 or max(kv_lens) == 0)
+        check_lengths(kernel, [(q_lens, kv_lens)], seed=4)
+
+
 def test_plan_checks_once_and_is_reused():
     """A plan made once serves calls on the same tensors; other tensors are refused."""
     kernel = _kernel("paged")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
 
 from .arguments import (
@@ -14,8 +15,9 @@ from .spec import AttentionSpec
 @dataclass(frozen=True)
 class Plan:
     """What :meth:`AttentionKernel.plan` learnt of a call's tensors: the family that runs
-    it, the scalars it takes, and what a later call must match to reuse them (the
-    tensors' shapes and the index arrays' memory)."""
+    it (None where no kernel runs: a call without query rows, or without keys, whose
+    rows all see none), the scalars it takes, and what a later call must match to reuse
+    them (the tensors' shapes and the index arrays' memory)."""
 
     family: object
     scalars: tuple
@@ -40,6 +42,10 @@ class AttentionKernel:
     kind ``q`` is (a TVM tensor, or, through DLPack, torch or numpy). Every argument is
     checked first (:mod:`~tvm_cascade.library.arguments`): a wrong one raises
     :class:`~tvm_cascade.library.arguments.KernelArgumentError`.
+
+    A call without query rows returns ``out`` as it is; one whose sequences have no keys
+    returns zeros (a row that sees no key gives zeros, as in every kernel); neither
+    launches a kernel.
 
     Checking the index arrays copies them to the host. A model whose layers share a
     step's batch checks it once: ``plan = kernel.plan(q, pages, ...)``, then
@@ -73,6 +79,8 @@ class AttentionKernel:
 
     def _plan(self, given: dict) -> Plan:
         batch, max_q, max_kv = check_call(self.spec, self.device, given)
+        if min(batch, max_q, max_kv) == 0:
+            return Plan(None, (), _shapes(given), _index_data(given))
         family = self.family_for(max_q)
         scalars = [] if self.spec.layout == "bhsd" else [max_q, max_kv]
         scalars += family.plan(self.spec, batch, max_q, max_kv, self.device)
@@ -94,6 +102,10 @@ class AttentionKernel:
         given["out"] = as_tensor("out", out)
         check_out(self.spec, self.device, given["q"], given["out"])
         target = given["out"]
+        if plan.family is None:
+            if int(np.prod(shape)):
+                target.copyfrom(np.zeros(tuple(shape), dtype=np.dtype(tvm.runtime.DataType(self.spec.dtype))))
+            return out
         into = target if is_aligned(target) else tvm.runtime.empty(shape, self.spec.dtype, self.device)
         function = self._functions[self.families.index(plan.family)]
         function(*(aligned(given[n]) for n in ARGUMENTS[self.spec.layout]), *plan.scalars, into)
