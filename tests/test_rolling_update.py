@@ -121,6 +121,30 @@ def two_sums(X: T.Buffer((4, 32), "float32"), out: T.Buffer((4,), "float32")):
         with T.sblock("out"):
             vi = T.axis.spatial(4, i)
             out[vi] = m[vi] + s[vi]
+
+
+@T.prim_func(s_tir=True)
+def two_maxima(S: T.Buffer((4, 32), "float32"), U: T.Buffer((4, 32), "float32"), out: T.Buffer((4,), "float32")):
+    m = T.sblock_alloc_buffer((4,))
+    n = T.sblock_alloc_buffer((4,))
+    for i, j in T.grid(4, 32):
+        with T.sblock("max_s"):
+            vi, vj = T.axis.remap("SR", [i, j])
+            with T.init():
+                m[vi] = T.min_value("float32")
+            m[vi] = T.max(m[vi], S[vi, vj])
+    for i, j in T.grid(4, 32):
+        with T.sblock("max_u"):
+            vi, vj = T.axis.remap("SR", [i, j])
+            with T.init():
+                n[vi] = T.min_value("float32")
+            n[vi] = T.max(n[vi], U[vi, vj])
+    for i, j in T.grid(4, 32):
+        with T.sblock("sum"):
+            vi, vj = T.axis.remap("SR", [i, j])
+            with T.init():
+                out[vi] = T.float32(0)
+            out[vi] = out[vi] + T.exp(S[vi, vj] - m[vi]) * T.exp(U[vi, vj] - n[vi])
 # fmt: on
 
 
@@ -230,6 +254,66 @@ def test_trace_print_replay_and_json():
     q, k, v = testing.random_attention_inputs(1, 2, 1, 3, 20, 8, magnitude=2)
     (out,) = testing.run_prim_func(from_json.mod["main"], [q, k, v])
     np.testing.assert_allclose(out, reference.attention_ref(q, k, v, variant="causal"), atol=1e-5)
+
+
+def test_one_argument_form_infers_the_key_loop():
+    """``rolling_update(block)`` fuses across the outermost split of the chain's first
+    reduction's key loop: the same IR as with the loop given; the trace records the
+    lookups of that loop and replays."""
+    sch = tvm.s_tir.Schedule(softmax_pv, debug_mask="all")
+    sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [None, 4, 8])
+    sch.rolling_update(sch.get_sblock("sum"))
+    sch.rolling_update(sch.get_sblock("pv"))
+    explicit = tvm.s_tir.Schedule(softmax_pv, debug_mask="all")
+    j0, _, _ = explicit.split(explicit.get_loops(explicit.get_sblock("max"))[-1], [None, 4, 8])
+    explicit.rolling_update(explicit.get_sblock("sum"), j0)
+    explicit.rolling_update(explicit.get_sblock("pv"), j0)
+    tvm.ir.assert_structural_equal(sch.mod, explicit.mod)
+    assert 'sch.get_sblock(name="max"' in str(sch.trace)
+    _assert_trace_roundtrip(sch, softmax_pv)
+
+
+def _assert_one_argument_refused(sch, block, match):
+    before, trace_len = sch.mod, len(sch.trace.insts)
+    block_rv = sch.get_sblock(block)
+    with pytest.raises(FusionError, match=match) as info:
+        sch.rolling_update(block_rv)
+    tvm.ir.assert_structural_equal(sch.mod, before)
+    assert len(sch.trace.insts) == trace_len + 1  # the get_sblock above, nothing more
+    assert f"block '{block}'" in str(info.value)
+    return str(info.value)
+
+
+def test_one_argument_form_refusals():
+    """An unsplit key loop, and a block the primitive then refuses (the loop found, its
+    lookups taken off the trace again)."""
+    sch = tvm.s_tir.Schedule(softmax_pv, debug_mask="all")
+    _assert_one_argument_refused(sch, "sum", "the key loop 'j' around 'max' is not split")
+    sch, _ = _split_max(variance, 8)
+    _assert_one_argument_refused(sch, "spread", "has no repair")
+
+
+def test_one_argument_form_takes_the_loop_of_the_reduction_before_the_others():
+    """Of two split reductions the block reads, only the later one's key loop can be fused
+    across (the earlier must be complete before it): the one-argument form takes it; two
+    loops of different nests are not ordered, the ambiguity it would refuse."""
+    from tvm_cascade.analysis.scope import collect_sites
+    from tvm_cascade.primitives.loop_inference import _outermost
+
+    sch = tvm.s_tir.Schedule(two_maxima, debug_mask="all")
+    outer = {}
+    for name in ("max_s", "max_u"):
+        outer[name], _ = sch.split(sch.get_loops(sch.get_sblock(name))[-1], [None, 8])
+    one_argument = sch.copy()
+    sch.rolling_update(sch.get_sblock("sum"), outer["max_u"])
+    one_argument.rolling_update(one_argument.get_sblock("sum"))
+    tvm.ir.assert_structural_equal(one_argument.mod, sch.mod)
+    sites = collect_sites(one_argument.mod["main"].body.block)
+    first = next(s for s in sites if s.name == "max_s")
+    sum_site = next(s for s in sites if s.name == "sum")
+    assert len(first.loops) == 3 and sum_site.loops[1].loop_var.name == "j_0"  # under max_u's outer loop
+    assert _outermost([first.loops[1], sum_site.loops[1]], sites) is None
+    assert _outermost([first.loops[1], first.loops[2]], sites).same_as(first.loops[1])
 
 
 def test_block_and_loop_rvs_stay_valid():

@@ -210,3 +210,20 @@ def test_row_loops_below_the_chunk_loop_are_copied_for_each_block():
     q, k, v = testing.random_attention_inputs(*shape, magnitude=3)
     (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
     np.testing.assert_allclose(out, reference.attention_ref(q, k, v, variant="alibi"), atol=1e-5)
+
+
+def test_one_argument_form_infers_the_chunk_loop():
+    """``split_k_update(block)`` splits across the outer loop of the split of the first
+    reduction's key loop, for that reduction and the later ones: the exact IR of the
+    explicit form, and a trace that replays."""
+    sch = tvm.s_tir.Schedule(softmax_pv, debug_mask="all")
+    sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [4, None])
+    for name in ("max", "sum", "pv"):
+        sch.split_k_update(sch.get_sblock(name))
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"), softmax_pv_split.without_attr("global_symbol")
+    )
+    _assert_trace_roundtrip(sch, softmax_pv)
+    unsplit = tvm.s_tir.Schedule(softmax_pv, debug_mask="all")
+    with pytest.raises(FusionError, match="block 'max': the key loop 'j' around 'max' is not split"):
+        unsplit.split_k_update(unsplit.get_sblock("max"))

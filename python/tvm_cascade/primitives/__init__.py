@@ -7,9 +7,10 @@ from . import split_k_update as _split_k
 from . import in_place as _in_place
 from . import replicas as _replicas
 from . import tiles as _tiles
+from .loop_inference import fusion_loop, trace_kept_on_failure
 
 
-def rolling_update(self: Schedule, block, loop) -> None:
+def rolling_update(self: Schedule, block, loop=None) -> None:
     """Fuse the reduction ``block`` into ``loop``, the key loop of an earlier reduction
     it depends on, keeping a running value that is repaired whenever a tile starts.
 
@@ -41,8 +42,11 @@ def rolling_update(self: Schedule, block, loop) -> None:
     ----------
     block : SBlockRV
         The reduction block to fuse, e.g. ``sum`` or ``pv`` of attention.
-    loop : LoopRV
+    loop : Optional[LoopRV]
         The outer loop of a split of a producer's reduction loop, e.g. ``j_0`` of ``max``.
+        By default the outermost split of the key loop of the chain's first reduction
+        (:mod:`tvm_cascade.primitives.loop_inference`; ambiguous or unsplit key loops are
+        refused); the trace records the loop found.
 
     Examples
     --------
@@ -144,11 +148,14 @@ def rolling_update(self: Schedule, block, loop) -> None:
     leave. New buffers: ``<producer buffer>_prev``, and ``<buffer>_complete`` as above.
     New blocks: only ``<block>_complete`` copies, as above.
     """
-    _rolling.rolling_update(self, block, loop)
+    with trace_kept_on_failure(self):
+        if loop is None:
+            loop = fusion_loop(self, block, "rolling_update")
+        _rolling.rolling_update(self, block, loop)
     append_instruction(self, "RollingUpdate", [block, loop])
 
 
-def split_k_update(self: Schedule, block, loop) -> None:
+def split_k_update(self: Schedule, block, loop=None) -> None:
     """Split the reduction ``block`` into independent chunks of the key loop: each chunk
     folds its own partial result, and a separate global block combines the partials,
     repairing each from the earlier reductions' chunk partials to their global values
@@ -183,8 +190,10 @@ def split_k_update(self: Schedule, block, loop) -> None:
     ----------
     block : SBlockRV
         The reduction to split, e.g. ``max``, then ``sum``, then ``pv``.
-    loop : LoopRV
+    loop : Optional[LoopRV]
         The chunk loop, e.g. ``j_0`` of ``sch.split(j, [8, None])`` on ``max``'s key loop.
+        By default the outermost split of the key loop of the chain's first reduction, as
+        for :meth:`rolling_update`.
 
     Examples
     --------
@@ -261,7 +270,10 @@ def split_k_update(self: Schedule, block, loop) -> None:
     (``T.reads``/``T.writes`` omitted.) Returns nothing; ``block``'s random variable now
     denotes the global combine; get the partial with ``sch.get_sblock("<block>_partial")``.
     """
-    _split_k.split_k_update(self, block, loop)
+    with trace_kept_on_failure(self):
+        if loop is None:
+            loop = fusion_loop(self, block, "split_k_update")
+        _split_k.split_k_update(self, block, loop)
     append_instruction(self, "SplitKUpdate", [block, loop])
 
 
