@@ -1,5 +1,6 @@
 """MetaSchedule tunes through rolling_update and its records reload from JSON."""
 import json
+import logging
 import os
 
 import numpy as np
@@ -26,29 +27,37 @@ def attention_space(sch):
     sch.compute_at(sch.get_sblock("qk"), j0)
 
 
-def test_tune_tir_with_xgboost_and_reload(tmp_path):
-    func = ops.attention(*SHAPE, variant="causal")
-    work_dir = str(tmp_path)
+def tune_briefly(func, work_dir, space, population=16):
+    """One round of 4 measurements with the xgboost model, on 2 cores (~40 s: each round
+    starts builder and runner processes). The population is small: sampling
+    MetaSchedule's default 512 takes minutes on 2 cores."""
+    # Each run's logging config lists its logger's handlers by name: pytest's capture
+    # handlers, left there by an earlier run in this process, have none.
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in [h for h in ms_logger.handlers if h.get_name() is None]:
+        ms_logger.removeHandler(handler)
     ms.tune_tir(
         func,
         target=TARGET,
         work_dir=work_dir,
-        # One round of measurements: each starts builder and runner processes (~40 s on
-        # 2 cores).
         max_trials_global=4,
         num_trials_per_iter=4,
-        space=ms.space_generator.ScheduleFn(
-            attention_space, sch_rules=[], postprocs=[], mutator_probs={}
-        ),
-        # A small population: the design space has 7 points (key tiles of 64), and
-        # sampling MetaSchedule's default 512 takes minutes on 2 cores.
-        strategy=ms.search_strategy.EvolutionarySearch(population_size=16, init_min_unmeasured=8),
+        space=space,
+        strategy=ms.search_strategy.EvolutionarySearch(population_size=population, init_min_unmeasured=population // 2),
         cost_model="xgb",
         num_tuning_cores=1,
         builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300),
         runner=ms.runner.LocalRunner(timeout_sec=300),
         seed=0,
     )
+
+
+def test_tune_tir_with_xgboost_and_reload(tmp_path):
+    func = ops.attention(*SHAPE, variant="causal")
+    work_dir = str(tmp_path)
+    # The design space has 7 points (key tiles of 64).
+    space = ms.space_generator.ScheduleFn(attention_space, sch_rules=[], postprocs=[], mutator_probs={})
+    tune_briefly(func, work_dir, space)
     records_path = os.path.join(work_dir, "database_tuning_record.json")
     with open(records_path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]

@@ -51,17 +51,17 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
     if tile < 1 or chunks < 1:
         raise ValueError(f"tile and chunks must be positive, got {tile} and {chunks}")
     fused = []
-    for candidate in find_candidates(_func(sch)):
+    for candidate in find_candidates(only_func(sch)):
         how = _method(candidate, method)
         _, accepted = _apply(sch.copy(), candidate, how, tile, chunks, candidate.dependents)
         if not accepted:
             logger.debug("'%s': no later reduction fuses into its loop; left unchanged", candidate.root)
             continue
         # Read before fusion rewrites the root's indices.
-        along_keys = _blocks_along_key_axis(sch, candidate.root) if how == "rolling" else None
+        along_keys = blocks_along_key_axis(sch, candidate.root) if how == "rolling" else None
         loop, _ = _apply(sch, candidate, how, tile, chunks, accepted)
         if along_keys is not None:
-            _compute_producers_at(sch, loop, along_keys)
+            compute_producers_at(sch, loop, along_keys)
         fused.append(FusedChain(candidate.root, tuple(accepted), how, loop))
     return fused
 
@@ -71,42 +71,41 @@ def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
     key loop and the names that fused (those refused are logged)."""
     _hoist_independent(sch, candidate.root)
     root = sch.get_sblock(candidate.root)
-    site = _site(sch, candidate.root)
-    loop_rv = _loop_rv(sch, root, driving_loop(site, reduced_axis(site)))
+    loop_rv = key_loop(sch, candidate.root)
     if candidate.length is not None:
         tile = min(tile, candidate.length)
         chunks = min(chunks, candidate.length)
     factors = [None, tile] if how == "rolling" else [chunks, None]
-    key_loop = sch.split(loop_rv, factors, preserve_unit_iters=True)[0]
+    tiles = sch.split(loop_rv, factors, preserve_unit_iters=True)[0]
     primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
     if how == "split_k":
-        primitive(root, key_loop)
+        primitive(root, tiles)
     fused = []
     for name in names:
         try:
-            primitive(sch.get_sblock(name), key_loop)
+            primitive(sch.get_sblock(name), tiles)
             fused.append(name)
         except ScheduleError as err:
             logger.debug("'%s' not fused into '%s': %s", name, candidate.root, _reason(err))
-    return key_loop, fused
+    return tiles, fused
 
 
-def _blocks_along_key_axis(sch, root_name: str) -> set:
+def blocks_along_key_axis(sch, root_name: str) -> set:
     """Names of the blocks with an iterator on the root's reduced axis (before fusion,
     while every index is still a plain iterator)."""
-    sites = collect_sites(_func(sch).body.block)
+    sites = collect_sites(only_func(sch).body.block)
     axes = AxisClasses(sites)
     key = reduced_axis(next(s for s in sites if s.name == root_name)).var
     return {s.name for s in sites if any(axes.same(iv.var, key) for iv in s.block.iter_vars)}
 
 
-def _compute_producers_at(sch, loop, along_keys: set) -> None:
+def compute_producers_at(sch, loop, along_keys: set) -> None:
     """Compute the blocks feeding the fused chain (scores, Q·Kᵀ) inside its key loop,
     nearest first. Only blocks in ``along_keys`` go in, each computing one tile or chunk
     of keys; a row-level block (the query's layout) would be recomputed for every tile.
     A branch stops where ``compute_at`` refuses."""
     loop_stmt = sch.get(loop)
-    pending = [s.name for s in collect_sites(_func(sch).body.block) if s.under(loop_stmt)]
+    pending = [s.name for s in collect_sites(only_func(sch).body.block) if s.under(loop_stmt)]
     seen = set(pending)
     while pending:
         block = sch.get_sblock(pending.pop())
@@ -126,7 +125,7 @@ def _compute_producers_at(sch, loop, along_keys: set) -> None:
 
 def _hoist_independent(sch, root_name: str) -> None:
     """Move the root-level loop nests that do not depend on ``root_name`` before it."""
-    func = _func(sch)
+    func = only_func(sch)
     sites = collect_sites(func.body.block)
     writer = {buf: site for site in sites for buf in site.write_buffers()}
     dependent = set()
@@ -163,7 +162,7 @@ def _method(candidate: Candidate, method: str) -> str:
     return "split_k" if few_rows else "rolling"
 
 
-def _func(sch) -> tvm.tirx.PrimFunc:
+def only_func(sch) -> tvm.tirx.PrimFunc:
     funcs = [f for _, f in sch.mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     if len(funcs) != 1:
         raise ValueError(f"expected a schedule of one PrimFunc, got {len(funcs)}")
@@ -171,14 +170,17 @@ def _func(sch) -> tvm.tirx.PrimFunc:
 
 
 def _site(sch, name: str):
-    for site in collect_sites(_func(sch).body.block):
+    for site in collect_sites(only_func(sch).body.block):
         if site.name == name:
             return site
     raise KeyError(name)
 
 
-def _loop_rv(sch, block_rv, loop):
-    for loop_rv in sch.get_loops(block_rv):
+def key_loop(sch, root_name: str):
+    """A LoopRV of the loop that drives the reduced axis of the reduction ``root_name``."""
+    site = _site(sch, root_name)
+    loop = driving_loop(site, reduced_axis(site))
+    for loop_rv in sch.get_loops(sch.get_sblock(root_name)):
         if sch.get(loop_rv).same_as(loop):
             return loop_rv
     raise KeyError(loop.loop_var.name)

@@ -1,0 +1,176 @@
+"""MetaSchedule finds the fusion of cascaded reductions itself.
+
+:class:`CascadeFusion` is a schedule rule: on the root of each chain
+:func:`~tvm_cascade.transform.detect.find_candidates` finds (a reduction, e.g. a row max,
+whose later reductions over the same axis read it, e.g. the softmax's sum and P·V), it
+proposes, beside the schedule as it was (which the other rules then tile as ever; left
+out with ``unfused=False``):
+
+* the rolling update: the root's key loop split by a key tile sampled from ``tiles``
+  (``sample_categorical``), each later reduction fused across it with
+  ``rolling_update``, the blocks that feed the chain along the key axis (scores, Q·Kᵀ)
+  computed inside the tile loop;
+* the split-k update: the key loop split into a sampled number of ``chunks`` (of those
+  that divide the key length), the root and each later reduction split with
+  ``split_k_update``.
+
+A later reduction the primitives refuse (no repair exists) stays unfused, as
+:func:`~tvm_cascade.transform.fuse_cascaded_reductions` leaves it. On a GPU target a
+fused candidate is bound to blocks and threads by
+:func:`~tvm_cascade.relax.gpu_schedule.schedule_fused_for_gpu`; the blocks of a fused
+nest are then annotated ``schedule_rule = "None"``, so that the other rules leave them
+alone. Every step is a traced instruction, so the evolutionary search mutates the sampled
+tile or chunk count and the records replay from a JSON database.
+
+:func:`cascade_space` is the space generator to tune with: MetaSchedule's default rules,
+postprocessors and mutators for the target, with :class:`CascadeFusion` first::
+
+    ms.tune_tir(func, target, work_dir, max_trials_global=64, space=cascade_space())
+
+The default rules run as :class:`TargetDefault`: one that fails on a block leaves that
+block as it was instead of stopping the whole space, as it does on an unfused attention.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import tvm
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.schedule import ScheduleError
+
+from .analysis.scope import collect_sites
+from .relax.gpu_schedule import UnsupportedOnGpu, schedule_fused_for_gpu
+from .transform.detect import find_candidates
+from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func
+
+#: Key tiles the rolling update samples from (those below the key length).
+TILES = (16, 32, 64, 128)
+#: Chunk counts the split-k update samples from (those that divide the key length).
+CHUNKS = (2, 4, 8, 16, 32)
+#: The annotation that makes MetaSchedule's other rules skip a block.
+SKIP = ("schedule_rule", "None")
+
+
+@derived_object
+class CascadeFusion(ms.schedule_rule.PyScheduleRule):
+    """Propose the rolling and split-k fusions of a cascaded-reduction chain at its root
+    (module docstring), and the schedule as it was unless ``unfused`` is False."""
+
+    def __init__(self, tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, unfused: bool = True):
+        self.tiles, self.chunks, self.unfused = tuple(tiles), tuple(chunks), unfused
+        self.on_gpu = False
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.on_gpu = context.target is not None and "gpu" in context.target.keys
+
+    def apply(self, sch, block):
+        name = sch.get(block).name_hint
+        candidate = next((c for c in find_candidates(only_func(sch)) if c.root == name), None)
+        if candidate is None:
+            return [sch]
+        proposals = []
+        for how in ("rolling", "split_k"):
+            fused = sch.copy()
+            try:
+                if self._fuse(fused, candidate, how):
+                    proposals.append(fused)
+            except (ScheduleError, UnsupportedOnGpu):
+                continue
+        return [sch] + proposals if self.unfused or not proposals else proposals
+
+    def clone(self):
+        return CascadeFusion(self.tiles, self.chunks, self.unfused)
+
+    def _fuse(self, sch, candidate, how: str) -> bool:
+        """Fuse ``candidate`` by ``how`` on ``sch``; whether any later reduction fused."""
+        choices = self._choices(candidate, how)
+        if not choices:
+            return False
+        along_keys = blocks_along_key_axis(sch, candidate.root) if how == "rolling" else None
+        root = sch.get_sblock(candidate.root)
+        key = key_loop(sch, candidate.root)
+        sampled = sch.sample_categorical(list(choices), [1 / len(choices)] * len(choices))
+        loop = sch.split(key, [None, sampled] if how == "rolling" else [sampled, None], preserve_unit_iters=True)[0]
+        primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
+        if how == "split_k":
+            primitive(root, loop)
+        fused = []
+        for dependent in candidate.dependents:
+            try:
+                primitive(sch.get_sblock(dependent), loop)
+            except ScheduleError:
+                continue  # no repair: it stays unfused
+            fused.append(dependent)
+        if not fused:
+            return False
+        if along_keys is not None:
+            compute_producers_at(sch, loop, along_keys)
+        if self.on_gpu:
+            schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)])
+            names = [s.name for s in collect_sites(only_func(sch).body.block)]
+        else:
+            nest = sch.get(loop)
+            names = [s.name for s in collect_sites(only_func(sch).body.block) if s.under(nest)]
+            names += [candidate.root] + fused
+        for name in dict.fromkeys(names):
+            sch.annotate(sch.get_sblock(name), *SKIP)
+        return True
+
+    def _choices(self, candidate, how: str) -> tuple:
+        length = candidate.length
+        if how == "rolling":
+            return tuple(t for t in self.tiles if length is None or t < length)
+        # Chunk counts that divide the length: otherwise the partials keep the split's
+        # predicate, and TVM judges their bindings non-affine (``split_k_update``).
+        return tuple(c for c in self.chunks if length is not None and c <= length and length % c == 0)
+
+
+@derived_object
+class TargetDefault(ms.schedule_rule.PyScheduleRule):
+    """The target's ``position``-th default rule (MetaSchedule's, as ``"from-target"``
+    gives them once the tuning context names the target; nothing past the last), except
+    that a block it fails on (a ScheduleError) is left as it was.
+
+    MetaSchedule's default rules stop the whole design space on some blocks of an
+    unfused chain: MultiLevelTiling moves the consumer of P·V, which also reads the
+    softmax's sum, under P·V's tiles, which ``reverse_compute_at`` refuses."""
+
+    def __init__(self, position: int):
+        self.position = position
+        self.rule = None
+
+    def _initialize_with_tune_context(self, context) -> None:
+        defaults = ms.space_generator.PostOrderApply()
+        defaults._initialize_with_tune_context(context)  # resolves the target's rules
+        rules = list(defaults.sch_rules)
+        self.rule = rules[self.position] if self.position < len(rules) else None
+        if self.rule is not None:
+            self.rule._initialize_with_tune_context(context)
+
+    def apply(self, sch, block):
+        if self.rule is None:
+            return [sch]
+        try:
+            return list(self.rule.apply(sch.copy(), block))
+        except ScheduleError:
+            return [sch]
+
+    def clone(self):
+        return TargetDefault(self.position)
+
+
+def _most_default_rules() -> int:
+    """The most default rules a target kind has (MetaSchedule's "cuda-tensorcore" list)."""
+    import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=import-outside-toplevel  (the tensor-core rules name them)
+
+    return max(len(ms.ScheduleRule.create(kind)) for kind in ("llvm", "cuda", "cuda-tensorcore", "hexagon"))
+
+
+def cascade_space(tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, unfused: bool = True):
+    """The space generator that tunes cascaded reductions (module docstring):
+    MetaSchedule's post-order space with :class:`CascadeFusion` before the target's
+    default rules (:class:`TargetDefault`), and the target's default postprocessors and
+    mutators. ``unfused=False`` drops a chain's unfused schedule where a fusion applies."""
+    rules = [CascadeFusion(tiles, chunks, unfused)] + [TargetDefault(k) for k in range(_most_default_rules())]
+    return ms.space_generator.PostOrderApply(sch_rules=rules, postprocs="from-target", mutator_probs="from-target")

@@ -1,0 +1,110 @@
+"""MetaSchedule finds the fusion itself: ``tvm_cascade.meta_schedule.cascade_space`` on
+unfused chains of every kind, its proposals replayed from JSON and run against numpy, a
+GPU proposal through CUDA code generation, and a tuning run whose best record is fused."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+from tvm.s_tir import meta_schedule as ms
+
+from tvm_cascade import ops
+from tvm_cascade import trace as cascade_trace
+from tvm_cascade.meta_schedule import SKIP, cascade_space
+from tvm_cascade.ops import cascades, testing
+from tvm_cascade.ops import reference as R
+
+from test_meta_schedule import TARGET, tune_briefly
+
+LLVM = tvm.target.Target(TARGET)
+FUSIONS = ("RollingUpdate", "SplitKUpdate")
+
+
+def _case(kind, rng):
+    """(unfused PrimFunc, inputs, numpy reference of its outputs)."""
+    if kind == "attention":
+        q, k, v = testing.random_attention_inputs(1, 2, 1, 3, 40, 8, magnitude=2, seed=1)
+        return ops.attention(1, 2, 1, 3, 40, 8, variant="causal"), [q, k, v], [R.attention_ref(q, k, v, variant="causal")]
+    if kind in ("logsumexp", "cross_entropy"):
+        x = rng.standard_normal((4, 40)).astype("float32") * 4
+        if kind == "logsumexp":
+            return cascades.logsumexp(4, 40), [x], [R.logsumexp_ref(x)]
+        labels = rng.integers(0, 40, 4).astype("int32")
+        return cascades.cross_entropy(4, 40), [x, labels], [R.cross_entropy_ref(x, labels)]
+    if kind == "absmax_quant_gemm":
+        x, w = rng.standard_normal((4, 40)).astype("float32"), rng.standard_normal((40, 8)).astype("float32")
+        return cascades.absmax_quant_gemm(4, 8, 40), [x, w], [R.absmax_quant_gemm_ref(x, w)]
+    if kind == "rmsnorm_gemm":
+        x, gamma = rng.standard_normal((4, 40)).astype("float32"), rng.standard_normal(40).astype("float32")
+        w = rng.standard_normal((40, 8)).astype("float32")
+        return cascades.rmsnorm_gemm(4, 8, 40), [x, gamma, w], [R.rmsnorm_gemm_ref(x, gamma, w)]
+    logits = rng.standard_normal((4, 40)).astype("float32") * 3
+    return cascades.moe_routing(4, 40, 2, with_topk=False), [logits], [R.moe_routing_ref(logits, 2)[0]]
+
+
+def _fusions(sch):
+    return [inst.kind.name for inst in sch.trace.insts if inst.kind.name in FUSIONS]
+
+
+@pytest.mark.parametrize("kind", ["attention", "logsumexp", "cross_entropy", "absmax_quant_gemm", "rmsnorm_gemm", "moe_routing"])
+def test_space_proposes_each_fusion_beside_the_unfused_schedule(kind):
+    """The space holds unfused schedules (the default rules' own) and a rolling and a
+    split-k fusion of the chain; each fused one, replayed from its JSON trace on the
+    unfused function and post-processed as the search does, computes what numpy does."""
+    func, inputs, expected = _case(kind, np.random.default_rng(0))
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=LLVM, space_generator=cascade_space(), task_name=kind)
+    spaces = context.generate_design_space()
+    found = {tuple(sorted(set(_fusions(s)))) for s in spaces}
+    assert found == {(), ("RollingUpdate",), ("SplitKUpdate",)}
+    for space in spaces:
+        if not _fusions(space):
+            continue
+        replayed = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        cascade_trace.apply_json_to_schedule(space.trace.as_json(), replayed)
+        assert all(postproc.apply(replayed) for postproc in context.space_generator.postprocs)
+        outputs = testing.run_prim_func(replayed.mod["main"], inputs)
+        for out, ref in zip(outputs if isinstance(outputs, (list, tuple)) else [outputs], expected):
+            np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_nest_is_left_to_the_fusion():
+    """The blocks of a fused nest carry ``schedule_rule = "None"``: the default rules
+    that follow leave them alone (no multi-level tiling of P·V inside the key loop)."""
+    func = ops.attention(1, 2, 1, 3, 40, 8, variant="causal")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=LLVM, space_generator=cascade_space(), task_name="a")
+    rolled = next(s for s in context.generate_design_space() if "RollingUpdate" in _fusions(s))
+    for name in ("max", "sum", "pv"):
+        assert rolled.get(rolled.get_sblock(name)).annotations[SKIP[0]] == SKIP[1]
+
+
+def test_gpu_proposals_are_bound_and_compile_for_cuda():
+    """On a CUDA target the fused proposals are bound to blocks and threads and pass the
+    GPU postprocessors (VerifyGPUCode among them); TVM's CUDA code generation and nvcc
+    build them."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    func = ops.attention(1, 4, 1, 1, 256, 64, variant="causal")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=cascade_space(), task_name="d")
+    fused = [s for s in context.generate_design_space() if _fusions(s)]
+    assert {_fusions(s)[0] for s in fused} == set(FUSIONS)
+    for space in fused:
+        sch = space.copy()
+        assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
+        source = tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
+        assert "blockIdx.x" in source and "threadIdx" in source
+
+
+def test_tune_tir_finds_a_fused_kernel_and_reloads_it(tmp_path):
+    """``ms.tune_tir`` on the unfused attention with the fused proposals only: the best
+    record is a fusion, it reloads from the JSON database and computes what numpy does."""
+    func = ops.attention(1, 2, 2, 4, 64, 16, variant="causal")
+    tune_briefly(func, str(tmp_path), cascade_space(unfused=False), population=8)
+    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
+    sch = database.query_schedule(tvm.IRModule({"main": func}), target=LLVM, workload_name="main")
+    assert any(name in str(sch.trace) for name in ("sch.rolling_update(", "sch.split_k_update("))
+    q, k, v = testing.random_attention_inputs(1, 2, 2, 4, 64, 16, magnitude=2)
+    (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
+    np.testing.assert_allclose(out, R.attention_ref(q, k, v, variant="causal"), atol=1e-5)
