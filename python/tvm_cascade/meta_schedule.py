@@ -15,7 +15,8 @@ out with ``unfused=False``):
   ``split_k_update``.
 
 A later reduction the primitives refuse (no repair exists) stays unfused, as
-:func:`~tvm_cascade.transform.fuse_cascaded_reductions` leaves it. On a GPU target a
+:func:`~tvm_cascade.transform.fuse_cascaded_reductions` leaves it (the reason logged at
+DEBUG level on the ``tvm_cascade.meta_schedule`` logger). On a GPU target a
 fused candidate is bound to blocks and threads by
 :func:`~tvm_cascade.relax.gpu_schedule.schedule_fused_for_gpu`; the blocks of a fused
 nest are then annotated ``schedule_rule = "None"``, so that the other rules leave them
@@ -32,6 +33,7 @@ block as it was instead of stopping the whole space, as it does on an unfused at
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import tvm
@@ -42,7 +44,9 @@ from tvm.s_tir.schedule import ScheduleError
 from .analysis.scope import collect_sites
 from .relax.gpu_schedule import UnsupportedOnGpu, schedule_fused_for_gpu
 from .transform.detect import find_candidates
-from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func
+from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
+
+logger = logging.getLogger("tvm_cascade.meta_schedule")
 
 #: Key tiles the rolling update samples from (those below the key length).
 TILES = (16, 32, 64, 128)
@@ -99,8 +103,9 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         for dependent in candidate.dependents:
             try:
                 primitive(sch.get_sblock(dependent), loop)
-            except ScheduleError:
-                continue  # no repair: it stays unfused
+            except ScheduleError as err:
+                logger.debug("'%s' not fused into '%s' (%s): %s", dependent, candidate.root, how, reason(err))
+                continue
             fused.append(dependent)
         if not fused:
             return False

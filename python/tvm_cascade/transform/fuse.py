@@ -86,7 +86,7 @@ def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
             primitive(sch.get_sblock(name), tiles)
             fused.append(name)
         except ScheduleError as err:
-            logger.debug("'%s' not fused into '%s': %s", name, candidate.root, _reason(err))
+            logger.debug("'%s' not fused into '%s': %s", name, candidate.root, reason(err))
     return tiles, fused
 
 
@@ -118,7 +118,7 @@ def compute_producers_at(sch, loop, along_keys: set) -> None:
                 try:
                     sch.compute_at(producer, loop, preserve_unit_loops=True)
                 except ScheduleError as err:
-                    logger.debug("'%s' stays outside the key loop: %s", name, _reason(err))
+                    logger.debug("'%s' stays outside the key loop: %s", name, reason(err))
                     continue
             pending.append(name)
 
@@ -145,7 +145,7 @@ def _hoist_independent(sch, root_name: str) -> None:
     refresh_sblock_flags(sch.state)
 
 
-def _reason(err: Exception) -> str:
+def reason(err: Exception) -> str:
     """The last line of a schedule error: the reason without the rendered IR."""
     lines = [line for line in str(err).splitlines() if line.strip()]
     return lines[-1] if lines else type(err).__name__
