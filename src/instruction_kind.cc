@@ -328,6 +328,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       KindSpec{"RollingUpdate", "rolling_update", {"block", "loop"}, {}, false, false});
   KindRegistry::Global()->AddSpec(
       KindSpec{"SplitKUpdate", "split_k_update", {"block", "loop"}, {}, false, false});
+  KindRegistry::Global()->AddSpec(
+      KindSpec{"HoistIndependent", "hoist_independent", {"block"}, {}, false, false});
 
   namespace refl = ::tvm::ffi::reflection;
   refl::GlobalDef()

@@ -27,15 +27,19 @@ def attention_space(sch):
     sch.compute_at(sch.get_sblock("qk"), j0)
 
 
+def clear_capture_handlers():
+    """Each tuning run's logging config lists MetaSchedule's logger's handlers by name:
+    pytest's capture handlers, left there by an earlier run in this process, have none."""
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in [h for h in ms_logger.handlers if h.get_name() is None]:
+        ms_logger.removeHandler(handler)
+
+
 def tune_briefly(func, work_dir, space, population=16):
     """One round of 4 measurements with the xgboost model, on 2 cores (~40 s: each round
     starts builder and runner processes). The population is small: sampling
     MetaSchedule's default 512 takes minutes on 2 cores."""
-    # Each run's logging config lists its logger's handlers by name: pytest's capture
-    # handlers, left there by an earlier run in this process, have none.
-    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
-    for handler in [h for h in ms_logger.handlers if h.get_name() is None]:
-        ms_logger.removeHandler(handler)
+    clear_capture_handlers()
     ms.tune_tir(
         func,
         target=TARGET,

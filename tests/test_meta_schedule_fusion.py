@@ -1,6 +1,7 @@
 """MetaSchedule finds the fusion itself: ``tvm_cascade.meta_schedule.cascade_space`` on
 unfused chains of every kind, its proposals replayed from JSON and run against numpy, a
-GPU proposal through CUDA code generation, and a tuning run whose best record is fused."""
+GPU proposal through CUDA code generation, and tuning runs (``tune_tir``, ``tune_relax``)
+whose best record is fused."""
 
 import shutil
 
@@ -16,7 +17,7 @@ from tvm_cascade.meta_schedule import SKIP, cascade_space
 from tvm_cascade.ops import cascades, testing
 from tvm_cascade.ops import reference as R
 
-from test_meta_schedule import TARGET, tune_briefly
+from test_meta_schedule import TARGET, clear_capture_handlers, tune_briefly
 
 LLVM = tvm.target.Target(TARGET)
 FUSIONS = ("RollingUpdate", "SplitKUpdate")
@@ -108,3 +109,37 @@ def test_tune_tir_finds_a_fused_kernel_and_reloads_it(tmp_path):
     q, k, v = testing.random_attention_inputs(1, 2, 2, 4, 64, 16, magnitude=2)
     (out,) = testing.run_prim_func(sch.mod["main"], [q, k, v])
     np.testing.assert_allclose(out, R.attention_ref(q, k, v, variant="causal"), atol=1e-5)
+
+
+def test_tune_relax_finds_the_fused_attention_of_a_model(tmp_path):
+    """``tune_relax`` on a Relax attention (``R.nn.attention``, causal, legalised to one
+    PrimFunc whose V transpose sits between the softmax and P·V): the best record of the
+    attention task is a fusion; reloaded from the JSON database and applied to the
+    module (``MetaScheduleApplyDatabase``), the model computes what numpy does."""
+    from tvm import relax
+
+    from test_relax_fuse_attention import _causal_attention_op
+
+    mod = tvm.transform.Sequential(
+        [relax.transform.LegalizeOps(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    )(_causal_attention_op())
+    clear_capture_handlers()
+    ms.relax_integration.tune_relax(
+        mod, params={}, target=LLVM, work_dir=str(tmp_path), max_trials_global=4, num_trials_per_iter=4,
+        space=cascade_space(unfused=False),
+        strategy=ms.search_strategy.EvolutionarySearch(population_size=8, init_min_unmeasured=4),
+        builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300),
+        runner=ms.runner.LocalRunner(timeout_sec=300), seed=0,
+    )
+    database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))
+    (task,) = ms.relax_integration.extract_tasks(mod, LLVM)
+    best = database.query_schedule(task.dispatched[0], target=LLVM, workload_name=task.task_name)
+    assert any(name in str(best.trace) for name in ("sch.rolling_update(", "sch.split_k_update("))
+    with LLVM, database, tvm.transform.PassContext(opt_level=3):
+        applied = relax.transform.MetaScheduleApplyDatabase()(mod)
+    vm = relax.VirtualMachine(tvm.compile(applied, target=LLVM), tvm.cpu())
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal(shape).astype("float32") for shape in ((1, 8, 2, 8), (1, 80, 2, 8), (1, 80, 2, 8)))
+    out = vm["main"](*(tvm.runtime.tensor(x) for x in (q, k, v))).numpy()
+    expected = R.sequence_attention_ref(q[0], k[0], v[0], variant="causal")
+    np.testing.assert_allclose(out[0], expected, rtol=1e-4, atol=1e-5)

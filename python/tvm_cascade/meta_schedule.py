@@ -3,7 +3,8 @@
 :class:`CascadeFusion` is a schedule rule: on the root of each chain
 :func:`~tvm_cascade.transform.detect.find_candidates` finds (a reduction, e.g. a row max,
 whose later reductions over the same axis read it, e.g. the softmax's sum and P·V), it
-proposes, beside the schedule as it was (which the other rules then tile as ever; left
+moves the loop nests that do not depend on the root before it (``hoist_independent``:
+a legalised Relax function transposes V after the softmax), then proposes, beside the schedule as it was (which the other rules then tile as ever; left
 out with ``unfused=False``):
 
 * the rolling update: the root's key loop split by a key tile sampled from ``tiles``
@@ -42,7 +43,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import ScheduleError
 
 from .analysis.scope import collect_sites
-from .relax.gpu_schedule import UnsupportedOnGpu, schedule_fused_for_gpu
+from .errors import FusionError
+from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
 
@@ -93,6 +95,10 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             return False
         along_keys = blocks_along_key_axis(sch, candidate.root) if how == "rolling" else None
         root = sch.get_sblock(candidate.root)
+        try:
+            sch.hoist_independent(root)
+        except FusionError as err:
+            logger.debug("blocks stay in place around '%s': %s", candidate.root, err)
         key = key_loop(sch, candidate.root)
         sampled = sch.sample_categorical(list(choices), [1 / len(choices)] * len(choices))
         loop = sch.split(key, [None, sampled] if how == "rolling" else [sampled, None], preserve_unit_iters=True)[0]
@@ -111,6 +117,9 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             return False
         if along_keys is not None:
             compute_producers_at(sch, loop, along_keys)
+        # A matmul of the chain (P·V) marked its V layout-free, as a weight's: V is an
+        # activation here, and the builder would drop the block that transforms it.
+        drop_layout_hints(sch)
         if self.on_gpu:
             schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)])
             names = [s.name for s in collect_sites(only_func(sch).body.block)]

@@ -6,6 +6,7 @@ from . import rolling_update as _rolling
 from . import split_k_update as _split_k
 from . import in_place as _in_place
 from . import replicas as _replicas
+from . import hoist as _hoist
 from . import tiles as _tiles
 from .loop_inference import fusion_loop, trace_kept_on_failure
 
@@ -277,10 +278,70 @@ def split_k_update(self: Schedule, block, loop=None) -> None:
     append_instruction(self, "SplitKUpdate", [block, loop])
 
 
+def hoist_independent(self: Schedule, block) -> None:
+    """Move the root-level loop nests after ``block``'s that do not depend on it (read
+    nothing it writes, directly or through other nests) before it, keeping the order
+    within each group.
+
+    The fusion primitives take a loop only if the inputs of the blocks they move under it
+    are computed before it; a legalised Relax function transposes V after the softmax,
+    between the softmax's max and P·V: this moves that transpose before the max.
+
+    Parameters
+    ----------
+    block : SBlockRV
+        A block at the root level, e.g. the ``max`` a chain starts with.
+
+    Examples
+    --------
+    Before hoist_independent, in TensorIR, the IR is:
+
+    .. code-block:: python
+
+        @T.prim_func(s_tir=True)
+        def before(S: T.Buffer((8, 16), "float32"), V: T.Buffer((16, 8), "float32"),
+                   O: T.Buffer((8, 8), "float32")):
+            m = T.sblock_alloc_buffer((8,))
+            Vt = T.sblock_alloc_buffer((8, 16))
+            for i, j in T.grid(8, 16):
+                with T.sblock("max"):
+                    vi, vj = T.axis.remap("SR", [i, j])
+                    with T.init():
+                        m[vi] = T.min_value("float32")
+                    m[vi] = T.max(m[vi], S[vi, vj])
+            for d, j in T.grid(8, 16):
+                with T.sblock("transpose"):
+                    vd, vj = T.axis.remap("SS", [d, j])
+                    Vt[vd, vj] = V[vj, vd]
+            for i, d, j in T.grid(8, 8, 16):
+                with T.sblock("pv"):
+                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                    with T.init():
+                        O[vi, vd] = T.float32(0)
+                    O[vi, vd] = O[vi, vd] + T.exp(S[vi, vj] - m[vi]) * Vt[vd, vj]
+
+    Create the schedule and do hoist_independent:
+
+    .. code-block:: python
+
+        sch = tvm.s_tir.Schedule(before)
+        sch.hoist_independent(sch.get_sblock("max"))
+
+    After applying hoist_independent, the nest of ``transpose`` comes first, then those
+    of ``max`` and ``pv``, each as it was.
+
+    Raises :class:`tvm_cascade.FusionError` naming the block if a root-level statement is
+    not a loop nest around one block; the schedule is then unchanged.
+    """
+    _hoist.hoist_independent(self, block)
+    append_instruction(self, "HoistIndependent", [block])
+
+
 def install() -> None:
     """Make the primitives methods of every ``tvm.s_tir.Schedule``."""
     Schedule.rolling_update = rolling_update
     Schedule.split_k_update = split_k_update
+    Schedule.hoist_independent = hoist_independent
     Schedule.distribute = _tiles.distribute
     Schedule.split_tile_accumulation = _tiles.split_tile_accumulation
     Schedule.skip_masked_tiles = _tiles.skip_masked_tiles

@@ -42,7 +42,7 @@ def schedule_fused_for_gpu(sch, chains, lanes: int = LANES) -> None:
                 f"'{chain.root}': split-k over a symbolic key length has chunks of "
                 "symbolic length; the rolling update's tiles have a static one"
             )
-    _drop_layout_hints(sch)
+    drop_layout_hints(sch)
     _inline_spatial(sch)
     for chain in chains:
         _schedule_nest(sch, chain, lanes)
@@ -54,7 +54,7 @@ def _func(sch):
     return sch.mod["main"]
 
 
-def _drop_layout_hints(sch) -> None:
+def drop_layout_hints(sch) -> None:
     """Remove the matmuls' ``layout_free_placeholders`` annotations: they name buffers
     that inlining removes, and would reach code generation dangling."""
     for site in collect_sites(_func(sch).body.block):

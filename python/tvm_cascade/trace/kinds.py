@@ -68,6 +68,7 @@ def register_kind(
 # idempotent and fills the Python dispatch table).
 register_kind("RollingUpdate", "rolling_update", ("block", "loop"))
 register_kind("SplitKUpdate", "split_k_update", ("block", "loop"))
+register_kind("HoistIndependent", "hoist_independent", ("block",))
 
 
 def kind_info(name: str) -> KindInfo:

@@ -6,10 +6,9 @@ from typing import Tuple
 import tvm
 from tvm.s_tir.schedule import ScheduleError
 
-from .._core import refresh_sblock_flags
+from ..errors import FusionError
 from ..analysis.axes import AxisClasses
 from ..analysis.scope import collect_sites
-from ..root_order import reorder_root_blocks
 from .detect import Candidate, driving_loop, find_candidates, reduced_axis
 
 logger = logging.getLogger("tvm_cascade.transform")
@@ -69,7 +68,10 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
 def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
     """Split the root's key loop and fuse the dependents ``names`` into it; returns the
     key loop and the names that fused (those refused are logged)."""
-    _hoist_independent(sch, candidate.root)
+    try:
+        sch.hoist_independent(sch.get_sblock(candidate.root))
+    except FusionError as err:
+        logger.debug("blocks stay in place around '%s': %s", candidate.root, err)
     root = sch.get_sblock(candidate.root)
     loop_rv = key_loop(sch, candidate.root)
     if candidate.length is not None:
@@ -121,28 +123,6 @@ def compute_producers_at(sch, loop, along_keys: set) -> None:
                     logger.debug("'%s' stays outside the key loop: %s", name, reason(err))
                     continue
             pending.append(name)
-
-
-def _hoist_independent(sch, root_name: str) -> None:
-    """Move the root-level loop nests that do not depend on ``root_name`` before it."""
-    func = only_func(sch)
-    sites = collect_sites(func.body.block)
-    writer = {buf: site for site in sites for buf in site.write_buffers()}
-    dependent = set()
-    for site in sites:
-        if site.name == root_name or any(writer.get(b) in dependent for b in site.read_buffers()):
-            dependent.add(site)
-    order = [s.name for s in sites if s not in dependent] + [s.name for s in sites if s in dependent]
-    try:
-        reordered = reorder_root_blocks(func, order)
-    except ValueError as err:
-        logger.debug("blocks stay in place around '%s': %s", root_name, err)
-        return
-    if reordered.same_as(func):
-        return
-    old_root, new_root = func.body.block, reordered.body.block
-    sch.state.replace(sch.state.get_sref(old_root), new_root, {old_root: new_root})
-    refresh_sblock_flags(sch.state)
 
 
 def reason(err: Exception) -> str:
