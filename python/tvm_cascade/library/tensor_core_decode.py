@@ -2,10 +2,11 @@
 (FlashDecoding) on ``mma.sync.m16n8k16``, lengths and chunk size at run time, for CUDA
 GPUs from sm_80, head dims 64 and 128.
 
-Every warp takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
+A block takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
 (the rows (query, head) of the group's heads, as the M dimension of the products; more
-rows take further blocks), 16 keys a step, with no shared memory and no reduction across
-lanes but the row max and sum over the four lanes of a quad:
+rows take further blocks); its :data:`WARPS` warps take the chunk's 16-key steps in
+turn, each loading its next step's keys into registers while it computes this one's,
+with no reduction across lanes but the row max and sum over the four lanes of a quad:
 
 * scores ``S[row, key] = Q[row, :] · K[key, :]``: two 16 x 8 tiles of keys. Lane ``(g,
   q)`` (``g = lane / 4``, ``q = lane % 4``) loads key ``g`` of each tile, a quarter of
@@ -18,9 +19,10 @@ lanes but the row max and sum over the four lanes of a quad:
   (128-bit loads), and output column ``g`` of tile ``t`` is the dim those loads hold
   at ``t``.
 
-Each warp writes its chunk's partial (max, sum, output) and the second kernel combines
-a row's chunks (:mod:`.split_k`); the running max and the repair of sum and output are
-those of :mod:`.split_k`, scores in log2 units.
+The warps' running states are merged through shared memory into the chunk's partial
+(max, sum, output) and the second kernel combines a row's chunks (:mod:`.split_k`); the
+running max and the repair of sum and output are those of :mod:`.split_k`, scores in
+log2 units.
 """
 from __future__ import annotations
 
