@@ -117,8 +117,8 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             return False
         if along_keys is not None:
             compute_producers_at(sch, loop, along_keys)
-        # A matmul of the chain (P·V) marked its V layout-free, as a weight's: V is an
-        # activation here, and the builder would drop the block that transforms it.
+        # Relax's matmuls (Q·Kᵀ, P·V) mark their second operand layout-free, as a
+        # weight's: here they are activations, whose layout transform the builder drops.
         drop_layout_hints(sch)
         if self.on_gpu:
             schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)])
