@@ -13,7 +13,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvm_cascade import ops
 from tvm_cascade import trace as cascade_trace
-from tvm_cascade.meta_schedule import SKIP, cascade_space
+from tvm_cascade.meta_schedule import GPU_LANES, SKIP, cascade_space
 from tvm_cascade.ops import cascades, testing
 from tvm_cascade.ops import reference as R
 
@@ -81,9 +81,9 @@ def test_fused_nest_is_left_to_the_fusion():
 
 
 def test_gpu_proposals_are_bound_and_compile_for_cuda():
-    """On a CUDA target the fused proposals are bound to blocks and threads and pass the
-    GPU postprocessors (VerifyGPUCode among them); TVM's CUDA code generation and nvcc
-    build them."""
+    """On a CUDA target the fused proposals are bound to blocks and threads (a row's
+    threads sampled) and pass the GPU postprocessors (VerifyGPUCode among them); TVM's
+    CUDA code generation and nvcc build them, with every sampled thread count."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     target = tvm.target.Target("nvidia/nvidia-h100")
@@ -92,10 +92,16 @@ def test_gpu_proposals_are_bound_and_compile_for_cuda():
     fused = [s for s in context.generate_design_space() if _fusions(s)]
     assert {_fusions(s)[0] for s in fused} == set(FUSIONS)
     for space in fused:
-        sch = space.copy()
-        assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
-        source = tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
-        assert "blockIdx.x" in source and "threadIdx" in source
+        (lanes,) = [
+            inst for inst in space.trace.insts
+            if inst.kind.name == "SampleCategorical" and tuple(int(c) for c in inst.attrs[0]) == GPU_LANES
+        ]
+        for decision in range(len(GPU_LANES)):
+            sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+            space.trace.with_decision(lanes, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
+            assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
+            source = tvm.compile(sch.mod, target=target).mod.imports[0].inspect_source()
+            assert f"__launch_bounds__({4 * GPU_LANES[decision]})" in source
 
 
 def test_tune_tir_finds_a_fused_kernel_and_reloads_it(tmp_path):

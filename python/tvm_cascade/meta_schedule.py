@@ -19,7 +19,8 @@ A later reduction the primitives refuse (no repair exists) stays unfused, as
 :func:`~tvm_cascade.transform.fuse_cascaded_reductions` leaves it (the reason logged at
 DEBUG level on the ``tvm_cascade.meta_schedule`` logger). On a GPU target a
 fused candidate is bound to blocks and threads by
-:func:`~tvm_cascade.relax.gpu_schedule.schedule_fused_for_gpu`; the blocks of a fused
+:func:`~tvm_cascade.relax.gpu_schedule.schedule_fused_for_gpu`, the threads of a row
+sampled from :data:`GPU_LANES`; the blocks of a fused
 nest are then annotated ``schedule_rule = "None"``, so that the other rules leave them
 alone. Every step is a traced instruction, so the evolutionary search mutates the sampled
 tile or chunk count and the records replay from a JSON database.
@@ -54,6 +55,8 @@ logger = logging.getLogger("tvm_cascade.meta_schedule")
 TILES = (16, 32, 64, 128)
 #: Chunk counts the split-k update samples from (those that divide the key length).
 CHUNKS = (2, 4, 8, 16, 32)
+#: Threads a row of a fused nest spreads its spatial loops over on a GPU, sampled from.
+GPU_LANES = (32, 64, 128)
 #: The annotation that makes MetaSchedule's other rules skip a block.
 SKIP = ("schedule_rule", "None")
 
@@ -121,7 +124,8 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         # weight's: here they are activations, whose layout transform the builder drops.
         drop_layout_hints(sch)
         if self.on_gpu:
-            schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)])
+            lanes = sch.sample_categorical(list(GPU_LANES), [1 / len(GPU_LANES)] * len(GPU_LANES))
+            schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)], lanes)
             names = [s.name for s in collect_sites(only_func(sch).body.block)]
         else:
             nest = sch.get(loop)

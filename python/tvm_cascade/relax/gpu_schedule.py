@@ -32,10 +32,11 @@ class UnsupportedOnGpu(ValueError):
     """The fused PrimFunc has a form this schedule cannot bind."""
 
 
-def schedule_fused_for_gpu(sch, chains, lanes: int = LANES) -> None:
+def schedule_fused_for_gpu(sch, chains, lanes=LANES) -> None:
     """Bind every block of the one PrimFunc in ``sch`` (fused by
     :func:`tvm_cascade.transform.fuse_cascaded_reductions`, which returned ``chains``)
-    to GPU blocks and threads."""
+    to GPU blocks and threads; ``lanes``, the threads of a row (an int, or a sampled
+    ExprRV)."""
     for chain in chains:
         if chain.method == "split_k" and not _static_key_length(sch, chain):
             raise UnsupportedOnGpu(
