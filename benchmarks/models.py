@@ -21,8 +21,8 @@ writes ``models.json``.
 from __future__ import annotations
 
 import argparse
-import math
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path

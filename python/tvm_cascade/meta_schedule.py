@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-import tvm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import ScheduleError

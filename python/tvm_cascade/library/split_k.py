@@ -30,6 +30,15 @@ ACC = "float32"
 NEG_INF = T.float32("-inf")
 
 
+def unsupported(spec):
+    """Why neither split-k decode family serves ``spec`` (not CUDA, not fp16/bf16), or None."""
+    if spec.target_kind != "cuda":
+        return "CUDA only"
+    if spec.dtype not in ("float16", "bfloat16"):
+        return f"{spec.dtype}: fp16 and bf16 only"
+    return None
+
+
 def partial_shape(view, num_chunks, heads_q):
     """The shape of a row's partial max and sum, by (sequence, query row, head, chunk)."""
     return (view.batch, view.rows, heads_q, num_chunks)

@@ -30,7 +30,7 @@ from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
-    plan_chunk_keys, score_of,
+    plan_chunk_keys, score_of, unsupported,
 )
 
 THREADS = 128
@@ -47,10 +47,9 @@ class SplitKDecode:
     queries = QUERIES
 
     def supports(self, spec: AttentionSpec):
-        if spec.target_kind != "cuda":
-            return "CUDA only"
-        if spec.dtype not in ("float16", "bfloat16"):
-            return f"{spec.dtype}: fp16 and bf16 only"
+        reason = unsupported(spec)
+        if reason is not None:
+            return reason
         vec = _vec(spec.head_dim)
         lanes = spec.head_dim // vec
         if spec.head_dim % vec or lanes & (lanes - 1):

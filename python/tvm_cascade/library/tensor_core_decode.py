@@ -35,7 +35,7 @@ from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
-    plan_chunk_keys, score_of,
+    plan_chunk_keys, score_of, unsupported,
 )
 
 WARP = 32
@@ -61,13 +61,12 @@ class TensorCoreDecode:
     queries = QUERIES
 
     def supports(self, spec: AttentionSpec):
-        if spec.target_kind != "cuda":
-            return "CUDA only"
+        reason = unsupported(spec)
+        if reason is not None:
+            return reason
         arch = str(tvm.target.Target(spec.target).attrs.get("arch", ""))
         if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
             return f"mma.sync.m16n8k16 needs sm_80 or later; target arch is {arch or 'unknown'}"
-        if spec.dtype not in _PTX_TYPE:
-            return f"{spec.dtype}: fp16 and bf16 only"
         if spec.head_dim not in HEAD_DIMS:
             return f"head dim {spec.head_dim}: one of {HEAD_DIMS}"
         return None
@@ -115,9 +114,9 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     row_parts = len(view.kv_row(0, 0))
 
     @T.macro
-    def load_row(dst, offset, row, b, hk, j, end, at, pieces, base, stride):
-        """Key ``j``'s dims ``base + stride * i + x`` (``pieces`` 8-element pieces ``i``)
-        to ``dst[offset:]`` by ``at``, zeros past ``end``."""
+    def load_row(dst, offset, row, b, hk, j, end, at, pieces, dim, lane):
+        """Key ``j``'s elements ``e < 8 pieces`` of ``lane``, dims ``dim(lane, e)``
+        (:func:`_k_dim`, :func:`_v_dim`), to ``dst[offset:]`` by ``at``, zeros past ``end``."""
         if j < end:
             parts = T.meta_var(view.kv_row(b, j))
             row[0] = parts[0]
@@ -126,7 +125,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             located = T.meta_var((row[0], row[1]) if row_parts > 1 else (row[0],))
             for i in T.unroll(pieces):
                 for x in T.vectorized(8):
-                    dst[offset + i * 8 + x] = at(located, hk, base + stride * i + x)
+                    dst[offset + i * 8 + x] = at(located, hk, dim(lane, i * 8 + x))
         else:
             for i in T.unroll(pieces):
                 for x in T.vectorized(8):
@@ -143,10 +142,10 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         """The keys of the step at ``j0`` a lane needs: keys ``g`` and ``8 + g`` (a quarter
         of their dims each) and keys ``2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
         for n in T.unroll(2):
-            load_row(k_buf, n * k_elems, row, b, hk, j0 + n * 8 + g, end, view.key_at, k_elems // 8, quad * 8, 32)
+            load_row(k_buf, n * k_elems, row, b, hk, j0 + n * 8 + g, end, view.key_at, k_elems // 8, _k_dim, quad)
         for kk in T.unroll(4):
             load_row(v_buf, kk * v_elems, row, b, hk, j0 + 2 * quad + kk % 2 + 8 * (kk // 2), end,
-                     view.value_at, v_elems // 8, g * 8, 64)
+                     view.value_at, v_elems // 8, _v_dim, g)
 
     @T.prim_func(private=True, check_well_formed=False)
     def body():

@@ -61,7 +61,6 @@ from typing import Callable
 import numpy as np
 import sympy
 import tvm
-import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 from tvm.script import tirx as T
 
