@@ -4,7 +4,7 @@ beside PyTorch SDPA (cuDNN, FlashAttention-2), compiled FlexAttention and TVM's 
 kernels (``relax.frontend.nn.llm``'s paged decode and ragged prefill, what a TVM model's
 KV cache runs) on one GPU.
 
-    python -m benchmarks.models [--out DIR] [--only NAME ...]
+    python -m benchmarks.models [--out DIR] [--only NAME ...] [--peers sdpa flex tvm-llm]
 
 Each configuration runs the library's kernel in the bhsd layout and in the layout a
 server holds it in: paged for decode (pages of 16 keys in a shuffled pool, as TVM's
@@ -32,6 +32,7 @@ from .attention import environment, skip_without_gpu
 from .timing import bench, copy_bandwidth_gbps
 
 PAGE_SIZE = 16
+PEERS = ("sdpa", "flex", "tvm-llm")
 #: Relative Frobenius error allowed against float32 SDPA (fp16 or bf16 inputs and output).
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2}
 
@@ -104,6 +105,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where models.json goes")
     p.add_argument("--only", nargs="+", choices=[s.name for s in SHAPES], help="run these shapes only")
+    p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS), help="the peers to run (default: all)")
     return p.parse_args(argv)
 
 
@@ -220,7 +222,7 @@ def flex_peer(s: Shape, q, k, v):
     return (lambda: run(q, k, v)), run(q, k, v)
 
 
-def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
+def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> List[dict]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -268,7 +270,7 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
         from torch.nn.attention.bias import causal_lower_right
 
         mask = {"attn_mask": causal_lower_right(s.queries, s.keys)}
-    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+    for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION") if "sdpa" in peers else ():
         def peer(backend=backend):
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 return sdpa(q, k, v, enable_gqa=group > 1, **mask)
@@ -278,8 +280,9 @@ def run_shape(shape: Shape, bandwidth: float) -> List[dict]:
         except RuntimeError:  # the backend does not take this configuration
             out = None
         record(f"sdpa {backend.split('_')[0].lower()}", peer, out)
-    record("flex", *flex_peer(s, q, k, v))
-    llm = tvm_llm(s, q, k, v) if s.window is None and s.softcap is None else None
+    if "flex" in peers:
+        record("flex", *flex_peer(s, q, k, v))
+    llm = tvm_llm(s, q, k, v) if "tvm-llm" in peers and s.window is None and s.softcap is None else None
     if llm is not None:
         record("tvm llm (relax.frontend.nn.llm)", *llm)
     return rows
@@ -298,7 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env["command"] = " ".join(["python", "-m", "benchmarks.models", *argv])
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     for done, shape in enumerate(shapes, 1):
-        rows = run_shape(shape, bandwidth)
+        rows = run_shape(shape, bandwidth, args.peers)
         results.extend(rows)
         best = min((r["ms"] for r in rows if r["ms"] and not r["implementation"].startswith("tvm-cascade")), default=None)
         for r in rows:

@@ -399,6 +399,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     group = heads_q // heads_kv
     q_tiles = (tiles.rows + ROWS - 1) // ROWS
     pair_heads = cluster > 1 and group % 2 == 0
+    heads = tiles.batch * heads_q  # (sequence, head) pairs
     multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
     # Rows past a sequence's queries, and keys past its keys: some tile may hold them.
     part_rows = not (_whole(tiles.rows, ROWS) and isinstance(tiles.q_len(0), int))
@@ -687,17 +688,19 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
         # A cluster's two blocks take two heads of a group on one row tile, or (heads
         # unpaired, no mask) two row tiles of one head: the same K/V tiles either way.
-        if pair_heads:
-            bh = (bx // 2 // q_tiles) * 2 + rank
-        else:
-            bh = bx // q_tiles
-        row_tile = T.meta_var(bx // 2 % q_tiles if pair_heads else bx % q_tiles)
+        # Under a causal mask the last row tiles see the most keys: the grid starts every
+        # head's last row tile first, then every head's one before (longest first keeps
+        # the last wave short).
+        unit = T.meta_var(bx // 2 if pair_heads else bx)
+        units = T.meta_var(heads // 2 if pair_heads else heads)
+        row_tile = T.meta_var(unit // units if causal else unit % q_tiles)
+        bh_unit = T.meta_var(unit % units if causal else unit // q_tiles)
+        bh = T.meta_var(bh_unit * 2 + rank if pair_heads else bh_unit)
         b = bh // heads_q
         h = bh % heads_q
         hk = h // group
         seq_q = tiles.q_len(b)
         seq_kv = tiles.kv_len(b)
-        # Under a causal mask the last row tiles see the most keys: they start first.
         qt = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile)
         r0 = qt * ROWS
         if variant.alibi:
@@ -780,7 +783,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         T.evaluate(tiles.q_map.encode(q_map, head_dim, dtype))
         T.evaluate(tiles.k_map.encode(k_map, head_dim, dtype))
         T.evaluate(tiles.v_map.encode(v_map, head_dim, dtype))
-        bx = T.launch_thread("blockIdx.x", tiles.batch * heads_q * q_tiles)
+        bx = T.launch_thread("blockIdx.x", heads * q_tiles)
         if cluster > 1:
             rank = T.launch_thread("clusterCtaIdx.x", cluster)
             tx = T.launch_thread("threadIdx.x", THREADS)
