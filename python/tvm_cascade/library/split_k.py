@@ -166,6 +166,11 @@ def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
     return combine
 
 
+def sm_count(device) -> int:
+    """``device``'s SMs (an H100/H200's where the device is not there to ask)."""
+    return device.multi_processor_count if device.exist else 132
+
+
 def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: int, step: int, least: int,
                     whole_waves: bool) -> int:
     """Keys per chunk (a multiple of ``step``, at least ``least``) so that the chunk kernel
@@ -174,6 +179,6 @@ def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: 
     rather than one and a fraction), else at least. Never more chunks than needed to
     cover the keys a sequence's rows see."""
     keys = max(visible_keys(spec, max_q, max_kv), 1)
-    sms = device.multi_processor_count if device.exist else 132
+    sms = sm_count(device)
     chunks = max(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))
     return max(least, -(-keys // chunks // step) * step)

@@ -3,9 +3,10 @@
 consumer warpgroups) over every layout, lengths at run time.
 
 A block takes :data:`~tvm_cascade.schedules.warp_specialized.ROWS` query rows of one
-head of one sequence; the grid covers the longest sequence's rows (``max_q``) and the
-blocks of shorter sequences past their rows leave at once. Each layout is a set of TMA
-maps over its tensors as ``(head_dim, a, c)``:
+head of one sequence at a time, one block per SM taking the row tiles in turn (the plan's
+``blocks``); the row tiles cover the longest sequence's rows (``max_q``), and those past a
+shorter sequence's rows are skipped. Each layout is a set of TMA maps over its tensors as
+``(head_dim, a, c)``:
 
 - ``bhsd``: rows of a head (a) of every (sequence, head) (c): a tile's rows past the
   sequence are TMA's zeros;
@@ -20,11 +21,14 @@ shared memory before P·V reads them (a page's unused rows may hold anything).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tvm import tirx
 
 from ..schedules import warp_specialized as ws
 from .layouts import views
 from .spec import AttentionSpec
+from .split_k import sm_count
 
 #: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
 HEAD_DIMS = (64, 128, 256)
@@ -53,14 +57,23 @@ class WarpSpecializedPrefill:
         # As many K/V stages as shared memory holds.
         stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(spec.head_dim, s) <= ws.SHARED_BYTES)
         config = ws.WarpSpecializedConfig(stages=stages)
-        func = ws.kernel(tiles(spec), spec.variant, config, scale=spec.scale)
+        func = ws.kernel(persistent(tiles(spec)), spec.variant, config, scale=spec.scale)
         return func.with_attr("global_symbol", self.name)
 
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
-        return []
+        """``[blocks]``: one block per SM, or per row tile where there are fewer."""
+        return [max(1, min(batch * spec.heads_q * -(-max_q // ws.ROWS), sm_count(device)))]
 
     def compile_target(self, target):
         return ws.sm90a(target)
+
+
+def persistent(tiles: ws.Tiles) -> ws.Tiles:
+    """``tiles`` with the grid's blocks a scalar parameter before ``out``: each block
+    takes row tiles in turn (the next one's loads overlap the last one's stores, and
+    no row tile waits for a second wave's start)."""
+    blocks = tirx.Var("blocks", "int32")
+    return replace(tiles, params=tiles.params[:-1] + [blocks, tiles.params[-1]], blocks=blocks)
 
 
 def tiles(spec: AttentionSpec) -> ws.Tiles:

@@ -342,6 +342,8 @@ class Tiles:
     q_at: Callable
     kv_at: Callable
     out_index: Callable
+    #: The grid's blocks (a scalar parameter, persistent blocks), or None: a block per row tile.
+    blocks: object = None
 
 
 def key_tile(head_dim):
@@ -607,14 +609,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 )
 
     @T.macro
-    def consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank):
-        T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
+    def consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase):
+        # `base`: the K/V tiles this block consumed before (stages and phases run on
+        # across its row tiles); `q_phase`: the parity of its Q loads before.
+        T.cuda.mbarrier_wait(q_full.ptr_to([0]), q_phase)
         if overlap:
-            wait(full, 0)
-            clear_tail(smem, 0, lo, seq_kv, cw, tx)
+            wait(full, base)
+            clear_tail(smem, base % stages, lo, seq_kv, cw, tx)
             fence_scores(S)
             T.ptx.wgmma.fence.sync.aligned()
-            issue_scores(S, smem, 0, cw)
+            issue_scores(S, smem, base % stages, cw)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_scores(S)
             softmax(S, m, l, m_new, repair, slope, bias, lo, r0, seq_q, seq_kv, cw, w, lane)
@@ -624,15 +628,15 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 if cw == 1 and n_tiles > 1:
                     T.ptx.bar.arrive(T.uint32(_PINGPONG), T.uint32(256))
             for i in range(1, n_tiles):
-                wait(full, i)
-                clear_tail(smem, i % stages, lo + i, seq_kv, cw, tx)
+                wait(full, base + i)
+                clear_tail(smem, (base + i) % stages, lo + i, seq_kv, cw, tx)
                 if pingpong:
                     T.ptx.bar.sync(T.uint32(_PINGPONG) + T.Cast("uint32", cw), T.uint32(256))
                 fence_scores(S)
                 fence_output(O_acc, P)
                 T.ptx.wgmma.fence.sync.aligned()
-                issue_scores(S, smem, i % stages, cw)
-                issue_output(O_acc, P, smem, (i - 1) % stages)
+                issue_scores(S, smem, (base + i) % stages, cw)
+                issue_output(O_acc, P, smem, (base + i - 1) % stages)
                 if pingpong:
                     # (The second warpgroup's last turn has no one to hand over to.)
                     if cw == 0 or i < n_tiles - 1:
@@ -642,31 +646,136 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_output(O_acc, P)
-                release(empty, (i - 1) % stages, rank)
+                release(empty, (base + i - 1) % stages, rank)
                 repair_output(S, P, O_acc, repair)
             fence_output(O_acc, P)
             T.ptx.wgmma.fence.sync.aligned()
-            issue_output(O_acc, P, smem, (n_tiles - 1) % stages)
+            issue_output(O_acc, P, smem, (base + n_tiles - 1) % stages)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_output(O_acc, P)
-            release(empty, (n_tiles - 1) % stages, rank)
+            release(empty, (base + n_tiles - 1) % stages, rank)
         else:
             for i in range(n_tiles):
-                wait(full, i)
-                clear_tail(smem, i % stages, lo + i, seq_kv, cw, tx)
+                wait(full, base + i)
+                clear_tail(smem, (base + i) % stages, lo + i, seq_kv, cw, tx)
                 fence_scores(S)
                 T.ptx.wgmma.fence.sync.aligned()
-                issue_scores(S, smem, i % stages, cw)
+                issue_scores(S, smem, (base + i) % stages, cw)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_scores(S)
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 repair_output(S, P, O_acc, repair)
                 fence_output(O_acc, P)
                 T.ptx.wgmma.fence.sync.aligned()
-                issue_output(O_acc, P, smem, i % stages)
+                issue_output(O_acc, P, smem, (base + i) % stages)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_output(O_acc, P)
-                release(empty, i % stages, rank)
+                release(empty, (base + i) % stages, rank)
+
+    # The grid: `tiles.blocks` blocks (persistent, each taking row tiles in turn), or one
+    # block per row tile. A cluster takes a pair of row tiles (two heads of a group on one
+    # row tile, or two row tiles of one head) at a time.
+    grid = tiles.blocks if tiles.blocks is not None else heads * q_tiles
+    clusters = grid // cluster
+    pairs = heads * q_tiles // cluster
+    rounds = (pairs + clusters - 1) // clusters
+
+    def pair_at(c, n):
+        """The pair of row tiles cluster ``c`` takes in its round ``n``: rounds alternate
+        direction over the pairs (longest first under a causal mask), so the clusters'
+        shares of work even out."""
+        return n * clusters + T.if_then_else(n % 2 == 0, c, clusters - 1 - c)
+
+    def row_tile_of(pair, rank):
+        """(the (sequence, head) index, the row tile) of block ``rank`` of ``pair``.
+        Under a causal mask the last row tiles see the most keys: every head's last
+        row tile comes first, then every head's one before."""
+        if cluster > 1 and not pair_heads:
+            return pair // (q_tiles // 2), pair % (q_tiles // 2) * 2 + rank
+        per = heads // cluster
+        unit = pair // per if causal else pair % q_tiles
+        index = pair % per if causal else pair // q_tiles
+        return (index * 2 + rank if pair_heads else index), unit
+
+    def has_keys(n_tiles):
+        """Whether the row tile reads keys (a Q load and K/V tiles); else its rows are zeros."""
+        return n_tiles > 0 if keyless_rows else T.bool(True)
+
+    @T.macro
+    def produce(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
+        q_map, k_map, v_map = T.meta_var(state)
+        hk = T.meta_var(h // group)
+        # Q waits for the consumers to be done with the block's previous row tile's.
+        T.cuda.mbarrier_wait(q_empty.ptr_to([0]), q_phase ^ 1)
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
+        qa, qc = T.meta_var(tiles.q_at(b, h, r0))
+        for p in T.unroll(head_dim // 64):
+            T.ptx[_TMA.format(3)](
+                smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64), T.int32(qa), T.int32(qc),
+                q_full.ptr_to([0]),
+            )
+        for i in range(n_tiles):
+            st = (base + i) % stages
+            T.cuda.mbarrier_wait(empty.ptr_to([st]), (((base + i) // stages) & 1) ^ 1)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * tile * 2))
+            # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
+            # (the bytes complete on each block's full[st]).
+            if cluster == 1 or rank == 0:
+                fetch(smem, k_map, k_base, st, b, hk, lo + i, 0, full.ptr_to([st]))
+            if cluster == 1 or rank == 1:
+                fetch(smem, v_map, v_base, st, b, hk, lo + i, 1, full.ptr_to([st]))
+
+    @T.macro
+    def finish(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
+        S, O_acc, P, m, l, m_new, repair, slope, bias, tx, cw = T.meta_var(state)
+        w = T.meta_var((tx // 32) % 4)
+        lane = T.meta_var(tx % 32)
+        if variant.alibi:
+            slope[0] = T.pow(T.float32(2.0), T.Cast("float32", -8 * (h + 1)) / T.float32(heads_q)) * T.float32(inner)
+        for g in T.unroll(2):
+            m[g] = T.float32("-inf")
+            l[g] = T.float32(0)
+        for i in T.unroll(n_output):
+            O_acc[i] = T.float32(0)
+        if has_keys(n_tiles):
+            consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
+            T.ptx.mbarrier.arrive.shared.b64(q_empty.ptr_to([0]), T.uint32(1))
+        for g in T.unroll(2):
+            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
+            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
+        for n in T.unroll(head_dim // 8):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                    store(
+                        tiles.params[-1], b, h, row, 8 * n + 2 * (lane % 4) + e,
+                        T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
+                        seq_q,
+                    )
+
+    @T.macro
+    def rows_of(role, state, bx, rank, smem, full, empty, q_full, q_empty, counts):
+        """Run ``role`` (:func:`produce` or :func:`finish`) on each row tile the block
+        takes, counting the K/V tiles and the Q loads gone by."""
+        counts[0] = 0
+        counts[1] = 0
+        for n in range(rounds):
+            pair = pair_at(bx // cluster, n)
+            if pair < pairs:
+                bh, row_tile = T.meta_var(row_tile_of(pair, rank))
+                b = bh // heads_q
+                h = bh % heads_q
+                seq_q = tiles.q_len(b)
+                seq_kv = tiles.kv_len(b)
+                r0 = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile) * ROWS
+                lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant, keys))
+                n_tiles = hi - lo
+                # (a row tile past a shorter sequence's rows has no work)
+                if r0 < seq_q:
+                    role(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, counts[0], counts[1] & 1)
+                    if has_keys(n_tiles):
+                        counts[0] = counts[0] + n_tiles
+                        counts[1] = counts[1] + 1
 
     @T.macro
     def block(q_map, k_map, v_map, bx, rank, tx):
@@ -676,6 +785,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         q_full = T.alloc_shared((1,), "uint64")
+        q_empty = T.alloc_shared((1,), "uint64")
         S = T.alloc_local((n_scores,), "float32")
         O_acc = T.alloc_local((n_output,), "float32")
         P = T.alloc_local((n_scores,), dtype)
@@ -685,94 +795,33 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         repair = T.alloc_local((2,), "float32")
         slope = T.alloc_local((1,), "float32")
         bias = T.alloc_local((2,), "float32")
+        counts = T.alloc_local((2,), "int32")
         warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
-        # A cluster's two blocks take two heads of a group on one row tile, or (heads
-        # unpaired, no mask) two row tiles of one head: the same K/V tiles either way.
-        # Under a causal mask the last row tiles see the most keys: the grid starts every
-        # head's last row tile first, then every head's one before (longest first keeps
-        # the last wave short).
-        unit = T.meta_var(bx // 2 if pair_heads else bx)
-        units = T.meta_var(heads // 2 if pair_heads else heads)
-        row_tile = T.meta_var(unit // units if causal else unit % q_tiles)
-        bh_unit = T.meta_var(unit % units if causal else unit // q_tiles)
-        bh = T.meta_var(bh_unit * 2 + rank if pair_heads else bh_unit)
-        b = bh // heads_q
-        h = bh % heads_q
-        hk = h // group
-        seq_q = tiles.q_len(b)
-        seq_kv = tiles.kv_len(b)
-        qt = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile)
-        r0 = qt * ROWS
-        if variant.alibi:
-            slope[0] = T.pow(T.float32(2.0), T.Cast("float32", -8 * (h + 1)) / T.float32(heads_q)) * T.float32(inner)
-        lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant, keys))
-        n_tiles = hi - lo
-        # (a block of a sequence shorter than the longest has no rows: it leaves at once)
-        if r0 < seq_q:
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                # every consumer thread of the cluster releases every stage
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256 * cluster))
+            T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
+            T.ptx.mbarrier.init.shared.b64(q_empty.ptr_to([0]), T.uint32(256))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        if cluster > 1:
+            # The peer's multicasts and arrivals need this block's barriers initialised.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
+        else:
+            T.cuda.cta_sync()
+        if warpgroup == 0:
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
-                for s in T.unroll(stages):
-                    T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                    # every consumer thread of the cluster releases every stage
-                    T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256 * cluster))
-                T.ptx.mbarrier.init.shared.b64(q_full.ptr_to([0]), T.uint32(1))
-                T.ptx.fence.mbarrier_init.release.cluster()
-            if cluster > 1:
-                # The peer's multicasts and arrivals need this block's barriers initialised.
-                T.ptx.barrier.cluster.arrive()
-                T.ptx.barrier.cluster.wait()
-            else:
-                T.cuda.cta_sync()
-            if warpgroup == 0:
-                T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
-                if tx == 0:
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
-                    qa, qc = T.meta_var(tiles.q_at(b, h, r0))
-                    for p in T.unroll(head_dim // 64):
-                        T.ptx[_TMA.format(3)](
-                            smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64), T.int32(qa), T.int32(qc),
-                            q_full.ptr_to([0]),
-                        )
-                    for i in range(n_tiles):
-                        st = i % stages
-                        T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
-                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * tile * 2))
-                        # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
-                        # (the bytes complete on each block's full[st]).
-                        if cluster == 1 or rank == 0:
-                            fetch(smem, k_map, k_base, st, b, hk, lo + i, 0, full.ptr_to([st]))
-                        if cluster == 1 or rank == 1:
-                            fetch(smem, v_map, v_base, st, b, hk, lo + i, 1, full.ptr_to([st]))
-            else:
-                T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-                cw = warpgroup - 1
-                w = (tx // 32) % 4
-                lane = tx % 32
-                for g in T.unroll(2):
-                    m[g] = T.float32("-inf")
-                    l[g] = T.float32(0)
-                for i in T.unroll(n_output):
-                    O_acc[i] = T.float32(0)
-                if keyless_rows:
-                    if n_tiles > 0:
-                        consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank)
-                else:
-                    consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank)
-                for g in T.unroll(2):
-                    l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
-                    l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
-                for n in T.unroll(head_dim // 8):
-                    for g in T.unroll(2):
-                        for e in T.unroll(2):
-                            row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                            store(
-                                tiles.params[-1], b, h, row, 8 * n + 2 * (lane % 4) + e,
-                                T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
-                                seq_q,
-                            )
-            if cluster > 1:
-                # No block leaves while its peer may still arrive on its barriers.
-                T.ptx.barrier.cluster.arrive()
-                T.ptx.barrier.cluster.wait()
+                rows_of(produce, (q_map, k_map, v_map), bx, rank, smem, full, empty, q_full, q_empty, counts)
+        else:
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+            rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
+        if cluster > 1:
+            # No block leaves while its peer may still arrive on its barriers.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
 
     @T.prim_func(private=True, check_well_formed=False)
     def main():
@@ -783,7 +832,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         T.evaluate(tiles.q_map.encode(q_map, head_dim, dtype))
         T.evaluate(tiles.k_map.encode(k_map, head_dim, dtype))
         T.evaluate(tiles.v_map.encode(v_map, head_dim, dtype))
-        bx = T.launch_thread("blockIdx.x", heads * q_tiles)
+        bx = T.launch_thread("blockIdx.x", grid)
         if cluster > 1:
             rank = T.launch_thread("clusterCtaIdx.x", cluster)
             tx = T.launch_thread("threadIdx.x", THREADS)
