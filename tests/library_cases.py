@@ -31,19 +31,28 @@ def check(out, expected, dtype):
     assert err < TOL[dtype], err
 
 
+LAYOUTS = ["bhsd", "bshd", "ragged", "paged"]
+
+
+def pack(layout, sequences, page_size=None):
+    """The arguments of a ``layout`` kernel holding per-sequence ``(q, k, v)`` arrays
+    (``[tokens, heads, d]``; as long as each other in the bhsd and bshd layouts)."""
+    if layout in ("bhsd", "bshd"):
+        order = (0, 2, 1, 3) if layout == "bhsd" else (0, 1, 2, 3)
+        return tuple(np.stack([s[n] for s in sequences]).transpose(order).copy() for n in range(3))
+    return tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, page_size)
+
+
 def run(kernel, sequences):
     """Run ``kernel`` on per-sequence numpy arrays in its layout, as TVM tensors on its
     device (numpy has no DLPack for bfloat16); returns its output per sequence."""
     layout = kernel.spec.layout
-    if layout == "bhsd":
-        args = tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
-    elif layout == "ragged":
-        args = tt.pack_ragged(sequences)
-    else:
-        args = tt.pack_paged(sequences, kernel.spec.page_size)
+    args = pack(layout, sequences, kernel.spec.page_size)
     out = kernel(*(tvm.runtime.tensor(a, kernel.device) for a in args)).numpy()
     if layout == "bhsd":
         return list(out.transpose(0, 2, 1, 3))
+    if layout == "bshd":
+        return list(out)
     q_indptr = args[3] if layout == "ragged" else args[2]
     return [out[a:b] for a, b in zip(q_indptr[:-1], q_indptr[1:])]
 

@@ -7,10 +7,11 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import VARIANTS, check, check_lengths, reference, run
+from library_cases import LAYOUTS, VARIANTS, check, check_lengths, pack, reference, run
 from ptxas import ptxas_report
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import AttentionSpec, KernelArgumentError
+from tvm_cascade.library.spec import UNIFORM_LAYOUTS
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.ops import testing as tt
 
@@ -27,10 +28,10 @@ def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype=
                             target=target, **kwargs)
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_variants_every_layout(layout, variant):
-    if layout == "bhsd":
+    if layout in UNIFORM_LAYOUTS:
         lengths = [([5, 5], [12, 12]), ([1, 1, 1], [9, 9, 9]), ([13], [13])]
     else:  # ragged batches: lengths differ within a call, decode rows beside prefill
         lengths = [([5, 1, 8, 3], [12, 9, 8, 30]), ([2], [2]), ([1, 1], [17, 4])]
@@ -71,7 +72,7 @@ def test_scale():
 
 def test_lengths_and_batch_are_symbolic():
     """One PrimFunc per kernel; no length or batch size is a constant of it."""
-    for layout in ("bhsd", "ragged", "paged"):
+    for layout in LAYOUTS:
         mod = _kernel(layout).mod
         funcs = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
         assert len(funcs) == 1
@@ -82,7 +83,7 @@ def test_lengths_and_batch_are_symbolic():
         for name, shape in shapes.items():
             static = [int(e) for e in shape if isinstance(e, tvm.tirx.IntImm)]
             assert set(static) <= constant | {2} and len(static) < len(shape), (layout, name, shape)
-        assert scalars == ([] if layout == "bhsd" else ["max_q", "max_kv"])
+        assert scalars == ([] if layout in UNIFORM_LAYOUTS else ["max_q", "max_kv"])
 
 
 def test_torch_style_dlpack_and_tvm_tensors():
@@ -126,7 +127,7 @@ def test_unaligned_tensors_are_copied():
         (dict(heads_q=6, heads_kv=4), "multiple of heads_kv"),
         (dict(head_dim=320), "larger than the 256"),
         (dict(dtype="float64"), "dtype must be one of"),
-        (dict(layout="bshd"), "layout must be one of"),
+        (dict(layout="sbhd"), "layout must be one of"),
         (dict(variant=AttentionVariant("w0", causal=True, window=0)), "at least one key"),
         (dict(variant="unknown"), "unknown attention variant"),
         (dict(page_size=16), "page_size is the paged layout's; the bhsd layout has none"),
@@ -197,7 +198,7 @@ def test_paged_call_refusals(make, message):
         kernel(*make(_paged_args()))
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
     """The CUDA kernels of every layout (tensor-core decode for few query rows, generic
     otherwise: an sm_80 target has no warp-specialised prefill) go through TVM's CUDA
@@ -210,9 +211,7 @@ def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
     report = ptxas_report(source, tmp_path / "kernels.cu")
     assert "spill stores" in report and not re.search(r"[1-9]\d* bytes spill stores", report)
     sequences = tt.random_sequences([2], [5], 8, 2, 64, dtype="float16")
-    args = tt.pack_ragged(sequences) if layout != "paged" else tt.pack_paged(sequences, 4)
-    if layout == "bhsd":
-        args = tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
+    args = pack(layout, sequences, 4)
     with pytest.raises(KernelArgumentError, match=r"q: on cpu:0, but the kernel runs on cuda:0"):
         kernel(*args)
 
@@ -233,7 +232,8 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "heads, head_dim, dtype, layout", [((32, 8), 128, "bfloat16", "paged"), ((28, 4), 128, "float16", "bhsd"), ((16, 16), 64, "bfloat16", "ragged")]
+    "heads, head_dim, dtype, layout", [((32, 8), 128, "bfloat16", "paged"), ((28, 4), 128, "float16", "bhsd"), ((16, 16), 64, "bfloat16", "ragged"),
+     ((8, 1), 128, "float16", "bshd")]
 )
 def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, tmp_path):
     """The tensor-core decode's chunk kernel through nvcc: no register spills (its
@@ -276,7 +276,7 @@ def test_tensor_core_decode_plans_and_refuses():
         assert reason in family.supports(AttentionSpec.make(32, 8, args.pop("head_dim"), **args))
 
 
-@pytest.mark.parametrize("layout, head_dim", [("bhsd", 128), ("ragged", 64), ("paged", 256)])
+@pytest.mark.parametrize("layout, head_dim", [("bhsd", 128), ("bshd", 128), ("ragged", 64), ("paged", 256)])
 def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, tmp_path):
     """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
     and the warp-specialised prefill (no generic function: the prefill serves any number
@@ -324,7 +324,7 @@ def test_out_refusals():
         kernel(*args, out=np.zeros((5, 4, 16), "float16"))
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", ["global", "causal"])
 def test_calls_without_queries_or_keys(layout, variant):
     """A call with no query rows returns its (empty) output and one whose sequences have
@@ -332,12 +332,10 @@ def test_calls_without_queries_or_keys(layout, variant):
     GPU); sequences without keys beside others with keys give zeros for their rows."""
     kernel = _kernel(layout, variant=variant)
     cases = [([0], [0]), ([0], [4]), ([3], [0]), ([2, 2], [0, 0])]
-    cases += [] if layout == "bhsd" else [([0, 0], [5, 0]), ([3, 2], [0, 6])]
+    cases += [] if layout in UNIFORM_LAYOUTS else [([0, 0], [5, 0]), ([3, 2], [0, 6])]
     for q_lens, kv_lens in cases:
         sequences = tt.random_sequences(q_lens, kv_lens, 4, 2, 16, rng=np.random.default_rng(4))
-        args = (tuple(np.stack([s[n] for s in sequences]).transpose(0, 2, 1, 3).copy() for n in range(3))
-                if layout == "bhsd" else tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, 4))
-        args = [tvm.runtime.tensor(a) for a in args]
+        args = [tvm.runtime.tensor(a) for a in pack(layout, sequences, 4)]
         assert (kernel.plan(*args).family is None) == (max(q_lens) == 0 or max(kv_lens) == 0)
         check_lengths(kernel, [(q_lens, kv_lens)], seed=4)
 

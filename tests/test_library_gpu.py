@@ -6,8 +6,9 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import VARIANTS, check, check_lengths, reference
+from library_cases import LAYOUTS, VARIANTS, check, check_lengths, reference
 from tvm_cascade.library import KernelArgumentError, attention_kernel
+from tvm_cascade.library.spec import UNIFORM_LAYOUTS
 from tvm_cascade.ops import testing as tt
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -22,10 +23,10 @@ def _kernel(layout, heads_q=8, heads_kv=2, head_dim=64, variant="causal", dtype=
     return attention_kernel(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout, target="cuda")
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 def test_variants_every_layout(layout, variant):
-    if layout == "bhsd":
+    if layout in UNIFORM_LAYOUTS:
         lengths = [([37, 37], [300, 300]), ([1, 1, 1], [1000, 1000, 1000]), ([129], [129])]
     else:
         lengths = [([37, 1, 200, 5], [300, 999, 200, 70]), ([8, 4], [4000, 17])]
@@ -72,7 +73,7 @@ def test_split_k_decode(heads, head_dim, dtype):
     check_lengths(kernel, [([1, 4, 8, 1], [1, 700, 3001, 40])], seed=5)
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tensor_core_decode(layout, variant, head_dim):
@@ -80,7 +81,7 @@ def test_tensor_core_decode(layout, variant, head_dim):
     query rows (16-row tiles full and partial), keys of any length (and none)."""
     kernel = _kernel(layout, 16, 4, head_dim=head_dim, variant=variant)
     assert kernel.family_for(8).name == "tensor_core_decode"
-    if layout == "bhsd":
+    if layout in UNIFORM_LAYOUTS:
         lengths = [([1], [3000]), ([4, 4], [37, 37]), ([8], [8])]
     else:
         lengths = [([1, 4, 8, 1, 2], [1, 700, 3001, 40, 0])]
@@ -98,7 +99,7 @@ def _nan_tails(args, page_size):
     return q, pages, q_indptr, page_indptr, page_ids, last
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_warp_specialized_prefill(layout, variant, dtype):
@@ -107,7 +108,7 @@ def test_warp_specialized_prefill(layout, variant, dtype):
     under a mask give zeros), chunked prefill (512 new tokens on 2500 cached)."""
     kernel = _kernel(layout, 16, 4, head_dim=128, variant=variant, dtype=dtype)
     assert kernel.family_for(9).name == "warp_specialized_prefill"
-    if layout == "bhsd":
+    if layout in UNIFORM_LAYOUTS:
         lengths = [([300, 300], [300, 300]), ([129], [1000]), ([200], [100]), ([9], [9])]
     else:
         lengths = [([37, 9, 200, 512, 130], [300, 999, 100, 3012, 130]), ([1000, 9], [1000, 4000])]
@@ -115,14 +116,14 @@ def test_warp_specialized_prefill(layout, variant, dtype):
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("layout", ["bhsd", "ragged", "paged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[-1]], ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_warp_specialized_prefill_head_dims(head_dim, layout, variant, dtype):
     """Head dims 64 and 256 (64-key tiles) on the warp-specialised family."""
     kernel = _kernel(layout, 8, 2, head_dim=head_dim, variant=variant, dtype=dtype)
     assert kernel.family_for(9).name == "warp_specialized_prefill"
-    lengths = [([300], [300]), ([129], [1000]), ([200], [100])] if layout == "bhsd" else \
+    lengths = [([300], [300]), ([129], [1000]), ([200], [100])] if layout in UNIFORM_LAYOUTS else \
         [([37, 9, 200, 512, 130], [300, 999, 100, 1012, 130])]
     check_lengths(kernel, lengths, seed=9)
 

@@ -33,8 +33,8 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     ``variant``: a name of :data:`~tvm_cascade.ops.VARIANTS` or an
     :class:`~tvm_cascade.ops.AttentionVariant` (causal, sliding window, ALiBi, softcap
     and their combinations; queries aligned to the end of their keys). ``dtype``:
-    ``float16``, ``bfloat16`` or ``float32``. ``layout``: ``"bhsd"``, ``"ragged"`` or
-    ``"paged"`` (:mod:`tvm_cascade.library.layouts`). ``target``: a TVM target (default:
+    ``float16``, ``bfloat16`` or ``float32``. ``layout``: ``"bhsd"``, ``"bshd"``,
+    ``"ragged"`` or ``"paged"`` (:mod:`tvm_cascade.library.layouts`). ``target``: a TVM target (default:
     this machine's CUDA GPU, else ``llvm``). ``scale`` multiplies Q·Kᵀ (default
     ``1/sqrt(head_dim)``). ``page_size``: the keys a page of the paged layout holds
     (default 16). With ``use_cache`` the kernel is loaded from the on-disk cache

@@ -18,6 +18,7 @@ from .spec import AttentionSpec
 #: The tensors a kernel of each layout takes, in order (``out`` follows, optional).
 ARGUMENTS = {
     "bhsd": ("q", "k", "v"),
+    "bshd": ("q", "k", "v"),
     "ragged": ("q", "k", "v", "q_indptr", "kv_indptr"),
     "paged": ("q", "pages", "q_indptr", "page_indptr", "page_ids", "last_page_len"),
 }
@@ -107,6 +108,13 @@ def _bhsd(spec, t):
     return b, sq, skv
 
 
+def _bshd(spec, t):
+    b, sq, _, _ = _shape(t, "q", (None, None, spec.heads_q, spec.head_dim))
+    _, skv, _, _ = _shape(t, "k", (b, None, spec.heads_kv, spec.head_dim))
+    _shape(t, "v", (b, skv, spec.heads_kv, spec.head_dim))
+    return b, sq, skv
+
+
 def _ragged(spec, t):
     total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
     total_kv, _, _ = _shape(t, "k", (None, spec.heads_kv, spec.head_dim))
@@ -164,4 +172,4 @@ def _max(lengths) -> int:
     return int(lengths.max(initial=0))
 
 
-_LAYOUT_CHECKS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}
+_LAYOUT_CHECKS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged}

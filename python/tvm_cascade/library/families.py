@@ -22,7 +22,7 @@ from ..relax.gpu_schedule import schedule_fused_for_gpu
 from ..transform import fuse_cascaded_reductions
 from .compute import VIEW_BLOCKS, attention_chain
 from .layouts import scatter_output
-from .spec import AttentionSpec
+from .spec import UNIFORM_LAYOUTS, AttentionSpec
 from .split_k_decode import SplitKDecode
 from .tensor_core_decode import TensorCoreDecode
 from .warp_specialized_prefill import WarpSpecializedPrefill
@@ -46,7 +46,7 @@ class GenericFused:
 
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         sch = tvm.s_tir.Schedule(attention_chain(spec))
-        for name in VIEW_BLOCKS if spec.layout != "bhsd" else ():
+        for name in VIEW_BLOCKS if spec.layout not in UNIFORM_LAYOUTS else ():
             sch.compute_inline(sch.get_sblock(name))
         chains = fuse_cascaded_reductions(sch, tile=self.TILE, method="rolling")
         if len(chains) != 1 or set(chains[0].blocks) != {"sum", "pv"}:

@@ -9,7 +9,7 @@ import tvm
 from .arguments import (
     ARGUMENTS, KernelArgumentError, aligned, as_tensor, check_call, check_out, check_types, is_aligned, is_index,
 )
-from .spec import AttentionSpec
+from .spec import UNIFORM_LAYOUTS, AttentionSpec
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class AttentionKernel:
         if min(batch, max_q, max_kv) == 0:
             return Plan(None, (), _shapes(given), _index_data(given))
         family = self.family_for(max_q)
-        scalars = [] if self.spec.layout == "bhsd" else [max_q, max_kv]
+        scalars = [] if self.spec.layout in UNIFORM_LAYOUTS else [max_q, max_kv]
         scalars += family.plan(self.spec, batch, max_q, max_kv, self.device)
         return Plan(family, tuple(scalars), _shapes(given), _index_data(given))
 

@@ -9,6 +9,9 @@ PrimFunc (its buffers' shapes, or scalar parameters), so one kernel serves all o
 
 ``bhsd``
     ``q[b, hq, sq, d]``, ``k/v[b, hkv, skv, d]``, ``out[b, hq, sq, d]``.
+``bshd``
+    ``q[b, sq, hq, d]``, ``k/v[b, skv, hkv, d]``, ``out[b, sq, hq, d]`` (FlashAttention's
+    and Relax's ``R.nn.attention``'s layout).
 ``ragged``
     sequences packed along tokens (FlashAttention's varlen): ``q[total_q, hq, d]``,
     ``k/v[total_kv, hkv, d]``, ``q_indptr[b + 1]`` and ``kv_indptr[b + 1]`` (int32,
@@ -96,6 +99,23 @@ def _bhsd(spec, tensor):
     )
 
 
+def _bshd(spec, tensor):
+    batch, seq_q, seq_kv = te.var("batch"), te.var("seq_q"), te.var("seq_kv")
+    d = spec.head_dim
+    q = tensor((batch, seq_q, spec.heads_q, d), spec.dtype, "q")
+    k = tensor((batch, seq_kv, spec.heads_kv, d), spec.dtype, "k")
+    v = tensor((batch, seq_kv, spec.heads_kv, d), spec.dtype, "v")
+    return Views(
+        inputs=[q, k, v], batch=batch, rows=seq_q, keys=seq_kv,
+        query=lambda b, h, i, x: q[b, i, h, x],
+        kv_row=lambda b, j: (b, j),
+        key_at=lambda row, h, x: k[row[0], row[1], h, x],
+        value_at=lambda row, h, x: v[row[0], row[1], h, x],
+        q_len=None, kv_len=None, out_shape=q.shape,
+        out_index=lambda b, h, i, x: (b, i, h, x),
+    )
+
+
 def _ragged_queries(spec, tensor):
     """Ragged queries and their indptr, shared by ``ragged`` and ``paged``: ``(q,
     q_indptr, max_q, max_kv, fields)``, ``fields`` the :class:`Views` fields they set
@@ -159,7 +179,7 @@ def _paged(spec, tensor):
     )
 
 
-_BUILDERS = {"bhsd": _bhsd, "ragged": _ragged, "paged": _paged}
+_BUILDERS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged}
 
 
 def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -170,7 +190,7 @@ def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.Pri
     TE cannot index an output by a loaded value, so the view's output is computed and
     this rewrite, after scheduling, changes only where the block that stores it writes.
     """
-    if spec.layout == "bhsd":
+    if spec.layout == "bhsd":  # the view is the layout
         return func
     params = {p.name: p for p in buffer_params(func)}
     old = params.pop("out")
@@ -184,7 +204,7 @@ def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.Pri
             return s
         b, h, i, x = s.indices
         stored = tirx.BufferStore(new, s.value, list(view.out_index(b, h, i, x)))
-        return tirx.IfThenElse(i < view.query_length(b), stored, None)
+        return stored if view.q_len is None else tirx.IfThenElse(i < view.q_len(b), stored, None)
 
     def block(blk):
         if not any(w.source.same_as(old) for w in blk.writes):

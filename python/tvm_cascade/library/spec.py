@@ -10,7 +10,9 @@ import tvm
 from ..ops.variants import AttentionVariant, get_variant
 
 #: Memory layouts of a kernel's tensors (see :mod:`tvm_cascade.library.layouts`).
-LAYOUTS = ("bhsd", "ragged", "paged")
+LAYOUTS = ("bhsd", "bshd", "ragged", "paged")
+#: Layouts whose sequences are all as long (the tensors' shapes say how long).
+UNIFORM_LAYOUTS = ("bhsd", "bshd")
 DTYPES = ("float16", "bfloat16", "float32")
 #: The largest head dimension a kernel serves.
 MAX_HEAD_DIM = 256

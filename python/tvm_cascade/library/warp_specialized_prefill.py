@@ -12,6 +12,8 @@ shorter sequence's rows are skipped. Each layout is a set of TMA maps over its t
   sequence are TMA's zeros;
 - ``ragged``: heads (a) of every token (c): a tile is 128 tokens of one head from the
   sequence's first token;
+- ``bshd``: as ragged, sequence ``b``'s first token at ``b`` times its length (a tile
+  past its end reads the next sequence's rows: masked keys, unstored rows);
 - ``paged``: a page's keys (a) of every (page, K or V, head) (c): a tile is
   ``keys / page_size`` pages, looked up in the page table by the producer, a page the
   sequence does not have read as TMA's zeros (a coordinate past the map).
@@ -88,22 +90,22 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     q = buffers["q"]
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
     row = d * 2
-    q_indptr = buffers["q_indptr"]
+    first_q, first_kv, tokens_of = _packed(spec, view, buffers)
 
     def tokens(buf, heads, box):
         # (d, heads, tokens): a box is `box` tokens of one head.
-        return ws.TensorMap(buf, (heads, buf.shape[0]), (row, heads * row), (1, box))
+        return ws.TensorMap(buf, (heads, tokens_of(buf)), (row, heads * row), (1, box))
 
     common = dict(
         params=list(view.inputs) + [out], heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
-        q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, q_indptr[b] + r0), out_index=view.out_index,
+        q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, first_q(b) + r0), out_index=view.out_index,
     )
-    if spec.layout == "ragged":
-        k, v, kv_indptr = buffers["k"], buffers["v"], buffers["kv_indptr"]
+    if spec.layout in ("ragged", "bshd"):
+        k, v = buffers["k"], buffers["v"]
         return ws.Tiles(
             k_map=tokens(k, hkv, keys), v_map=tokens(v, hkv, keys),
-            kv_at=lambda b, hk, t, s, which: (hk, kv_indptr[b] + t * keys), **common,
+            kv_at=lambda b, hk, t, s, which: (hk, first_kv(b) + t * keys), **common,
         )
     pages, page_indptr, page_ids = buffers["pages"], buffers["page_indptr"], buffers["page_ids"]
     size = spec.page_size
@@ -118,3 +120,11 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         return 0, tirx.if_then_else(page < used, plane, planes)
 
     return ws.Tiles(k_map=pool, v_map=pool, kv_at=kv_at, **common)
+
+
+def _packed(spec, view, buffers):
+    """The layout's tokens as rows of one tensor: (sequence b's first query token, its
+    first key token, the tokens tensor ``buf`` holds)."""
+    if spec.layout == "bshd":
+        return (lambda b: b * view.rows), (lambda b: b * view.keys), (lambda buf: view.batch * buf.shape[1])
+    return (lambda b: buffers["q_indptr"][b]), (lambda b: buffers["kv_indptr"][b]), (lambda buf: buf.shape[0])
