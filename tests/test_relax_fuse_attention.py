@@ -310,7 +310,7 @@ def test_gpu_target_gets_a_scheduled_fused_kernel(method):
         grouped = FuseAttention(method=method)(mod)
     (name,) = _fused(grouped)
     func = grouped[name]
-    assert bool(func.attrs["tir.is_scheduled"])
+    assert bool(func.attrs["tirx.is_scheduled"])
     assert _blocks_outside_threads(func) == []
     partials = [b for b in _block_names(func) if b.endswith("_partial")]
     assert bool(partials) == (method == "split_k")
@@ -341,7 +341,7 @@ def test_gpu_target_fuses_symbolic_keys_with_static_tiles():
         lowered = relax.get_pipeline("cascade")(_gqa_chain())
     (name,) = _fused(lowered)
     func = lowered[name]
-    assert bool(func.attrs["tir.is_scheduled"])
+    assert bool(func.attrs["tirx.is_scheduled"])
     assert _blocks_outside_threads(func) == []
     assert not any(b.endswith("_partial") for b in _block_names(func))  # rolling
     # The scores of a tile are shared by the row's lanes: the key axis is split into

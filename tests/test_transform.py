@@ -166,7 +166,7 @@ def test_functions_without_chains_or_already_scheduled_are_unchanged():
     plain = _main(te.create_prim_func([A, B, C]))
     tvm.ir.assert_structural_equal(_fused(plain), plain)
 
-    scheduled = _main(ops.logsumexp(2, 64).with_attr("tir.is_scheduled", True))
+    scheduled = _main(ops.logsumexp(2, 64).with_attr("tirx.is_scheduled", True))
     tvm.ir.assert_structural_equal(_fused(scheduled), scheduled)
 
 

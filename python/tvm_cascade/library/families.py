@@ -4,8 +4,10 @@ A family has a ``name`` (its PrimFunc's name too), ``queries`` (the most query r
 sequence it serves, None for any), ``supports(spec) -> reason or None``, ``build(spec)
 -> PrimFunc`` taking the layout's tensors and scalars (:mod:`.layouts`), then the
 family's own scalars, then ``out``, and ``plan(spec, batch, max_q, max_kv, device) ->
-list`` giving those scalars for one call's lengths, and ``compile_target(target)``, the
-target its function compiles for (a Hopper family asks for sm_90a's features). Every kernel takes runtime lengths.
+list`` giving those scalars for one call's lengths (ints; or PrimExprs of a graph's
+symbolic shapes, :mod:`tvm_cascade.relax.dispatch`), and ``compile_target(target)``, the
+target its function compiles for (a Hopper family asks for sm_90a's features). Every
+kernel takes runtime lengths.
 
 :func:`choose` picks, in :data:`FAMILIES` order, the first family that supports a spec
 for each range of query rows: a kernel holds one function per range (decode's few rows,

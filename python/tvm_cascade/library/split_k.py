@@ -14,6 +14,7 @@ before it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from tvm import tirx
@@ -60,10 +61,25 @@ def chunk_count(spec, view, chunk_keys):
     return (keys + chunk_keys - 1) // chunk_keys
 
 
-def visible_keys(spec, max_q: int, max_kv: int) -> int:
+def maximum(*values):
+    """The largest of ``values``: ints (a call's plan) or PrimExprs (a plan in a
+    compiled graph, over its symbolic shapes)."""
+    if all(isinstance(v, int) for v in values):
+        return max(values)
+    return functools.reduce(tirx.max, values)
+
+
+def minimum(*values):
+    """The smallest of ``values`` (as :func:`maximum`)."""
+    if all(isinstance(v, int) for v in values):
+        return min(values)
+    return functools.reduce(tirx.min, values)
+
+
+def visible_keys(spec, max_q, max_kv):
     """The most keys the rows of a sequence of ``max_q`` queries and ``max_kv`` keys see."""
     window = spec.variant.window
-    return max_kv if window is None else min(max_kv, window + max_q - 1)
+    return max_kv if window is None else minimum(max_kv, window + max_q - 1)
 
 
 def score_of(spec, view):
@@ -171,14 +187,15 @@ def sm_count(device) -> int:
     return device.multi_processor_count if device.exist else 132
 
 
-def plan_chunk_keys(spec, blocks: int, max_q: int, max_kv: int, device, per_sm: int, step: int, least: int,
-                    whole_waves: bool) -> int:
+def plan_chunk_keys(spec, blocks, max_q, max_kv, device, per_sm: int, step: int, least: int, whole_waves: bool):
     """Keys per chunk (a multiple of ``step``, at least ``least``) so that the chunk kernel
     launches about ``per_sm`` of its ``blocks``-per-chunk blocks per SM: at most that
     many if ``whole_waves`` (a family whose ``per_sm`` blocks fit an SM at once: one wave
     rather than one and a fraction), else at least. Never more chunks than needed to
-    cover the keys a sequence's rows see."""
-    keys = max(visible_keys(spec, max_q, max_kv), 1)
+    cover the keys a sequence's rows see. Lengths are ints, or PrimExprs for a plan
+    over symbolic shapes (:func:`maximum`)."""
+    keys = maximum(visible_keys(spec, max_q, max_kv), 1)
     sms = sm_count(device)
-    chunks = max(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))
-    return max(least, -(-keys // chunks // step) * step)
+    blocks = maximum(blocks, 1)
+    chunks = maximum(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))
+    return maximum(least, -(-keys // chunks // step) * step)

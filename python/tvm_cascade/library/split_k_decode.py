@@ -30,7 +30,7 @@ from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
-    plan_chunk_keys, score_of, unsupported,
+    maximum, plan_chunk_keys, score_of, unsupported,
 )
 
 THREADS = 128
@@ -59,11 +59,11 @@ class SplitKDecode:
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         return decode_kernel(spec)
 
-    def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
+    def plan(self, spec: AttentionSpec, batch, max_q, max_kv, device) -> list:
         """``[chunk_keys]``: keys per chunk, so that the first kernel launches about
         :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
         _, rows, _, step = _shape(spec)
-        blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // rows)
+        blocks = batch * spec.heads_kv * -(-spec.group * maximum(max_q, 1) // rows)
         return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, WAVES, step, step, whole_waves=False)]
 
     def compile_target(self, target):

@@ -35,7 +35,7 @@ from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
-    plan_chunk_keys, score_of, unsupported,
+    maximum, plan_chunk_keys, score_of, unsupported,
 )
 
 WARP = 32
@@ -74,10 +74,10 @@ class TensorCoreDecode:
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         return decode_kernel(spec)
 
-    def plan(self, spec: AttentionSpec, batch: int, max_q: int, max_kv: int, device) -> list:
+    def plan(self, spec: AttentionSpec, batch, max_q, max_kv, device) -> list:
         """``[chunk_keys]``: keys per chunk, so that at most about :data:`BLOCKS_PER_SM`
         blocks run per SM (one wave), none shorter than :data:`LEAST_CHUNK`."""
-        blocks = batch * spec.heads_kv * -(-spec.group * max(max_q, 1) // ROWS)
+        blocks = batch * spec.heads_kv * -(-spec.group * maximum(max_q, 1) // ROWS)
         return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK,
                                 whole_waves=True)]
 

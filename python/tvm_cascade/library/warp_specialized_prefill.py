@@ -30,7 +30,7 @@ from tvm import tirx
 from ..schedules import warp_specialized as ws
 from .layouts import views
 from .spec import AttentionSpec
-from .split_k import sm_count
+from .split_k import maximum, minimum, sm_count
 
 #: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
 HEAD_DIMS = (64, 128, 256)
@@ -64,7 +64,7 @@ class WarpSpecializedPrefill:
 
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
         """``[blocks]``: one block per SM, or per row tile where there are fewer."""
-        return [max(1, min(batch * spec.heads_q * -(-max_q // ws.ROWS), sm_count(device)))]
+        return [maximum(1, minimum(batch * spec.heads_q * -(-max_q // ws.ROWS), sm_count(device)))]
 
     def compile_target(self, target):
         return ws.sm90a(target)

@@ -7,7 +7,7 @@ safe softmax, :mod:`.canonicalize`), legalizes the module and merges each group 
 PrimFunc with ``FuseTIR``; :func:`tvm_cascade.transform.fuse_cascaded_reductions` then fuses the
 softmax's max and sum and the probability-times-V matmul into one key loop (rolling
 update for prefill, split-k for decode shapes). On a GPU target the fused PrimFunc is
-given thread bindings (:mod:`.gpu_schedule`) and marked ``tir.is_scheduled``, so that the
+given thread bindings (:mod:`.gpu_schedule`) and marked ``tirx.is_scheduled``, so that the
 default pipeline's DLight rules leave it alone.
 
 A module without a match is returned as it is, so the rest of a pipeline compiles it
@@ -102,7 +102,7 @@ class FuseAttention:
         fused = sch.mod["main"]
         attrs = {FUSED_ATTR: [b for c in chains for b in c.blocks], "op_pattern": _OPAQUE}
         if on_gpu:
-            attrs["tir.is_scheduled"] = True
+            attrs["tirx.is_scheduled"] = True
         return fused.with_attrs(attrs)
 
 

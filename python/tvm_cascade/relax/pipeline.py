@@ -1,4 +1,5 @@
 """The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with
+:class:`.DispatchAttention` (CUDA: ``R.nn.attention`` on the kernel library) and
 :class:`.FuseAttention` before legalization.
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
@@ -11,6 +12,7 @@ from typing import Optional
 import tvm
 from tvm import relax
 
+from .dispatch import DispatchAttention
 from .fuse_attention import FuseAttention
 
 PIPELINE_NAME = "cascade"
@@ -24,7 +26,7 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
-        passes = dispatch + [FuseAttention(tile, method, chunks), _default_pipeline(target)]
+        passes = dispatch + [DispatchAttention(), FuseAttention(tile, method, chunks), _default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -10,7 +10,7 @@ FUSED_ATTR = "tvm_cascade.fused"
 class FuseCascadedReductions:
     """Fuse the cascaded reductions of every PrimFunc in a module.
 
-    Each PrimFunc not marked ``tir.is_scheduled`` goes through
+    Each PrimFunc not marked ``tirx.is_scheduled`` goes through
     :func:`tvm_cascade.transform.fuse_cascaded_reductions`; the fused ones carry the attribute
     ``tvm_cascade.fused``, the names of the blocks moved into a root's key loop. Other
     functions are returned as they are.
@@ -49,4 +49,4 @@ class FuseCascadedReductions:
 
 
 def _is_scheduled(func) -> bool:
-    return func.attrs is not None and bool(func.attrs.get("tir.is_scheduled", False))
+    return func.attrs is not None and bool(func.attrs.get("tirx.is_scheduled", False))

@@ -1,0 +1,296 @@
+"""What attention a hand-written ``matmul -> score ops -> softmax -> matmul`` chain of a
+Relax function computes, in the kernel library's terms (:class:`ChainAttention`), or why
+it is not one the library's variants express.
+
+The chain is read back from its output matmul through the function's bindings (the
+forms :mod:`.patterns` matches, after :mod:`.canonicalize`): ``probs @ v`` with
+``probs`` a softmax over the last axis (cast, or guarded for fully masked rows) of the
+scores ``q @ permute_dims(k)`` taken through
+
+- products with scalar constants, on the scores, on ``q`` or on ``kᵀ`` (the scale);
+- ``c * tanh(s / c)`` (a softcap), after the scale;
+- a mask after them: an additive constant (0 where a key is seen, ``-inf`` or below
+  :data:`MASKED_BELOW` where not) or ``where(constant, s, -inf)``; its pattern must be
+  a causal mask aligned to the end of the keys (with a sliding window or not), or none;
+- casts (the scores or softmax in float32).
+
+K and V are read before a GQA repeat (``repeat`` over heads, or ``expand_dims ->
+broadcast_to -> reshape``) and before casts. Shapes must be static: a mask is known by
+its value, and ``FoldConstant`` gives it one only then.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..ops.variants import AttentionVariant
+
+#: An additive mask's entries at or below this hide a key (``-1e9``, ``finfo.min``...).
+MASKED_BELOW = -1e4
+#: :func:`read_chain`'s answer for a matmul that is not a softmax's product with V.
+NOT_A_CHAIN = "not a softmax over the keys"
+
+
+@dataclass
+class ChainAttention:
+    """``q[b, hq, sq, d]``, ``k/v[b, hkv, skv, d]`` (Relax expressions, in the inputs'
+    half type) and what the chain computes of them."""
+
+    q: relax.Expr
+    k: relax.Expr
+    v: relax.Expr
+    variant: AttentionVariant
+    scale: float
+
+
+def read_chain(root: relax.Call, lookup: Callable) -> "ChainAttention | str":
+    """The :class:`ChainAttention` of output matmul ``root`` (``lookup(var)``: the value
+    bound to a variable, or None), or the reason it is not one (a str)."""
+    probs, v_grouped = root.args
+    softmax = _strip(probs, lookup, ("relax.astype",))
+    softmax = _unguard(softmax, lookup)
+    if not _is(softmax, "relax.nn.softmax") or int(softmax.attrs.axis) not in (-1, 3):
+        return NOT_A_CHAIN
+    ops = []  # score ops, last first
+    scores = _value(softmax.args[0], lookup)
+    while not _is(scores, "relax.matmul"):
+        if not isinstance(scores, relax.Call) or not isinstance(scores.op, tvm.ir.Op):
+            return "the scores are not a matmul's"
+        ops.append(scores)
+        scores = _value(_operand(scores, lookup), lookup)
+    q_side, keys = scores.args
+    scale, q = _scaled(q_side, lookup)
+    key_scale, kt = _scaled(keys, lookup)
+    kt = _value(kt, lookup)
+    if not _is(kt, "relax.permute_dims") or [int(a) for a in kt.attrs.axes] != [0, 1, 3, 2]:
+        return "the keys are not transposed from [b, h, s, d]"
+    k, v = (_ungroup(x, lookup) for x in (kt.args[0], v_grouped))
+    q = _strip(q, lookup, ("relax.astype",), value=False)
+    shapes = [_static_shape(x) for x in (q, k, v)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return "q, k and v need static 4-d shapes [b, h, s, d]"
+    (batch, heads_q, seq_q, _), (_, heads_kv, seq_kv, _) = shapes[:2]
+    if heads_q % heads_kv or shapes[1] != shapes[2]:
+        return f"K/V heads {shapes[1]} and {shapes[2]} do not group q's {shapes[0]}"
+    dtypes = {str(x.ty.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        return f"q, k and v differ in type: {sorted(dtypes)}"
+    return _score_ops(ops[::-1], scale * key_scale, seq_q, seq_kv, q, k, v, lookup)
+
+
+def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup):
+    """The chain's variant and scale from its score ops (first to last)."""
+    softcap, visible = None, None
+    i = 0
+    while i < len(ops) and (_scalar_factor(ops[i]) is not None or _is(ops[i], "relax.astype")):
+        scale *= _scalar_factor(ops[i]) or 1.0
+        i += 1
+    if i < len(ops) and _is(ops[i], "relax.tanh"):
+        after = _scalar_factor(ops[i + 1]) if i + 1 < len(ops) else None
+        if after is None:
+            return "a tanh not followed by its cap"
+        softcap, scale = after, scale * after
+        i += 2
+    for op in ops[i:]:
+        if _is(op, "relax.astype"):
+            continue
+        if visible is not None:
+            return f"more than one mask ({op.op.name})"
+        visible = _mask(op, lookup)
+        if isinstance(visible, str):
+            return visible
+    variant = _variant(visible, seq_q, seq_kv, softcap)
+    if isinstance(variant, str):
+        return variant
+    return ChainAttention(q, k, v, variant, scale)
+
+
+def _variant(visible: Optional[np.ndarray], seq_q, seq_kv, softcap):
+    """The library's variant whose keys seen are ``visible`` ([sq, skv] bools, or None
+    for all), or why none is."""
+    if visible is None or visible.all():
+        return AttentionVariant("global", softcap=softcap)
+    rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)  # queries aligned to the end of the keys
+    keys = np.arange(seq_kv)[None, :]
+    causal = keys <= rows
+    if np.array_equal(visible, causal):
+        return AttentionVariant("causal", causal=True, softcap=softcap)
+    window = int(visible[-1].sum())
+    if window and np.array_equal(visible, causal & (keys > rows - window)):
+        return AttentionVariant("window", causal=True, window=window, softcap=softcap)
+    return "a mask that is no causal or sliding-window mask aligned to the end of the keys"
+
+
+def _mask(op, lookup):
+    """The keys seen by the mask op ``op`` ([sq, skv] bools), or why it is not one."""
+    if _is(op, "relax.add"):
+        mask = _closed_value(op.args[1], lookup)
+        if mask is None:
+            mask = _closed_value(op.args[0], lookup)
+        if mask is None:
+            return "an additive mask that is not a constant (a mask tensor input)"
+        visible, hidden = mask == 0, mask <= MASKED_BELOW
+        if not (visible | hidden).all():
+            return "an additive mask with values other than 0 and -inf (a bias)"
+        return _plane(visible)
+    if _is(op, "relax.where"):
+        cond, lhs, rhs = (_closed_value(a, lookup) for a in op.args)
+        if cond is None:
+            return "a where-mask whose condition is not a constant"
+        for fill, keep in ((rhs, True), (lhs, False)):
+            if fill is not None and fill.size == 1 and fill.item() <= MASKED_BELOW:
+                return _plane(cond.astype(bool) if keep else ~cond.astype(bool))
+        return "a where that does not hide keys with -inf"
+    return f"score op {op.op.name}"
+
+
+def _plane(visible: np.ndarray):
+    """``visible`` as one [sq, skv] plane (the same for every sequence and head)."""
+    planes = visible.reshape(-1, *visible.shape[-2:])
+    if not (planes == planes[:1]).all():
+        return "a mask that differs between sequences or heads"
+    return planes[0]
+
+
+def _scaled(expr, lookup):
+    """(the product of scalar constants ``expr`` is multiplied or divided by, what they
+    multiply)."""
+    scale = 1.0
+    value = _value(expr, lookup)
+    while _scalar_factor(value) is not None:
+        scale *= _scalar_factor(value)
+        expr = _operand(value, lookup)
+        value = _value(expr, lookup)
+    return scale, expr
+
+
+def _scalar_factor(call) -> Optional[float]:
+    """The factor a ``multiply``/``divide`` by a scalar constant applies, or None."""
+    if not (_is(call, "relax.multiply") or _is(call, "relax.divide")):
+        return None
+    constant = _constant(call.args[1])
+    if constant is None and _is(call, "relax.multiply"):
+        constant = _constant(call.args[0])
+    if constant is None or constant.size != 1:
+        return None
+    c = float(constant.item())
+    return c if _is(call, "relax.multiply") else 1.0 / c
+
+
+def _operand(call, lookup):
+    """The operand of score op ``call`` that carries the scores (not a value of
+    constants alone)."""
+    if _is(call, "relax.where"):
+        return call.args[1] if not _closed(call.args[1], lookup) else call.args[2]
+    if len(call.args) == 2 and _closed(call.args[0], lookup):
+        return call.args[1]
+    return call.args[0]
+
+
+def _ungroup(expr, lookup):
+    """K or V before a GQA repeat over heads and before casts."""
+    expr = _strip(expr, lookup, ("relax.astype",), value=False)
+    value = _value(expr, lookup)
+    if _is(value, "relax.repeat") and int(value.attrs.axis) == 1:
+        expr = value.args[0]
+    elif _is(value, "relax.reshape"):
+        broadcast = _value(value.args[0], lookup)
+        if _is(broadcast, "relax.broadcast_to"):
+            expanded = _value(broadcast.args[0], lookup)
+            if _is(expanded, "relax.expand_dims") and [int(a) for a in expanded.attrs.axis] == [2]:
+                expr = expanded.args[0]
+    return _strip(expr, lookup, ("relax.astype",), value=False)
+
+
+def _unguard(expr, lookup):
+    """``softmax`` of ``where(row_alive, softmax, zeros)`` (a guard for fully masked rows,
+    which give zeros in the library's kernels too)."""
+    if _is(expr, "relax.where"):
+        return _value(expr.args[1], lookup)
+    return expr
+
+
+def _strip(expr, lookup, ops, value=True):
+    """``expr`` through the calls of ``ops`` (their first operand), as the value bound
+    (``value``) or as the expression."""
+    current = _value(expr, lookup)
+    while isinstance(current, relax.Call) and isinstance(current.op, tvm.ir.Op) and current.op.name in ops:
+        expr = current.args[0]
+        current = _value(expr, lookup)
+    return current if value else expr
+
+
+def _value(expr, lookup):
+    if isinstance(expr, relax.Var):
+        bound = lookup(expr)
+        return bound if bound is not None else expr
+    return expr
+
+
+def _is(expr, op_name) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op_name
+
+
+def _closed_bindings(expr, lookup):
+    """The bindings ``expr``'s value is computed by, in order, where it depends on no
+    parameter of the function (constants, ``arange`` and the like); else None."""
+    order, seen = [], set()
+
+    def visit(e):
+        if isinstance(e, relax.Var):
+            if e in seen:
+                return True
+            value = lookup(e)
+            if value is None or not visit(value):
+                return False  # a parameter, or computed from one
+            seen.add(e)
+            order.append((e, value))
+            return True
+        if isinstance(e, relax.Call):
+            return all(visit(a) for a in e.args)
+        if isinstance(e, relax.Tuple):
+            return all(visit(f) for f in e.fields)
+        return True
+
+    return order if visit(expr) else None
+
+
+def _closed(expr, lookup) -> bool:
+    return _closed_bindings(expr, lookup) is not None
+
+
+def _closed_value(expr, lookup) -> Optional[np.ndarray]:
+    """The value of ``expr`` where it depends on no parameter (a mask built of
+    ``arange``, comparisons and constants), computed on the CPU; else None."""
+    constant = _constant(expr)
+    if constant is not None or not isinstance(expr, relax.Var):
+        return constant
+    order = _closed_bindings(expr, lookup)
+    if order is None:
+        return None
+    bb = relax.BlockBuilder()
+    with bb.function("main", []):
+        mapping = {}
+        for var, value in order:
+            if isinstance(value, relax.Call):
+                value = relax.Call(value.op, [mapping.get(a, a) for a in value.args], value.attrs, value.ty_args)
+            mapping[var] = bb.emit(value)
+        bb.emit_func_output(mapping[expr])
+    executable = tvm.compile(bb.get(), target="llvm")
+    return relax.VirtualMachine(executable, tvm.cpu())["main"]().numpy()
+
+
+def _constant(expr) -> Optional[np.ndarray]:
+    return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy") else None
+
+
+def _static_shape(expr):
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    values = ty.shape.values
+    return [int(x) for x in values] if all(isinstance(x, tvm.tirx.IntImm) for x in values) else None

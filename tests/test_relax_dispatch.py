@@ -1,0 +1,224 @@
+"""``DispatchAttention`` (``tvm_cascade.relax.dispatch``): ``R.nn.attention`` on a CUDA
+target becomes a call of the kernel library's family for it, lengths symbolic or not;
+what no fast family serves is left as it is, with the reason logged. Compiled here with
+nvcc (no GPU needed); the numerics run in ``test_relax_dispatch_gpu.py``."""
+import logging
+
+import numpy as np
+import pytest
+import tvm
+from relax_attention_cases import SM90A, exported_sdpa
+from tvm import relax, tirx
+
+import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
+from tvm_cascade.analysis.chain import substitute
+from tvm_cascade.library import AttentionSpec
+from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
+from tvm_cascade.ops import AttentionVariant
+from tvm_cascade.relax.chain_spec import ChainAttention, read_chain
+from tvm_cascade.relax.dispatch import DispatchAttention
+from tvm_cascade.relax.testing import attention_module, chain_module
+
+ATTENTION = tvm.ir.Op.get("relax.nn.attention")
+
+
+def _dispatch(mod, target=SM90A):
+    with tvm.target.Target(target):
+        return DispatchAttention()(mod)
+
+
+def _kernels(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _calls(mod):
+    return [b.value for blk in mod["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)]
+
+
+def _cuda_source(executable):
+    modules = [executable.mod]
+    while modules:
+        m = modules.pop()
+        if m.kind == "cuda":
+            return m.inspect_source()
+        modules += list(m.imports)
+    raise AssertionError("no CUDA module")
+
+
+def test_prefill_calls_the_warp_specialized_kernel():
+    """A static prefill: one call of the warp-specialised family's bshd kernel, its
+    persistent blocks (2 sequences x 8 heads x 3 row tiles) an argument."""
+    mod = attention_module(2, 300, 300, 8, 2, 128)
+    out = _dispatch(mod)
+    (name, kernel), = _kernels(out).items()
+    assert name == "attention_warp_specialized_prefill_bshd_h8x2_d128_float16_causal"
+    assert kernel.attrs["target"].attrs["arch"] == "sm_90a" and bool(kernel.attrs["tirx.is_scheduled"])
+
+    bb = relax.BlockBuilder()
+    gvar = bb.add_func(kernel, name)
+    q, k, v = (relax.Var(p.name, p.ty) for p in mod["main"].params)
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            o = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
+        bb.emit_func_output(o)
+    tvm.ir.assert_structural_equal(out, bb.get())
+
+
+def test_decode_with_symbolic_keys_plans_in_the_graph():
+    """One query over a symbolic number of keys: the tensor-core decode family, its
+    chunk size an expression of the key length."""
+    n = tirx.Var("n", "int64")
+    out = _dispatch(attention_module(4, 1, n, 32, 8, 128))
+    (name,) = _kernels(out)
+    assert name.startswith("attention_tensor_core_decode_bshd_h32x8_d128")
+    (call,) = _calls(out)
+    q, k, v, chunk_keys = call.args[1].fields
+    assert any(var.same_as(n) for var in tvm.tirx.analysis.undefined_vars(chunk_keys))
+    spec = AttentionSpec.make(32, 8, 128, variant="causal", layout="bshd", target=tvm.target.Target(SM90A))
+    for keys in (1, 700, 8000, 32768):  # the graph's plan is the call's
+        want = TensorCoreDecode().plan(spec, 4, 1, keys, tvm.cuda(0))
+        got = tvm.sym.Analyzer().simplify(substitute(chunk_keys, {n: tirx.IntImm("int64", keys)}))
+        assert int(got) == want[0], keys
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, mask, reason",
+    [
+        ((2, 64, 64, 4, 4, 64), "float32", "BottomRight", "no fast kernel family"),
+        ((2, 4, 1000, 4, 4, 64), "float16", "TopLeft", "TopLeft mask over 4 queries and 1000 keys"),
+        ((2, "n", "m", 4, 4, 64), "float16", "BottomRight", "more queries than keys is not served"),
+        ((2, 64, 64, 4, 4, 80), "float16", None, "no fast kernel family"),
+    ],
+)
+def test_what_no_fast_kernel_serves_is_left_and_logged(shape, dtype, mask, reason, caplog):
+    shape = [tirx.Var(x, "int64") if isinstance(x, str) else x for x in shape]
+    mod = attention_module(*shape, dtype=dtype, causal_mask=mask)
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        out = _dispatch(mod)
+    tvm.ir.assert_structural_equal(out, mod)
+    assert reason in caplog.text
+
+
+def test_cpu_targets_are_left_alone():
+    mod = attention_module(2, 64, 64, 4, 4, 64)
+    tvm.ir.assert_structural_equal(_dispatch(mod, "llvm"), mod)
+
+
+def test_symbolic_causal_prefill_and_the_cascade_pipeline_compile():
+    """The cascade pipeline dispatches a prefill of symbolic length (``TopLeft`` over as
+    many queries as keys) and a static decode, and nvcc compiles the kernels."""
+    n = tirx.Var("n", "int64")
+    for mod, family in ((attention_module(1, n, n, 16, 8, 64, "bfloat16", "TopLeft"), "warp_specialized_prefill"),
+                        (attention_module(8, 1, 4096, 16, 8, 256), "split_k_decode")):
+        executable = tvm.compile(mod, target=tvm.target.Target(SM90A), relax_pipeline="cascade")
+        assert f"attention_{family}_bshd" in _cuda_source(executable)
+
+
+def test_transposes_from_bhsd_fold_into_the_kernel():
+    """torch.export's SDPA form, ``permute_dims`` to bshd around ``R.nn.attention``: the
+    bhsd kernel reads the tensors before the transposes, and none is left."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((2, 8, 300, 128), "float16"))
+    k, v = (relax.Var(n, relax.TensorType((2, 2, 300, 128), "float16")) for n in "kv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            bshd = [bb.emit(relax.op.permute_dims(x, [0, 2, 1, 3])) for x in (q, k, v)]
+            o = bb.emit(relax.op.nn.attention(*bshd, causal_mask="TopLeft"))
+            result = bb.emit_output(relax.op.permute_dims(o, [0, 2, 1, 3]))
+        bb.emit_func_output(result)
+    out = _dispatch(bb.get())
+    (name, kernel), = _kernels(out).items()
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
+
+    bb = relax.BlockBuilder()
+    gvar = bb.add_func(kernel, name)
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
+        bb.emit_func_output(result)
+    tvm.ir.assert_structural_equal(out, bb.get())
+
+
+def test_torch_export_sdpa_runs_one_kernel():
+    """``torch.export`` of causal SDPA with GQA: the cascade pipeline's module calls the
+    bhsd kernel on the exported function's own inputs, no transpose kernel around it."""
+    pytest.importorskip("torch")
+    out = _dispatch(exported_sdpa(2, 300, 8, 2, 128))
+    (name,) = _kernels(out)
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
+    ops = [c.op.name for c in _calls(out) if isinstance(c.op, tvm.ir.Op)]
+    assert "relax.permute_dims" not in ops and "relax.nn.attention" not in ops, ops
+
+
+def _read(mod):
+    """``read_chain`` of the function's last matmul."""
+    func = mod["main"]
+    var2val = relax.analysis.get_var2val(func)
+    (root,) = [c for c in _calls(mod) if c.op.name == "relax.matmul" and c.ty.ndim == 4 and
+               int(c.ty.shape.values[-1]) == int(func.params[0].ty.shape.values[-1])][-1:]
+    return read_chain(root, var2val.get)
+
+
+@pytest.mark.parametrize(
+    "kwargs, variant",
+    [
+        (dict(mask="causal"), AttentionVariant("causal", causal=True)),
+        (dict(mask=("window", 5), gqa="broadcast"), AttentionVariant("window", causal=True, window=5)),
+        (dict(mask=None, softcap=30.0), AttentionVariant("global", softcap=30.0)),
+        (dict(mask="causal", softcap=50.0, scale=0.25), AttentionVariant("causal", causal=True, softcap=50.0)),
+    ],
+)
+def test_chains_read_as_library_variants(kwargs, variant):
+    """A chain's scale (constants on the scores, a softcap's cap folded in), its GQA
+    source tensors and its mask, known by value, as the library's variant."""
+    mod = chain_module(2, 12, 20, 8, 2, 64, **kwargs)
+    chain = _read(mod)
+    assert isinstance(chain, ChainAttention), chain
+    q, k, v = mod["main"].params[:3]
+    assert chain.q.same_as(q) and chain.k.same_as(k) and chain.v.same_as(v)
+    assert chain.variant == variant
+    scale = float(np.float16(kwargs.get("scale", 1 / 8)))  # the constant's half value
+    assert chain.scale == pytest.approx(scale)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        (dict(mask="bias"), "values other than 0 and -inf (a bias)"),
+        (dict(mask_input=True), "not a constant (a mask tensor input)"),
+    ],
+)
+def test_chains_the_library_does_not_express(kwargs, reason, caplog):
+    mod = chain_module(2, 12, 20, 8, 2, 64, **kwargs)
+    assert reason in _read(mod)
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        tvm.ir.assert_structural_equal(_dispatch(mod), mod)
+    assert reason in caplog.text
+
+
+def test_a_chain_becomes_one_kernel_call():
+    """A causal GQA chain in fp16 with a float32 softmax: one call of the bhsd kernel on
+    the function's q, k, v; the chain's other bindings are gone."""
+    mod = chain_module(2, 300, 300, 8, 2, 128)
+    out = _dispatch(mod)
+    (name, kernel), = _kernels(out).items()
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
+    bb = relax.BlockBuilder()
+    gvar = bb.add_func(kernel, name)
+    q, k, v = mod["main"].params
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
+        bb.emit_func_output(result)
+    tvm.ir.assert_structural_equal(out, bb.get())
+
+
+def test_torch_export_decomposed_sdpa_is_one_kernel():
+    """``torch.export``'s default (SDPA decomposed into a float32 chain with a mask of
+    ``arange`` comparisons): one kernel call on the exported function's inputs, no cast or
+    transpose left."""
+    pytest.importorskip("torch")
+    out = _dispatch(exported_sdpa(2, 300, 8, 2, 128, decompose=True))
+    (name,) = _kernels(out)
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
+    assert [c.op.name for c in _calls(out) if isinstance(c.op, tvm.ir.Op)] == ["relax.call_tir"]

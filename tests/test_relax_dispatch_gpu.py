@@ -1,0 +1,95 @@
+"""Relax modules compiled with ``relax_pipeline="cascade"`` on a CUDA GPU (skipped
+without one): ``R.nn.attention`` runs the kernel library's kernels (prefill and decode,
+static and symbolic lengths, GQA, fp16 and bf16, head dims 64/128/256) and matches
+float64 numpy."""
+import numpy as np
+import pytest
+import tvm
+from library_cases import check
+from relax_attention_cases import exported_sdpa, random_inputs, reference, run
+from tvm import relax, tirx
+
+import tvm_cascade  # noqa: F401
+from tvm_cascade.ops import AttentionVariant
+from tvm_cascade.ops.reference import sequence_attention_ref
+from tvm_cascade.relax.dispatch import serving
+from tvm_cascade.relax.testing import attention_module, chain_module
+
+pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, mask, symbolic",
+    [
+        (2, 300, 300, 8, 2, 128, "float16", "BottomRight", False),  # prefill, GQA 4
+        (1, 1000, 1000, 16, 8, 64, "bfloat16", "TopLeft", True),  # symbolic prefill
+        (2, 129, 700, 8, 8, 256, "float16", "BottomRight", False),  # chunked prefill
+        (3, 1, 3000, 32, 8, 128, "float16", "BottomRight", True),  # decode, symbolic keys
+        (4, 4, 777, 16, 4, 64, "bfloat16", "BottomRight", False),  # speculative decode
+        (2, 1, 4096, 16, 8, 256, "float16", "BottomRight", False),  # head dim 256 decode
+        (2, 200, 200, 4, 4, 128, "float16", None, False),  # no mask
+    ],
+)
+def test_cascade_pipeline_runs_library_kernels(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, mask, symbolic):
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    shape = (batch, seq_q, seq_kv)
+    if symbolic:  # the query and key lengths (one length where they are as many)
+        n, m = tirx.Var("n", "int64"), tirx.Var("m", "int64")
+        shape = (batch, n if seq_q == seq_kv else seq_q, n if seq_q == seq_kv else m)
+    mod = attention_module(*shape, heads_q, heads_kv, head_dim, dtype, mask)
+    call = mod["main"].body.blocks[0].bindings[0].value
+    assert not isinstance(serving(call, target), str), serving(call, target)
+    executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype)
+    out = run(executable, tvm.cuda(0), q, k, v)
+    check(out.astype(np.float64), reference(q, k, v, causal=mask is not None), dtype)
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, seq", [(8, 2, 300), (4, 4, 1000)])
+def test_torch_export_sdpa_on_the_library_kernel(heads_q, heads_kv, seq):
+    """``torch.export`` of causal SDPA (GQA through ``enable_gqa``), SDPA kept whole:
+    the cascade pipeline's module matches float64 numpy."""
+    pytest.importorskip("torch")
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(exported_sdpa(2, seq, heads_q, heads_kv, 128), target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(2, seq, seq, heads_q, heads_kv, 128, "float16")
+    bhsd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
+    vm = relax.VirtualMachine(executable, tvm.cuda(0))
+    (out,) = vm["main"](*(tvm.runtime.tensor(x, tvm.cuda(0)) for x in bhsd))
+    check(out.numpy().transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, causal=True), "float16")
+
+
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, kwargs, variant",
+    [
+        (2, 300, 300, 8, 2, 128, "float16", dict(mask="causal"), AttentionVariant("c", causal=True)),
+        (1, 1000, 1000, 16, 8, 64, "bfloat16", dict(mask=("window", 256), gqa="broadcast"),
+         AttentionVariant("w", causal=True, window=256)),
+        (2, 200, 200, 8, 8, 128, "float16", dict(mask=None, softcap=30.0), AttentionVariant("s", softcap=30.0)),
+        (4, 1, 777, 32, 8, 128, "float16", dict(mask="causal"), AttentionVariant("c", causal=True)),
+        (2, 129, 700, 16, 8, 256, "float16", dict(mask="causal"), AttentionVariant("c", causal=True)),
+    ],
+)
+def test_hand_written_chains_on_the_library_kernels(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, kwargs,
+                                                    variant):
+    """Hand-written attention chains (constant masks, GQA repeats, float32 softmax,
+    softcap) through the cascade pipeline match float64 numpy."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, **kwargs)
+    executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype)
+    out = run(executable, tvm.cuda(0), *(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)))
+    scale = float(np.float16(head_dim ** -0.5))  # the chain's constant
+    expected = np.stack([sequence_attention_ref(q[b], k[b], v[b], variant, scale) for b in range(batch)])
+    check(out.transpose(0, 2, 1, 3).astype(np.float64), expected, dtype)
+
+
+def test_torch_export_decomposed_sdpa_on_the_library_kernel():
+    pytest.importorskip("torch")
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(exported_sdpa(2, 300, 8, 2, 128, decompose=True), target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(2, 300, 300, 8, 2, 128, "float16")
+    vm = relax.VirtualMachine(executable, tvm.cuda(0))
+    (out,) = vm["main"](*(tvm.runtime.tensor(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), tvm.cuda(0))
+                          for x in (q, k, v)))
+    check(out.numpy().transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, causal=True), "float16")
