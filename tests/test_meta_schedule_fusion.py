@@ -149,3 +149,21 @@ def test_tune_relax_finds_the_fused_attention_of_a_model(tmp_path):
     out = vm["main"](*(tvm.runtime.tensor(x) for x in (q, k, v))).numpy()
     expected = R.sequence_attention_ref(q[0], k[0], v[0], variant="causal")
     np.testing.assert_allclose(out[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_split_k_samples_chunk_counts_that_do_not_divide_the_keys():
+    """37 keys (no sampled chunk count divides them): the split-k proposal samples the
+    counts that leave no chunk empty (2, 4, 8; 16 chunks of 3 would leave 3 empty), and
+    each decision computes what numpy does."""
+    x = np.random.default_rng(3).standard_normal((4, 37)).astype("float32") * 4
+    func = cascades.logsumexp(4, 37)
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=LLVM, space_generator=cascade_space(), task_name="l")
+    (split,) = [s for s in context.generate_design_space() if "SplitKUpdate" in _fusions(s)]
+    (chunks,) = [inst for inst in split.trace.insts if inst.kind.name == "SampleCategorical"
+                 and tuple(int(c) for c in inst.attrs[0]) == (2, 4, 8)]
+    for decision in range(3):
+        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        split.trace.with_decision(chunks, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
+        assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
+        (out,) = testing.run_prim_func(sch.mod["main"], [x])
+        np.testing.assert_allclose(out, R.logsumexp_ref(x), rtol=1e-5)

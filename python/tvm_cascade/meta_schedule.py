@@ -12,7 +12,7 @@ out with ``unfused=False``):
   ``rolling_update``, the blocks that feed the chain along the key axis (scores, Q·Kᵀ)
   computed inside the tile loop;
 * the split-k update: the key loop split into a sampled number of ``chunks`` (of those
-  that divide the key length), the root and each later reduction split with
+  that leave no chunk empty), the root and each later reduction split with
   ``split_k_update``.
 
 A later reduction the primitives refuse (no repair exists) stays unfused, as
@@ -52,7 +52,7 @@ logger = logging.getLogger("tvm_cascade.meta_schedule")
 
 #: Key tiles the rolling update samples from (those below the key length).
 TILES = (16, 32, 64, 128)
-#: Chunk counts the split-k update samples from (those that divide the key length).
+#: Chunk counts the split-k update samples from (those that leave no chunk empty).
 CHUNKS = (2, 4, 8, 16, 32)
 #: Threads a row of a fused nest spreads its spatial loops over on a GPU, sampled from.
 GPU_LANES = (32, 64, 128)
@@ -138,9 +138,8 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         length = candidate.length
         if how == "rolling":
             return tuple(t for t in self.tiles if length is None or t < length)
-        # Chunk counts that divide the length: otherwise the partials keep the split's
-        # predicate, and TVM judges their bindings non-affine (``split_k_update``).
-        return tuple(c for c in self.chunks if length is not None and c <= length and length % c == 0)
+        # A chunk past the last key would fold nothing.
+        return tuple(c for c in self.chunks if length is not None and (c - 1) * -(-length // c) < length)
 
 
 @derived_object

@@ -115,6 +115,18 @@ class SplitKChain(Chain):
     def axis_binding(self, fresh):
         return substitute(self.axis_value, fresh)
 
+    def axis_predicate(self, fresh):
+        """The template's predicate, and where the template is a chunk partial of a ragged
+        last chunk that runs past the axis (its reads clamped: ``split_k_update``), the
+        axis kept in range."""
+        predicate = super().axis_predicate(fresh)
+        dom = self.target_axis.dom
+        kept = uses_var(self.template.realize.predicate, self.loop.loop_var)
+        if kept or tvm.sym.Analyzer().can_prove(self.chunks * self.chunk <= dom.extent):
+            return predicate
+        in_range = substitute(self.axis_value, fresh) < dom.min + dom.extent
+        return tvm.sym.Analyzer().simplify(tvm.tirx.And(predicate, in_range))
+
     def incomplete_key(self, load):
         writer = self.writer.get(load.source)
         if writer in self.producers:

@@ -181,11 +181,14 @@ def split_k_update(self: Schedule, block, loop=None) -> None:
     read the partial of their chunk (``Y_partial[v_j // chunk, ...]``); one that also feeds
     blocks left outside keeps a ``<block>_complete`` copy for them, as in
     :meth:`rolling_update`. Iterations of ``loop`` share no state, so it can be bound to
-    thread blocks; the combines can be scheduled on their own. Give a chunk count that
-    divides the length for that: otherwise the partials keep the split's predicate over
-    chunk and position, and TVM judges their bindings non-affine and refuses ``bind`` and
-    ``parallel`` on ``loop`` (the result is still correct; chunks past the last key are
-    skipped by the combines).
+    thread blocks; the combines can be scheduled on their own. Where the chunks do not
+    divide the length, the partials run every position of the last chunk with no
+    predicate (which TVM would judge non-affine, refusing ``bind`` and ``parallel`` on
+    ``loop``): their reads are clamped into the axis and positions past it fold nothing
+    (``X_partial = Select(pos < n, f(X_partial, x), X_partial)``); a chunk past the last
+    key holds the reduction's identity and the combines skip it. Beside reductions rolled
+    within each chunk (:meth:`rolling_update` under ``loop``), the partials keep the
+    split's predicate instead.
 
     Parameters
     ----------

@@ -146,13 +146,29 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: 
     inner_iv = tvm.tirx.IterVar(
         tvm.ir.Range(0, chain.chunk), tvm.tirx.Var(f"{axis.var.name}_in", dtype), REDUCE
     )
-    position = {axis.var: chunk_iv.var * chain.chunk + inner_iv.var}
+    position = chunk_iv.var * chain.chunk + inner_iv.var
+    extent = axis.dom.min + axis.dom.extent
+    ragged = not tvm.sym.Analyzer().can_prove(chain.chunks * chain.chunk <= axis.dom.extent)
+    # The last chunk runs past the axis. Rather than a predicate over (chunk, position),
+    # which TVM cannot prove an affine binding (so the chunk loop could be neither bound
+    # nor parallel), the block runs every position: reads clamped into the axis, the fold
+    # skipped past it. Not beside reductions rolled within the chunks, whose tiles
+    # TVM's region cover then no longer proves covered.
+    ragged = ragged and _clamps(chain)
+    if ragged:
+        predicate = _without_var(predicate, loop_var)
+        reads = {axis.var: tvm.tirx.min(position, extent - 1)}
+    else:
+        reads = {axis.var: position}
 
-    def rewrite(stmt):
-        stmt = chain.localize(substitute(stmt, position), chunk_iv.var)
+    def rewrite(stmt, guard=False):
+        stmt = substitute(stmt, reads)
+        if guard:
+            stmt = _guard_fold(stmt, accumulator_store(block).buffer, position < extent)
+        stmt = chain.localize(stmt, chunk_iv.var)
         return _to_partials(stmt, partials, chunk_iv.var)
 
-    body = rewrite(block.body)
+    body = rewrite(block.body, guard=ragged)
     others = [(iv, b) for iv, b in zip(block.iter_vars, bindings) if not iv.var.same_as(axis.var)]
     new_block = ir.copy_block(
         block,
@@ -163,6 +179,40 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: 
     )
     new_bindings = [loop_var] + [b for _, b in others] + [inner]
     return ir.realize(new_bindings, predicate, edit.regions(new_block))
+
+
+def _clamps(chain) -> bool:
+    """Whether the chain's partials run every position of a ragged last chunk: as the
+    partials already split do, else where no other reduction of the chain runs under the
+    loop (rolled by ``rolling_update`` within each chunk)."""
+    loop_var = chain.loop.loop_var
+    if chain.partial_of:
+        return not any(uses_var(p.realize.predicate, loop_var) for p in chain.partial_of.values())
+
+    def partial(site):
+        first = site.block.iter_vars[0]
+        return first.iter_type != REDUCE and site.binding(first).same_as(loop_var)
+
+    return not any(site.is_reduction and site is not chain.target and not partial(site) for site in chain.under)
+
+
+def _without_var(predicate, var):
+    """``predicate`` without its conjuncts that use ``var``."""
+    if isinstance(predicate, tvm.tirx.And):
+        kept = tvm.tirx.And(_without_var(predicate.a, var), _without_var(predicate.b, var))
+        return tvm.sym.Analyzer().simplify(kept)
+    return tvm.tirx.const(True, "bool") if uses_var(predicate, var) else predicate
+
+
+def _guard_fold(stmt, acc, inside):
+    """``stmt`` with its stores to ``acc`` keeping ``acc`` unchanged where not ``inside``."""
+
+    def store(s):
+        if not s.buffer.same_as(acc):
+            return s
+        return tvm.tirx.BufferStore(s.buffer, tvm.tirx.Select(inside, s.value, tvm.tirx.BufferLoad(acc, s.indices)), s.indices)
+
+    return tvm_ffi.structural_map(stmt, (tvm.tirx.BufferStore, store))
 
 
 def _global_combine(chain, edit, fusion, partial):
