@@ -222,3 +222,32 @@ def test_torch_export_decomposed_sdpa_is_one_kernel():
     (name,) = _kernels(out)
     assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
     assert [c.op.name for c in _calls(out) if isinstance(c.op, tvm.ir.Op)] == ["relax.call_tir"]
+
+
+def test_a_mask_graph_shared_by_layers_is_computed_once(monkeypatch):
+    """Two chains (a model's layers) adding one causal mask built of ``arange``s: the
+    mask is computed on the CPU once, and both become kernel calls."""
+    import tvm_cascade.relax.chain_spec as chain_spec
+
+    computed = []
+    evaluate = chain_spec._evaluate
+    monkeypatch.setattr(chain_spec, "_evaluate", lambda var, lookup: computed.append(var) or evaluate(var, lookup))
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 64, 64), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 64, 1, "int64")), axis=[-1]))
+            cols = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 64, 1, "int64")), axis=[-2]))
+            seen = bb.emit(relax.op.less_equal(bb.emit(relax.op.subtract(cols, rows)), relax.const(0, "int64")))
+            mask = bb.emit(relax.op.where(seen, relax.const(0.0, "float16"), relax.const(float("-inf"), "float16")))
+            h = x
+            for _ in range(2):
+                s = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(h, bb.emit(relax.op.permute_dims(h, [0, 1, 3, 2])))),
+                                              relax.const(0.125, "float16")))
+                p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.add(s, mask)), axis=-1))
+                h = bb.emit(relax.op.matmul(p, h))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    dispatched = _dispatch(bb.get())
+    assert len(computed) == 1
+    assert [c.op.name for c in _calls(dispatched) if isinstance(c.op, tvm.ir.Op)] == ["relax.call_tir"] * 2

@@ -47,9 +47,12 @@ class ChainAttention:
     scale: float
 
 
-def read_chain(root: relax.Call, lookup: Callable) -> "ChainAttention | str":
+def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None) -> "ChainAttention | str":
     """The :class:`ChainAttention` of output matmul ``root`` (``lookup(var)``: the value
-    bound to a variable, or None), or the reason it is not one (a str)."""
+    bound to a variable, or None), or the reason it is not one (a str). ``values``
+    keeps the masks computed on the CPU by variable, for the other chains of a module
+    (a model's layers share one)."""
+    values = {} if values is None else values
     probs, v_grouped = root.args
     softmax = _strip(probs, lookup, ("relax.astype",))
     softmax = _unguard(softmax, lookup)
@@ -79,10 +82,10 @@ def read_chain(root: relax.Call, lookup: Callable) -> "ChainAttention | str":
     dtypes = {str(x.ty.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
         return f"q, k and v differ in type: {sorted(dtypes)}"
-    return _score_ops(ops[::-1], scale * key_scale, seq_q, seq_kv, q, k, v, lookup)
+    return _score_ops(ops[::-1], scale * key_scale, seq_q, seq_kv, q, k, v, lookup, values)
 
 
-def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup):
+def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
     """The chain's variant and scale from its score ops (first to last)."""
     softcap, visible = None, None
     i = 0
@@ -100,7 +103,7 @@ def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup):
             continue
         if visible is not None:
             return f"more than one mask ({op.op.name})"
-        visible = _mask(op, lookup)
+        visible = _mask(op, lookup, values)
         if isinstance(visible, str):
             return visible
     variant = _variant(visible, seq_q, seq_kv, softcap)
@@ -125,12 +128,12 @@ def _variant(visible: Optional[np.ndarray], seq_q, seq_kv, softcap):
     return "a mask that is no causal or sliding-window mask aligned to the end of the keys"
 
 
-def _mask(op, lookup):
+def _mask(op, lookup, values):
     """The keys seen by the mask op ``op`` ([sq, skv] bools), or why it is not one."""
     if _is(op, "relax.add"):
-        mask = _closed_value(op.args[1], lookup)
+        mask = _closed_value(op.args[1], lookup, values)
         if mask is None:
-            mask = _closed_value(op.args[0], lookup)
+            mask = _closed_value(op.args[0], lookup, values)
         if mask is None:
             return "an additive mask that is not a constant (a mask tensor input)"
         visible, hidden = mask == 0, mask <= MASKED_BELOW
@@ -138,7 +141,7 @@ def _mask(op, lookup):
             return "an additive mask with values other than 0 and -inf (a bias)"
         return _plane(visible)
     if _is(op, "relax.where"):
-        cond, lhs, rhs = (_closed_value(a, lookup) for a in op.args)
+        cond, lhs, rhs = (_closed_value(a, lookup, values) for a in op.args)
         if cond is None:
             return "a where-mask whose condition is not a constant"
         for fill, keep in ((rhs, True), (lhs, False)):
@@ -263,13 +266,21 @@ def _closed(expr, lookup) -> bool:
     return _closed_bindings(expr, lookup) is not None
 
 
-def _closed_value(expr, lookup) -> Optional[np.ndarray]:
+def _closed_value(expr, lookup, values: dict) -> Optional[np.ndarray]:
     """The value of ``expr`` where it depends on no parameter (a mask built of
-    ``arange``, comparisons and constants), computed on the CPU; else None."""
+    ``arange``, comparisons and constants), computed on the CPU once (``values``); else
+    None."""
     constant = _constant(expr)
     if constant is not None or not isinstance(expr, relax.Var):
         return constant
-    order = _closed_bindings(expr, lookup)
+    if expr not in values:
+        values[expr] = _evaluate(expr, lookup)
+    return values[expr]
+
+
+def _evaluate(target, lookup) -> Optional[np.ndarray]:
+    """The value of variable ``target`` computed on the CPU, where no parameter feeds it."""
+    order = _closed_bindings(target, lookup)
     if order is None:
         return None
     bb = relax.BlockBuilder()
@@ -279,7 +290,7 @@ def _closed_value(expr, lookup) -> Optional[np.ndarray]:
             if isinstance(value, relax.Call):
                 value = relax.Call(value.op, [mapping.get(a, a) for a in value.args], value.attrs, value.ty_args)
             mapping[var] = bb.emit(value)
-        bb.emit_func_output(mapping[expr])
+        bb.emit_func_output(mapping[target])
     executable = tvm.compile(bb.get(), target="llvm")
     return relax.VirtualMachine(executable, tvm.cpu())["main"]().numpy()
 

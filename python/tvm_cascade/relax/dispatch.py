@@ -70,6 +70,7 @@ class _Dispatcher(relax.PyExprMutator):
         super().__init__(mod)
         self.mod_, self.target = mod, target
         self.kernels = {}  # (spec, family name) -> GlobalVar
+        self.masks = {}  # mask variable -> its value (read_chain's)
 
     def run(self) -> tvm.IRModule:
         for gvar, func in self.mod_.functions_items():
@@ -107,7 +108,7 @@ class _Dispatcher(relax.PyExprMutator):
         """The library's kernel in place of the attention chain ending in matmul
         ``root``, or ``root`` where it is none (the reason logged where the matmul is a
         softmax's)."""
-        chain = read_chain(root, self.lookup_binding)
+        chain = read_chain(root, self.lookup_binding, self.masks)
         if isinstance(chain, str):
             if chain != NOT_A_CHAIN:
                 logger.info("attention chain left to FuseAttention: %s", chain)
