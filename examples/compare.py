@@ -7,6 +7,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from tvm_cascade.relax.dispatch import LIBRARY_ATTR
 from tvm_cascade.transform.pass_ import FUSED_ATTR
 
 
@@ -45,12 +46,14 @@ def compile_both(mod, target_kind):
     return Compiled(mod, "default", target), Compiled(mod, "cascade", target), target
 
 
-def count_fused(mod) -> int:
-    """PrimFuncs of ``mod`` that the cascade pass fused."""
+def count_attention_kernels(mod) -> int:
+    """PrimFuncs of ``mod`` that the cascade pipeline made of attention: fused by
+    ``FuseAttention`` (CPUs) or the kernel library's (GPUs)."""
     return sum(
         1
         for _, f in mod.functions_items()
-        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and FUSED_ATTR in f.attrs
+        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+        and (FUSED_ATTR in f.attrs or LIBRARY_ATTR in f.attrs)
     )
 
 

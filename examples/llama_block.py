@@ -18,7 +18,7 @@ import tvm
 from tvm.relax.frontend import nn
 
 import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
-from compare import block_arguments, compile_both, count_fused, report, run_both
+from compare import block_arguments, compile_both, count_attention_kernels, report, run_both
 
 
 class Attention(nn.Module):
@@ -160,7 +160,7 @@ def main():
     for export, run in exports:
         mod, params = build(args, *export)
         default, cascade, target = compile_both(mod, args.target)
-        print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
+        print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
         for seq, past in run:
             data = inputs(args, seq, past)
             expected = reference(args, params, *data)

@@ -21,7 +21,7 @@ import tvm
 from tvm.relax.frontend.torch import from_exported_program
 
 import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
-from compare import block_arguments, compile_both, count_fused, report, run_both
+from compare import block_arguments, compile_both, count_attention_kernels, report, run_both
 
 
 class Block(torch.nn.Module):
@@ -75,7 +75,7 @@ def main():
     mod = from_exported_program(program, keep_params_as_input=True)
     mod, params = tvm.relax.frontend.detach_params(mod)
     default, cascade, target = compile_both(mod, args.target)
-    print(f"fused attention kernels: {count_fused(cascade.mod)}", flush=True)
+    print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
     weights = [p.numpy() for p in params["main"]]
     outs, times = run_both(default, cascade, target, [x.numpy()] + weights, "main", args.time)
     label = f"seq {args.seq}, {args.attention}"

@@ -16,7 +16,7 @@ from tvm_cascade.library import AttentionSpec
 from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.chain_spec import ChainAttention, read_chain
-from tvm_cascade.relax.dispatch import DispatchAttention
+from tvm_cascade.relax.dispatch import LIBRARY_ATTR, DispatchAttention
 from tvm_cascade.relax.testing import attention_module, chain_module
 
 ATTENTION = tvm.ir.Op.get("relax.nn.attention")
@@ -53,6 +53,7 @@ def test_prefill_calls_the_warp_specialized_kernel():
     (name, kernel), = _kernels(out).items()
     assert name == "attention_warp_specialized_prefill_bshd_h8x2_d128_float16_causal"
     assert kernel.attrs["target"].attrs["arch"] == "sm_90a" and bool(kernel.attrs["tirx.is_scheduled"])
+    assert kernel.attrs[LIBRARY_ATTR] == "warp_specialized_prefill"
 
     bb = relax.BlockBuilder()
     gvar = bb.add_func(kernel, name)

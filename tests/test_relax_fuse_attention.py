@@ -316,11 +316,24 @@ def test_gpu_target_gets_a_scheduled_fused_kernel(method):
     assert bool(partials) == (method == "split_k")
 
 
-def test_gpu_pipeline_schedules_the_fused_kernel():
+def test_gpu_pipeline_leaves_what_no_fast_kernel_serves_to_the_default_lowering():
+    """On a GPU the cascade pipeline does not fuse an attention the kernel library does
+    not take (here: a mask tensor input, fp32): the module is lowered exactly as the
+    default pipeline lowers it."""
     with CUDA:
-        lowered = relax.get_pipeline("cascade")(_static_gqa_chain(1024))
-    (name,) = _fused(lowered)
-    assert _blocks_outside_threads(lowered[name]) == []
+        cascade = relax.get_pipeline("cascade")(_static_gqa_chain(1024))
+        default = relax.get_default_pipeline(CUDA)(_static_gqa_chain(1024))
+    assert _fused(cascade) == []
+    tvm.ir.assert_structural_equal(cascade, default)
+
+
+def _fused_for_gpu(mod, target):
+    """``mod`` with :class:`FuseAttention`'s GPU kernels (applied explicitly: the cascade
+    pipeline leaves such attention to the default lowering on GPUs), compiled by the
+    default pipeline."""
+    with target:
+        mod = FuseAttention()(mod)
+    return tvm.compile(mod, target, relax_pipeline="default")
 
 
 def _allocations(func):
@@ -338,7 +351,7 @@ def _allocations(func):
 
 def test_gpu_target_fuses_symbolic_keys_with_static_tiles():
     with CUDA:
-        lowered = relax.get_pipeline("cascade")(_gqa_chain())
+        lowered = relax.get_default_pipeline(CUDA)(FuseAttention()(_gqa_chain()))
     (name,) = _fused(lowered)
     func = lowered[name]
     assert bool(func.attrs["tirx.is_scheduled"])
@@ -372,7 +385,7 @@ def test_gpu_numerics_match_numpy(keys):
     v = rng.standard_normal((1, 2, keys, 16)).astype("float32")
     mask = np.zeros((1, 1, 4, keys), "float32")
     mask[..., : keys // 3] = -1e4
-    exe = tvm.compile(mod, target, relax_pipeline="cascade")
+    exe = _fused_for_gpu(mod, target)
     vm = relax.VirtualMachine(exe, tvm.cuda(0))
     out = vm["main"](*(tvm.runtime.tensor(a, tvm.cuda(0)) for a in (q, k, v, mask))).numpy()
     expected = _attention_ref(q, k, v, 0.25, mask)
@@ -384,7 +397,7 @@ def test_gpu_numerics_match_numpy(keys):
 def test_gpu_symbolic_keys_match_numpy_at_two_lengths(dtype):
     mod = tvm.IRModule({"main": _gqa_chain_f16()}) if dtype == "float16" else _gqa_chain()
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    exe = tvm.compile(mod, target, relax_pipeline="cascade")
+    exe = _fused_for_gpu(mod, target)
     vm = relax.VirtualMachine(exe, tvm.cuda(0))
     tol = 2e-2 if dtype == "float16" else 1e-4
     for keys in (100, 1000):
@@ -412,7 +425,7 @@ def test_gpu_causal_attention_op_matches_numpy():
     hidden = np.arange(80)[None, :] > (72 + np.arange(8))[:, None]
     bhsd = [t.transpose(0, 2, 1, 3) for t in (q, k, v)]
     expected = _attention_ref(*bhsd, 1 / np.sqrt(8), np.where(hidden, -np.inf, 0.0))
-    exe = tvm.compile(mod, target, relax_pipeline="cascade")
+    exe = _fused_for_gpu(mod, target)
     vm = relax.VirtualMachine(exe, tvm.cuda(0))
     out = vm["main"](*(tvm.runtime.tensor(a, tvm.cuda(0)) for a in (q, k, v))).numpy()
     np.testing.assert_allclose(out, expected.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-5)

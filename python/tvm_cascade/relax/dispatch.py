@@ -37,6 +37,8 @@ from .chain_spec import NOT_A_CHAIN, read_chain
 
 logger = logging.getLogger("tvm_cascade.relax")
 
+#: The attribute that names the library family of a dispatched kernel's PrimFunc.
+LIBRARY_ATTR = "tvm_cascade.library_family"
 _ATTENTION = tvm.ir.Op.get("relax.nn.attention")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -143,7 +145,7 @@ class _Dispatcher(relax.PyExprMutator):
         if key not in self.kernels:
             name = f"attention_{family.name}_{spec.describe()}".replace("-", "_")
             func = family.build(spec).with_attrs({
-                "global_symbol": name, "tirx.is_scheduled": True, "op_pattern": _OPAQUE,
+                "global_symbol": name, "tirx.is_scheduled": True, "op_pattern": _OPAQUE, LIBRARY_ATTR: family.name,
                 "target": family.compile_target(self.target),
             })
             self.kernels[key] = self.builder_.add_func(func, name)

@@ -1,6 +1,8 @@
-"""The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with
-:class:`.DispatchAttention` (CUDA: ``R.nn.attention`` on the kernel library) and
-:class:`.FuseAttention` before legalization.
+"""The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with the
+attention passes before legalization: on GPUs :class:`.DispatchAttention` (attention on
+the kernel library's kernels; what they do not serve is left to the default lowering,
+so that the pipeline is never slower than the default one there), on other targets
+:class:`.FuseAttention` (every attention fused into one generic kernel).
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
 ``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention
@@ -19,14 +21,17 @@ PIPELINE_NAME = "cascade"
 
 
 def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int] = None):
-    """TVM's default Relax pipeline for the current target with attention fused first
-    (see :class:`.FuseAttention` for ``tile``, ``method`` and ``chunks``)."""
+    """TVM's default Relax pipeline for the current target with attention on the kernel
+    library's kernels (GPUs) or fused first (other targets; see :class:`.FuseAttention`
+    for ``tile``, ``method`` and ``chunks``)."""
 
     @tvm.transform.module_pass(opt_level=0, name="CascadePipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
         dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
-        passes = dispatch + [DispatchAttention(), FuseAttention(tile, method, chunks), _default_pipeline(target)]
+        on_gpu = target is not None and "gpu" in target.keys
+        attention = DispatchAttention() if on_gpu else FuseAttention(tile, method, chunks)
+        passes = dispatch + [attention, _default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
