@@ -252,3 +252,12 @@ def test_a_mask_graph_shared_by_layers_is_computed_once(monkeypatch):
     dispatched = _dispatch(bb.get())
     assert len(computed) == 1
     assert [c.op.name for c in _calls(dispatched) if isinstance(c.op, tvm.ir.Op)] == ["relax.call_tir"] * 2
+
+
+def test_chunked_prefill_over_a_symbolic_past_is_served():
+    """``n`` new queries over ``past + n`` keys (chunked prefill, both symbolic): shape
+    variables are sizes, so there are provably no more queries than keys."""
+    n, past = tirx.Var("n", "int64"), tirx.Var("past", "int64")
+    out = _dispatch(attention_module(1, n, past + n, 8, 2, 128))
+    (name,) = _kernels(out)
+    assert name.startswith("attention_warp_specialized_prefill_bshd")

@@ -16,7 +16,8 @@ scores ``q @ permute_dims(k)`` taken through
 
 K and V are read before a GQA repeat (``repeat`` over heads, or ``expand_dims ->
 broadcast_to -> reshape``) and before casts. Shapes must be static: a mask is known by
-its value, and ``FoldConstant`` gives it one only then.
+its value (a constant, or computed on the CPU from the constants and ``arange``s it is
+built of).
 """
 from __future__ import annotations
 

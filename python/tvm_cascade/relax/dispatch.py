@@ -21,6 +21,7 @@ does, where there are no more queries than keys (provably, or a single query);
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 from typing import Optional
@@ -58,9 +59,8 @@ class DispatchAttention:
         target = tvm.target.Target.current(allow_none=True)
         if target is None or target.kind.name != "cuda":
             return mod
-        # Hand-written chains as the chain reader takes them: torch.export's forms
-        # rewritten, and masks folded to constants (static shapes).
-        canonical = relax.transform.FoldConstant()(flip_masked_row_guards(fold_batched_matmuls(mod)))
+        # Hand-written chains as the chain reader takes them: torch.export's forms rewritten.
+        canonical = flip_masked_row_guards(fold_batched_matmuls(mod))
         dispatcher = _Dispatcher(canonical, target)
         out = dispatcher.run()
         return out if dispatcher.kernels else mod
@@ -207,16 +207,28 @@ def _causal(mask: Optional[str], seq_q, seq_kv):
     the keys), or why its mask is not that."""
     if mask is None:
         return False
-    analyzer = tvm.sym.Analyzer()
     if mask == "BottomRight":
-        if (isinstance(seq_q, int) and seq_q == 1) or analyzer.can_prove(seq_q <= seq_kv):
+        if (isinstance(seq_q, int) and seq_q == 1) or _proves(seq_q <= seq_kv):
             return True
         return f"a BottomRight mask over {seq_q} queries and {seq_kv} keys: more queries than keys is not served"
     if mask == "TopLeft":
-        if analyzer.can_prove(seq_q == seq_kv):
+        static = isinstance(seq_q, int) and isinstance(seq_kv, int)
+        if _proves(seq_q == seq_kv if static else tirx.EQ(seq_q, seq_kv)):
             return True
         return f"a TopLeft mask over {seq_q} queries and {seq_kv} keys: served where they are as many"
     return f"causal mask {mask!r}"
+
+
+def _proves(claim) -> bool:
+    """Whether ``claim`` (over shape variables, which are sizes: never negative) holds."""
+    if isinstance(claim, bool):
+        return claim
+    analyzer = tvm.sym.Analyzer()
+    sizes = tirx.analysis.undefined_vars(claim)
+    if not sizes:
+        return analyzer.can_prove(claim)
+    with analyzer.constraint_scope(functools.reduce(tirx.And, [v >= 0 for v in sizes])):
+        return analyzer.can_prove(claim)
 
 
 def _shape(expr):
