@@ -261,3 +261,17 @@ def test_chunked_prefill_over_a_symbolic_past_is_served():
     out = _dispatch(attention_module(1, n, past + n, 8, 2, 128))
     (name,) = _kernels(out)
     assert name.startswith("attention_warp_specialized_prefill_bshd")
+
+
+def test_attention_with_a_bias_is_left_and_logged(caplog):
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((1, 64, 4, 64), "float16")) for n in "qkv")
+    bias = relax.Var("bias", relax.TensorType((1, 4, 64, 64), "float16"))
+    with bb.function("main", [q, k, v, bias]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.attention(q, k, v, bias=bias))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        tvm.ir.assert_structural_equal(_dispatch(mod), mod)
+    assert "a bias tensor is not served" in caplog.text

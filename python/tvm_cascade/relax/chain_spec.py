@@ -77,9 +77,9 @@ def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None
     shapes = [_static_shape(x) for x in (q, k, v)]
     if any(s is None or len(s) != 4 for s in shapes):
         return "q, k and v need static 4-d shapes [b, h, s, d]"
-    (batch, heads_q, seq_q, _), (_, heads_kv, seq_kv, _) = shapes[:2]
-    if heads_q % heads_kv or shapes[1] != shapes[2]:
-        return f"K/V heads {shapes[1]} and {shapes[2]} do not group q's {shapes[0]}"
+    (batch, heads_q, seq_q, head_dim), (batch_kv, heads_kv, seq_kv, head_dim_kv) = shapes[:2]
+    if heads_q % heads_kv or shapes[1] != shapes[2] or batch != batch_kv or head_dim != head_dim_kv:
+        return f"q {shapes[0]}, k {shapes[1]} and v {shapes[2]} are not one batch of heads with K/V groups"
     dtypes = {str(x.ty.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
         return f"q, k and v differ in type: {sorted(dtypes)}"

@@ -1,5 +1,7 @@
-"""``DispatchAttention``: ``R.nn.attention`` calls of a Relax module on a CUDA target run
-the kernel library's attention (:mod:`tvm_cascade.library`).
+"""``DispatchAttention``: the attention of a Relax module on a CUDA target runs the
+kernel library's kernels (:mod:`tvm_cascade.library`): ``R.nn.attention`` calls, and
+hand-written ``matmul -> score ops -> softmax -> matmul`` chains that
+:mod:`.chain_spec` reads as one of the library's variants (static shapes, bhsd).
 
 Each call whose configuration a fast family serves (fp16/bf16, head dims the families
 take, a mask the library's variants express) becomes a ``call_tir`` of that family's
@@ -8,8 +10,8 @@ its lengths the call's shapes, symbolic or not: one PrimFunc per configuration s
 every length. The family is the one of :func:`tvm_cascade.library.choose` whose range of
 query rows holds the call's (a static length up to the decode families' rows takes
 theirs; any other the any-length family), and its plan (chunk sizes, persistent blocks)
-is computed from the shapes in the graph (scalar arguments). Calls that no fast family
-serves are left as they are, with the reason logged on ``tvm_cascade.relax``.
+is computed from the shapes in the graph (scalar arguments). Attention that no fast
+family serves is left as it is, with the reason logged on ``tvm_cascade.relax``.
 
 Where ``q``, ``k`` and ``v`` are all transposed from ``[batch, heads, seq, dim]``
 (``torch.export``'s SDPA), the kernel reads the tensors before the transposes (the
@@ -41,6 +43,7 @@ logger = logging.getLogger("tvm_cascade.relax")
 #: The attribute that names the library family of a dispatched kernel's PrimFunc.
 LIBRARY_ATTR = "tvm_cascade.library_family"
 _ATTENTION = tvm.ir.Op.get("relax.nn.attention")
+_ATTENTION_BIAS = tvm.ir.Op.get("relax.nn.attention_bias")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 #: bshd <-> bhsd.
@@ -51,9 +54,9 @@ _OPAQUE = 8
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchAttention")
 class DispatchAttention:
-    """Replace the ``R.nn.attention`` calls a fast kernel family serves on the current
-    CUDA target by calls of the library's kernels (a module for any other target is
-    returned as it is)."""
+    """Replace the attention (``R.nn.attention``, hand-written chains) a fast kernel family
+    serves on the current CUDA target by calls of the library's kernels (a module for any
+    other target, or with nothing served, is returned as it is)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
@@ -87,11 +90,13 @@ class _Dispatcher(relax.PyExprMutator):
         call = self.visit_expr_post_order(call)
         if call.op.same_as(_MATMUL):
             return self._chain(call)
+        if call.op.same_as(_ATTENTION_BIAS):
+            logger.info("R.nn.attention with a bias left as it is: a bias tensor is not served")
         if not call.op.same_as(_ATTENTION):
             return call
         served = serving(call, self.target)
         if isinstance(served, str):
-            logger.info("R.nn.attention left to the default lowering: %s", served)
+            logger.info("R.nn.attention left as it is: %s", served)
             return call
         spec, family = served
         batch, seq_q, _, _ = _shape(call.args[0])
@@ -108,12 +113,12 @@ class _Dispatcher(relax.PyExprMutator):
 
     def _chain(self, root):
         """The library's kernel in place of the attention chain ending in matmul
-        ``root``, or ``root`` where it is none (the reason logged where the matmul is a
-        softmax's)."""
+        ``root``, or ``root`` where none serves it (the reason logged where the matmul is
+        a softmax's)."""
         chain = read_chain(root, self.lookup_binding, self.masks)
         if isinstance(chain, str):
             if chain != NOT_A_CHAIN:
-                logger.info("attention chain left to FuseAttention: %s", chain)
+                logger.info("attention chain left as it is: %s", chain)
             return root
         (batch, heads_q, seq_q, head_dim), heads_kv = _shape(chain.q)[:4], _shape(chain.k)[1]
         dtype = str(chain.q.ty.dtype)
@@ -121,11 +126,11 @@ class _Dispatcher(relax.PyExprMutator):
             spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=chain.variant, dtype=dtype,
                                       layout="bhsd", target=self.target, scale=chain.scale)
         except ValueError as err:
-            logger.info("attention chain left to FuseAttention: %s", err)
+            logger.info("attention chain left as it is: %s", err)
             return root
         family = _family(spec, seq_q)
         if isinstance(family, GenericFused):
-            logger.info("attention chain left to FuseAttention: %s: no fast kernel family serves it", spec.describe())
+            logger.info("attention chain left as it is: %s: no fast kernel family serves it", spec.describe())
             return root
         plan = _plan(family, spec, batch, seq_q, _shape(chain.k)[2])
         out = relax.call_tir(self._kernel(spec, family), [chain.q, chain.k, chain.v, *plan], chain.q.ty)
@@ -155,8 +160,6 @@ class _Dispatcher(relax.PyExprMutator):
 def serving(call, target):
     """``(spec, family)``: the library's kernel for ``R.nn.attention`` call ``call`` on
     ``target``, or the reason none serves it (a str)."""
-    if len(call.args) != 3:
-        return "a bias (attention_bias) is not served"
     shapes = [_shape(a) for a in call.args]
     if any(s is None for s in shapes):
         return "q, k and v need 4-d shapes"
