@@ -1,0 +1,120 @@
+"""ROCm code generation (no AMD GPU here: builds only): the generic fused kernels of the
+transform and Relax paths, the non-attention cascades and the CUDA-core split-k decode
+schedule build code objects for MI300 (gfx942) and MI200 (gfx90a).
+
+TVM links an AMDGPU code object with ``ld.lld-<its LLVM major>``, else ``ld.lld``, and
+the ROCm device bitcode under ``$ROCM_PATH/amdgcn/bitcode``. Debian's ``lld`` (14) is
+too old for the objects of TVM's LLVM; ``lld-19`` and ``rocm-device-libs`` (which
+``.ci/run`` installs) serve, the linker offered under the name TVM looks for.
+"""
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import tvm
+
+import tvm_cascade  # noqa: F401
+from tvm_cascade import ops
+from tvm_cascade.ops import cascades
+from tvm_cascade.relax import FuseAttention
+from tvm_cascade.relax.gpu_schedule import schedule_fused_for_gpu
+from tvm_cascade.relax.testing import chain_module
+from tvm_cascade.schedules.decode import schedule_decode
+from tvm_cascade.transform import fuse_cascaded_reductions
+
+ARCHS = ("gfx942", "gfx90a")
+#: Where the device bitcode may be: ROCm's own install, Debian's rocm-device-libs.
+ROCM_ROOTS = ("/opt/rocm", "/usr/lib/x86_64-linux-gnu")
+#: The oldest lld that links the objects of TVM's LLVM.
+OLDEST_LLD = 17
+
+
+def _linker():
+    major = tvm.target.codegen.llvm_version_major(allow_none=True) or OLDEST_LLD
+    for version in range(max(major, OLDEST_LLD) + 8, OLDEST_LLD - 1, -1):
+        found = shutil.which(f"ld.lld-{version}")
+        if found:
+            return major, found
+    return major, None
+
+
+def _rocm_root():
+    roots = [os.environ["ROCM_PATH"]] if "ROCM_PATH" in os.environ else list(ROCM_ROOTS)
+    return next((r for r in roots if (Path(r) / "amdgcn" / "bitcode" / "ocml.bc").exists()), None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rocm_toolchain(tmp_path_factory):
+    major, linker = _linker()
+    root = _rocm_root()
+    if linker is None or root is None:
+        pytest.skip(f"needs ld.lld {OLDEST_LLD}+ and ROCm device bitcode (lld-19, rocm-device-libs: .ci/run installs them)")
+    shims = tmp_path_factory.mktemp("lld")
+    (shims / f"ld.lld-{major}").symlink_to(linker)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{shims}{os.pathsep}{os.environ['PATH']}")
+        patch.setenv("ROCM_PATH", root)
+        yield
+
+
+def _kernels(executable):
+    """The kernels of the AMDGPU code object built into ``executable``."""
+    modules = [executable.mod]
+    while modules:
+        module = modules.pop()
+        if module.kind == "hip":
+            return [line.split()[-1] for line in module.inspect_source("asm").splitlines() if ".amdhsa_kernel " in line]
+        modules += list(module.imports)
+    raise AssertionError("no AMDGPU module")
+
+
+def _fused(func, method):
+    sch = tvm.s_tir.Schedule(func)
+    chains = fuse_cascaded_reductions(sch, tile=64, method=method, chunks=4)
+    assert chains
+    schedule_fused_for_gpu(sch, chains)
+    return sch.mod
+
+
+FUSED = {
+    "attention-split-k": lambda: _fused(ops.attention(1, 4, 1, 1, 256, 64, variant="causal"), "split_k"),
+    "attention-rolling": lambda: _fused(ops.attention(1, 4, 1, 64, 256, 64, variant="causal"), "rolling"),
+    "logsumexp": lambda: _fused(cascades.logsumexp(4, 1000), "auto"),
+    "cross-entropy": lambda: _fused(cascades.cross_entropy(4, 1000), "auto"),
+    "rmsnorm-gemm": lambda: _fused(cascades.rmsnorm_gemm(4, 64, 256), "auto"),
+    "absmax-quant-gemm": lambda: _fused(cascades.absmax_quant_gemm(4, 64, 256), "auto"),
+    "moe-routing": lambda: _fused(cascades.moe_routing(16, 64, 2, with_topk=False), "auto"),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", list(FUSED))
+def test_fused_kernels_build_code_objects(kind, arch):
+    """Every fused cascade (scheduled as for any GPU) links into a code object holding
+    its kernels: the split-k chunks, rolling rows and combines."""
+    executable = tvm.compile(FUSED[kind](), target=tvm.target.Target({"kind": "rocm", "mcpu": arch}))
+    assert _kernels(executable)[:2] == ["main_kernel", "main_kernel_1"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_relax_fused_attention_builds(arch):
+    """A hand-written attention layer fused by ``FuseAttention`` on a ROCm target,
+    through the default pipeline."""
+    target = tvm.target.Target({"kind": "rocm", "mcpu": arch})
+    with target:
+        mod = FuseAttention()(chain_module(1, 64, 256, 8, 2, 64))
+    fused = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert fused, "nothing fused"
+    assert _kernels(tvm.compile(mod, target=target, relax_pipeline="default"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa4"])
+def test_split_k_decode_schedule_builds(heads, arch):
+    """The CUDA-core form of the split-k decode schedule (the tensor-core form, GQA
+    groups of 8, is PTX's ``mma.sync``: CUDA only): chunk and combine kernels."""
+    func = ops.attention(1, *heads, 1, 1024, 128, variant="causal", dtype="float16")
+    sch = schedule_decode(func, *heads, 128, multiprocessors=104)
+    kernels = _kernels(tvm.compile(sch.mod, target=tvm.target.Target({"kind": "rocm", "mcpu": arch})))
+    assert len(kernels) >= 2
