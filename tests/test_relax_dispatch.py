@@ -275,3 +275,35 @@ def test_attention_with_a_bias_is_left_and_logged(caplog):
     with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
         tvm.ir.assert_structural_equal(_dispatch(mod), mod)
     assert "a bias tensor is not served" in caplog.text
+
+
+def test_a_key_padding_mask_of_one_row_is_not_causal():
+    """A mask of one row for every query ([1, skv]: keys hidden from all) broadcasts to
+    the scores and is no variant of the library's; one that hides nothing is global."""
+    for hidden, expected in ((3, "no causal or sliding-window mask"), (0, None)):
+        values = np.zeros((1, 20), "float32")
+        values[0, :hidden] = -np.inf
+        bb = relax.BlockBuilder()
+        q, k, v = (relax.Var(n, relax.TensorType((1, 4, 12, 64), "float16") if n == "q" else
+                             relax.TensorType((1, 4, 20, 64), "float16")) for n in "qkv")
+        with bb.function("main", [q, k, v]):
+            with bb.dataflow():
+                s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+                s = bb.emit(relax.op.add(bb.emit(relax.op.astype(s, "float32")), relax.const(values)))
+                p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
+                out = bb.emit_output(relax.op.matmul(p, v))
+            bb.emit_func_output(out)
+        chain = _read(bb.get())
+        if expected is None:
+            assert chain.variant == AttentionVariant("global")
+        else:
+            assert expected in chain
+
+
+def test_gpu_targets_other_than_cuda_leave_attention_to_the_default_lowering():
+    """ROCm has none of the library's kernels: the cascade pipeline lowers attention there
+    as the default pipeline does (``FuseAttention`` remains for explicit use)."""
+    rocm = tvm.target.Target({"kind": "rocm", "mcpu": "gfx942"})
+    mod = chain_module(1, 64, 256, 8, 2, 64)
+    with rocm:
+        tvm.ir.assert_structural_equal(relax.get_pipeline("cascade")(mod), relax.get_default_pipeline(rocm)(mod))

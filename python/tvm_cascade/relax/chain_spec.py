@@ -118,6 +118,8 @@ def _variant(visible: Optional[np.ndarray], seq_q, seq_kv, softcap):
     for all), or why none is."""
     if visible is None or visible.all():
         return AttentionVariant("global", softcap=softcap)
+    # (the mask broadcasts to the scores: one row for every query, say)
+    visible = np.broadcast_to(visible, (seq_q, seq_kv))
     rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)  # queries aligned to the end of the keys
     keys = np.arange(seq_kv)[None, :]
     causal = keys <= rows
