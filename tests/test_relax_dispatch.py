@@ -307,3 +307,14 @@ def test_gpu_targets_other_than_cuda_leave_attention_to_the_default_lowering():
     mod = chain_module(1, 64, 256, 8, 2, 64)
     with rocm:
         tvm.ir.assert_structural_equal(relax.get_pipeline("cascade")(mod), relax.get_default_pipeline(rocm)(mod))
+
+
+def test_a_window_size_is_the_library_sliding_window():
+    """``window_size=W`` with the BottomRight mask (a query sees itself and the W - 1 keys
+    before it, as TVM's CUTLASS lowering reads it) runs the library's window variant;
+    with TopLeft it is left."""
+    out = _dispatch(attention_module(2, 1, 8000, 32, 8, 128, window_size=4096))
+    (name,) = _kernels(out)
+    assert name == "attention_tensor_core_decode_bshd_h32x8_d128_float16_window4096"
+    mod = attention_module(2, 64, 64, 4, 4, 64, causal_mask="TopLeft", window_size=16)
+    tvm.ir.assert_structural_equal(_dispatch(mod), mod)

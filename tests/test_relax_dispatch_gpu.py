@@ -93,3 +93,17 @@ def test_torch_export_decomposed_sdpa_on_the_library_kernel():
     (out,) = vm["main"](*(tvm.runtime.tensor(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), tvm.cuda(0))
                           for x in (q, k, v)))
     check(out.numpy().transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, causal=True), "float16")
+
+
+@pytest.mark.parametrize("seq_q, seq_kv", [(1, 3000), (700, 700)], ids=["decode", "prefill"])
+def test_window_size_on_the_library_kernels(seq_q, seq_kv):
+    """``R.nn.attention(..., causal_mask="BottomRight", window_size=W)``: a query sees
+    itself and the W - 1 keys before it."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = attention_module(2, seq_q, seq_kv, 16, 4, 128, window_size=256)
+    executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(2, seq_q, seq_kv, 16, 4, 128, "float16")
+    out = run(executable, tvm.cuda(0), q, k, v)
+    variant = AttentionVariant("w", causal=True, window=256)
+    expected = np.stack([sequence_attention_ref(q[b], k[b], v[b], variant) for b in range(2)])
+    check(out.astype(np.float64), expected, "float16")

@@ -19,7 +19,9 @@ Where ``q``, ``k`` and ``v`` are all transposed from ``[batch, heads, seq, dim]`
 
 Causal masks: ``"BottomRight"`` aligns queries to the end of the keys as the library
 does, where there are no more queries than keys (provably, or a single query);
-``"TopLeft"`` agrees with it where queries and keys are as many.
+``"TopLeft"`` agrees with it where queries and keys are as many. ``window_size=W`` (with
+``"BottomRight"``, as TVM's CUTLASS lowering takes it: FlashAttention's left window
+``W - 1``) is the library's sliding window of ``W`` keys.
 """
 from __future__ import annotations
 
@@ -169,17 +171,19 @@ def serving(call, target):
     if not head_dim == head_dim_k == head_dim_v:
         return f"head dims q {head_dim}, k {head_dim_k}, v {head_dim_v} differ"
     attrs = call.attrs
-    if attrs.window_size is not None:
-        return "sliding windows of R.nn.attention are not served"
     causal = _causal(attrs.causal_mask, seq_q, seq_kv)
     if isinstance(causal, str):
         return causal
+    window = None if attrs.window_size is None else int(attrs.window_size)
+    if window is not None and attrs.causal_mask != "BottomRight":
+        # TVM's own lowering of a window (FlashAttention's through CUTLASS) takes it with this mask only
+        return f"a sliding window with causal mask {attrs.causal_mask!r}: served with 'BottomRight'"
+    variant = AttentionVariant("window" if window else "causal" if causal else "global", causal=causal, window=window)
     dtype = str(call.args[0].ty.dtype)
     scale = float(attrs.scale.value) if attrs.scale is not None else None
     try:
-        spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=AttentionVariant(
-            "causal" if causal else "global", causal=causal), dtype=dtype, layout="bshd",
-            target=target, scale=scale)
+        spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout="bshd",
+                                  target=target, scale=scale)
     except ValueError as err:
         return str(err)
     family = _family(spec, seq_q)

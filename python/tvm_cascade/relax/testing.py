@@ -5,7 +5,7 @@ from tvm import relax
 
 
 def attention_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float16", causal_mask="BottomRight",
-                     scale=None):
+                     scale=None, window_size=None):
     """``main(q[b, sq, hq, d], k/v[b, skv, hkv, d]) = R.nn.attention(q, k, v)``; lengths
     may be ``tirx.Var``s."""
     bb = relax.BlockBuilder()
@@ -14,7 +14,8 @@ def attention_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="f
     v = relax.Var("v", relax.TensorType((batch, seq_kv, heads_kv, head_dim), dtype))
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.attention(q, k, v, scale=scale, causal_mask=causal_mask))
+            out = bb.emit_output(relax.op.nn.attention(q, k, v, scale=scale, causal_mask=causal_mask,
+                                                       window_size=window_size))
         bb.emit_func_output(out)
     return bb.get()
 
