@@ -17,9 +17,9 @@ def random_inputs(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, seed
     return tuple(np.stack([s[n] for s in sequences]) for n in range(3))
 
 
-def reference(q, k, v, causal, scale=None):
-    """Float64 attention of bshd numpy ``q, k, v`` (queries aligned to the end of the keys)."""
-    variant = "causal" if causal else "global"
+def reference(q, k, v, variant, scale=None):
+    """Float64 attention of bshd numpy ``q, k, v`` (``variant``: a name or an
+    ``AttentionVariant``; queries aligned to the end of the keys)."""
     return np.stack([sequence_attention_ref(q[b], k[b], v[b], variant, scale) for b in range(q.shape[0])])
 
 

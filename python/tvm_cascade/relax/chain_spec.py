@@ -302,9 +302,14 @@ def _constant(expr) -> Optional[np.ndarray]:
     return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy") else None
 
 
-def _static_shape(expr):
+def tensor_shape(expr):
+    """``expr``'s shape: ints where static, PrimExprs where symbolic; None where unknown."""
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
-    values = ty.shape.values
-    return [int(x) for x in values] if all(isinstance(x, tvm.tirx.IntImm) for x in values) else None
+    return [int(v) if isinstance(v, tvm.tirx.IntImm) else v for v in ty.shape.values]
+
+
+def _static_shape(expr):
+    shape = tensor_shape(expr)
+    return shape if shape is not None and all(isinstance(x, int) for x in shape) else None

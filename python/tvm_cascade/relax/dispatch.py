@@ -38,7 +38,7 @@ from ..library.families import GenericFused, choose
 from ..library.spec import AttentionSpec
 from ..ops.variants import AttentionVariant
 from .canonicalize import flip_masked_row_guards, fold_batched_matmuls
-from .chain_spec import NOT_A_CHAIN, read_chain
+from .chain_spec import NOT_A_CHAIN, read_chain, tensor_shape
 
 logger = logging.getLogger("tvm_cascade.relax")
 
@@ -240,13 +240,8 @@ def _proves(claim) -> bool:
 
 def _shape(expr):
     """``expr``'s 4-d shape (ints where static, PrimExprs where symbolic), or None."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 4:
-        return None
-    values = ty.shape.values if isinstance(ty.shape, relax.ShapeExpr) else None
-    if values is None:
-        return None
-    return [int(v) if isinstance(v, tirx.IntImm) else v for v in values]
+    shape = tensor_shape(expr)
+    return shape if shape is not None and len(shape) == 4 else None
 
 
 def _axes(call):
