@@ -130,7 +130,7 @@ def test_unaligned_tensors_are_copied():
         (dict(layout="sbhd"), "layout must be one of"),
         (dict(variant=AttentionVariant("w0", causal=True, window=0)), "at least one key"),
         (dict(variant="unknown"), "unknown attention variant"),
-        (dict(page_size=16), "page_size is the paged layout's; the bhsd layout has none"),
+        (dict(page_size=16), "page_size is the paged layouts'; the bhsd layout has none"),
         (dict(layout="paged", page_size=0), "page_size must be a positive int"),
     ],
 )

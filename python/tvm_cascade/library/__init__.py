@@ -12,7 +12,7 @@ Modules: :mod:`.spec` (what a kernel computes), :mod:`.layouts` (bhsd, ragged an
 tensors and their common view), :mod:`.compute` (the unfused chain over that view),
 :mod:`.families` (the kernel families and the choice among them), :mod:`.arguments`
 (the checks of a call), :mod:`.kernel` (the callable), :mod:`.cache` (built kernels on
-disk).
+disk), :mod:`.kv_cache` (kernels with the calling convention of TVM's paged KV cache).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from . import cache
 from .arguments import ARGUMENTS, KernelArgumentError
 from .families import FAMILIES, choose
 from .kernel import AttentionKernel
-from .spec import LAYOUTS, AttentionSpec
+from .spec import CACHE_LAYOUTS, LAYOUTS, AttentionSpec
 
 def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", target=None,
                      layout="bhsd", scale=None, page_size=None, use_cache=True) -> AttentionKernel:
@@ -46,6 +46,9 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     their reasons on the ``tvm_cascade.library`` logger) build one function each.
     Returns an :class:`~tvm_cascade.library.kernel.AttentionKernel`.
     """
+    if layout in CACHE_LAYOUTS:
+        raise ValueError(f"the {layout} layout is TVM's paged KV cache's calling convention: "
+                         "its kernels are built by tvm_cascade.library.kv_cache.cache_kernel")
     if target is None:
         target = "cuda" if tvm.cuda(0).exist else "llvm"
     target = tvm.target.Target(target)

@@ -1,16 +1,22 @@
 """The unfused attention chain of a spec over its layout's view, lengths at run time."""
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import te, tirx
 
-from ..ops.flex_attention import ATTENTION_BLOCKS, variant_te_mods
+from ..ops.flex_attention import ATTENTION_BLOCKS, NO_KEYS_LSE, variant_te_mods
 from ..root_order import reorder_root_blocks
 from .layouts import views
 from .spec import AttentionSpec
 
 #: The blocks that read the layout's tensors into the view (ragged and paged layouts).
 VIEW_BLOCKS = ("Q_view", "K_view", "V_view")
+#: The block that computes a row's log-sum-exp, in base 2 (``log2 Σ_j 2^(log2(e) s_j)``
+#: of the scaled scores ``s_j``), where the layout has an ``lse`` output.
+LSE_BLOCK = "lse"
+LOG2E = math.log2(math.e)
 
 
 def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -20,8 +26,9 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
     Keys a sequence does not have are masked like the variant's masked keys; a row that
     sees no key at all (none of its keys visible) gives zeros, as FlashAttention's do.
-    The output is the view's ``out[b, h, i, x]``: :func:`.layouts.scatter_output` moves
-    its stores to the layout's ``out`` once the function is scheduled.
+    The output is the view's ``out[b, h, i, x]``, and, where the layout has one, its
+    ``lse[b, h, i]`` (:data:`LSE_BLOCK`): :func:`.layouts.scatter_output` moves their
+    stores to the layout's tensors once the function is scheduled.
     """
     view = views(spec)
     acc = "float32"
@@ -37,7 +44,7 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
         return value
 
-    if view.q_len is None:
+    if view.q_len is None and view.kv_len is None:
         query, key, value = view.query, view.key, view.value
     else:
         query = te.compute(shape_q + (d,), guarded(view.query, view.q_len), name="Q_view")
@@ -47,7 +54,7 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
     score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, acc)
     lowest = tirx.min_value(acc)
-    scale = tirx.const(spec.scale, acc)
+    scale = view.scale
 
     rd = te.reduce_axis((0, d), name="rd")
     scores = shape_q + (view.keys,)
@@ -93,8 +100,15 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         return tirx.Select(m[b, h, i] == lowest, tirx.const(0, spec.dtype), out)
 
     out = te.compute(shape_q + (d,), normalised, name="out")
-    func = te.create_prim_func(view.inputs + [out])
-    order = (VIEW_BLOCKS if view.q_len is not None else ()) + ATTENTION_BLOCKS
+    outputs, order = [out], (VIEW_BLOCKS if view.kv_len is not None else ()) + ATTENTION_BLOCKS
+    if view.lse_index is not None:
+        def log_sum_exp(b, h, i):
+            lse = m[b, h, i] * tirx.const(LOG2E, acc) + tirx.log2(l[b, h, i])
+            return tirx.Select(m[b, h, i] == lowest, tirx.const(NO_KEYS_LSE, acc), lse) if masked else lse
+
+        outputs.append(te.compute(shape_q, log_sum_exp, name=LSE_BLOCK))
+        order += (LSE_BLOCK,)
+    func = te.create_prim_func(view.inputs + outputs)
     return reorder_root_blocks(func, order).with_attr("global_symbol", "main")
 
 

@@ -23,6 +23,21 @@ PrimFunc (its buffers' shapes, or scalar parameters), so one kernel serves all o
     ``page_ids[page_indptr[b]:page_indptr[b + 1]]`` in order, all full but the last,
     which holds ``last_page_len[b]`` keys.
 
+The layouts of TVM's paged KV cache's kernels (``relax.frontend.nn.llm``'s
+``TIRPagedKVCache``) take its tensors in its order, the scale at run time (a float32
+``sm_scale``) and give the rows' base-2 log-sum-exp too (``lse``, float32, by query token
+and head): their longest sequence is bounded by the tensors (every query token; every
+key token, or every page's keys) as no call passes it.
+
+``kv_ragged``
+    ``q[total_q, hq, d], qo_indptr, k/v[total_kv, hkv, d], kv_indptr``, then the RoPE
+    positions ``q_rope_position[total_q]`` and ``k_rope_pos_offset[batch]``.
+``kv_paged``
+    ``q[total_q, hq, d], qo_indptr, pages, page_indptr, page_indices, length_info``
+    (the last page's keys, as ``last_page_len``), ``k_rope_pos_offset, q_rope_position``.
+``kv_decode``
+    ``kv_paged`` with one query per sequence, ``q[batch, hq, d]`` and no ``qo_indptr``.
+
 Queries are aligned to the end of their keys (query ``i`` of a sequence sits at position
 ``i + kv_len - q_len``), as in chunked prefill and decode.
 """
@@ -59,6 +74,8 @@ class Views:
     kv_len: Optional[Callable]  # None: every key of every sequence is valid
     out_shape: tuple  # the shape of ``out`` (a view's shape for bhsd)
     out_index: Callable  # (b, h, i, x) -> the index of ``out`` that row i of sequence b stores
+    scale: object = None  # what multiplies Q·Kᵀ: the spec's, or the scalar ``sm_scale``
+    lse_index: Optional[Callable] = None  # (b, h, i) -> row i's index of ``lse``; None: no lse
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -79,7 +96,10 @@ def views(spec: AttentionSpec, tensor=te.placeholder) -> Views:
     """The tensors of ``spec``'s layout, made by ``tensor(shape, dtype, name)``
     (``te.placeholder`` for TE, ``tvm.tirx.decl_buffer`` for a TIR kernel's parameters),
     and the view of them."""
-    return _BUILDERS[spec.layout](spec, tensor)
+    view = _BUILDERS[spec.layout](spec, tensor)
+    if view.scale is None:
+        view.scale = tirx.const(spec.scale, "float32")
+    return view
 
 
 def _bhsd(spec, tensor):
@@ -116,17 +136,18 @@ def _bshd(spec, tensor):
     )
 
 
-def _ragged_queries(spec, tensor):
-    """Ragged queries and their indptr, shared by ``ragged`` and ``paged``: ``(q,
-    q_indptr, max_q, max_kv, fields)``, ``fields`` the :class:`Views` fields they set
-    (batch, lengths, the queries' reads and the output's stores)."""
+def _ragged_queries(spec, tensor, indptr="q_indptr"):
+    """Ragged queries and their indptr (named ``indptr``), shared by the ragged and
+    paged layouts: ``(q, q_indptr, max_q, max_kv, fields)``, ``fields`` the
+    :class:`Views` fields they set (batch, lengths, the queries' reads and the output's
+    stores)."""
     # The indptr's length is the variable: `batch + 1` as a shape would define nothing.
     indptr_len = te.var("indptr_len")
     total_q, max_q, max_kv = te.var("total_q"), te.var("max_q"), te.var("max_kv")
     q = tensor((total_q, spec.heads_q, spec.head_dim), spec.dtype, "q")
-    q_indptr = tensor((indptr_len,), INDEX_DTYPE, "q_indptr")
+    q_indptr = tensor((indptr_len,), INDEX_DTYPE, indptr)
     fields = dict(
-        batch=indptr_len - 1, rows=max_q, keys=max_kv,
+        batch=q_indptr.shape[0] - 1, rows=max_q, keys=max_kv,
         query=lambda b, h, i, x: q[q_indptr[b] + i, h, x],
         q_len=lambda b: q_indptr[b + 1] - q_indptr[b],
         out_shape=q.shape, out_index=lambda b, h, i, x: (q_indptr[b] + i, h, x),
@@ -155,13 +176,21 @@ def _ragged(spec, tensor):
 
 def _paged(spec, tensor):
     q, q_indptr, max_q, max_kv, fields = _ragged_queries(spec, tensor)
+    pages, page_indptr, page_ids, last_page_len, paged = _page_pool(spec, tensor, q_indptr.shape, fields["batch"])
+    return Views(inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv], **paged, **fields)
+
+
+def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_len")):
+    """The page pool, its indptr, page ids and last pages' lengths (``names`` the last
+    two's): ``(pages, page_indptr, page_ids, last_page_len, fields)``, ``fields`` the
+    :class:`Views` fields of the keys."""
     num_pages, nnz_pages = te.var("num_pages"), te.var("nnz_pages")
     # A constant: a page's keys are found by shifts and masks where it is a power of two.
     page_size = spec.page_size
     pages = tensor((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, "pages")
-    page_indptr = tensor(q_indptr.shape, INDEX_DTYPE, "page_indptr")
-    page_ids = tensor((nnz_pages,), INDEX_DTYPE, "page_ids")
-    last_page_len = tensor((fields["batch"],), INDEX_DTYPE, "last_page_len")
+    page_indptr = tensor(indptr_shape, INDEX_DTYPE, "page_indptr")
+    page_ids = tensor((nnz_pages,), INDEX_DTYPE, names[0])
+    last_page_len = tensor((batch,), INDEX_DTYPE, names[1])
 
     def kv_len(b):
         used = page_indptr[b + 1] - page_indptr[b]
@@ -173,44 +202,117 @@ def _paged(spec, tensor):
     def cache(which):
         return lambda row, h, x: pages[row[0], which, h, row[1], x]
 
+    fields = dict(kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len)
+    return pages, page_indptr, page_ids, last_page_len, fields
+
+
+def _paged_keys(page_indices, page_size):
+    """The most keys a sequence of pages ``page_indices`` lists has: every page's, within
+    int32 key positions (a bound the compiler's int32 range analysis can hold)."""
+    return tirx.min(page_indices.shape[0], (2**31 - 1) // page_size) * page_size
+
+
+def _cache_fields(out_index):
+    """The fields every layout of TVM's KV cache adds: the runtime scale (an input) and
+    the lse output at the rows of ``out``."""
+    sm_scale = te.var("sm_scale", "float32")
+    return sm_scale, dict(scale=sm_scale, lse_index=lambda b, h, i: out_index(b, h, i, 0)[:-1])
+
+
+def _kv_ragged(spec, tensor):
+    q, qo_indptr, _, _, fields = _ragged_queries(spec, tensor, "qo_indptr")
+    total_kv = te.var("total_kv")
+    k = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "k")
+    v = tensor((total_kv, spec.heads_kv, spec.head_dim), spec.dtype, "v")
+    kv_indptr = tensor(qo_indptr.shape, INDEX_DTYPE, "kv_indptr")
+    q_rope_position = tensor(q.shape[:1], INDEX_DTYPE, "q_rope_position")
+    k_rope_pos_offset = tensor((fields["batch"],), INDEX_DTYPE, "k_rope_pos_offset")
+    sm_scale, cache = _cache_fields(fields["out_index"])
+    fields.update(rows=q.shape[0], keys=total_kv)
     return Views(
-        inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv],
-        kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len, **fields,
+        inputs=[q, qo_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, sm_scale],
+        kv_row=lambda b, j: (kv_indptr[b] + j,),
+        key_at=lambda row, h, x: k[row[0], h, x],
+        value_at=lambda row, h, x: v[row[0], h, x],
+        kv_len=lambda b: kv_indptr[b + 1] - kv_indptr[b], **cache, **fields,
     )
 
 
-_BUILDERS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged}
+def _kv_paged(spec, tensor):
+    q, qo_indptr, _, _, fields = _ragged_queries(spec, tensor, "qo_indptr")
+    pages, page_indptr, page_indices, length_info, paged = _page_pool(
+        spec, tensor, qo_indptr.shape, fields["batch"], ("page_indices", "length_info"))
+    k_rope_pos_offset = tensor((fields["batch"],), INDEX_DTYPE, "k_rope_pos_offset")
+    q_rope_position = tensor(q.shape[:1], INDEX_DTYPE, "q_rope_position")
+    sm_scale, cache = _cache_fields(fields["out_index"])
+    fields.update(rows=q.shape[0], keys=_paged_keys(page_indices, spec.page_size))
+    return Views(
+        inputs=[q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                sm_scale],
+        **paged, **cache, **fields,
+    )
+
+
+def _kv_decode(spec, tensor):
+    q = tensor((te.var("batch"), spec.heads_q, spec.head_dim), spec.dtype, "q")
+    # q's shape defines the batch; the indptr's follows it.
+    batch = q.shape[0]
+    pages, page_indptr, page_indices, length_info, paged = _page_pool(
+        spec, tensor, (batch + 1,), batch, ("page_indices", "length_info"))
+    k_rope_pos_offset = tensor((batch,), INDEX_DTYPE, "k_rope_pos_offset")
+    q_rope_position = tensor((batch,), INDEX_DTYPE, "q_rope_position")
+
+    def out_index(b, h, i, x):
+        return (b + i, h, x)
+
+    sm_scale, cache = _cache_fields(out_index)
+    return Views(
+        inputs=[q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position, sm_scale],
+        batch=batch, rows=1, keys=_paged_keys(page_indices, spec.page_size),
+        query=lambda b, h, i, x: q[b + i, h, x], q_len=None, out_shape=q.shape, out_index=out_index,
+        **paged, **cache,
+    )
+
+
+_BUILDERS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged,
+             "kv_ragged": _kv_ragged, "kv_paged": _kv_paged, "kv_decode": _kv_decode}
 
 
 def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     """``func`` with its output ``out[b, h, i, x]`` (the view's rows) stored to the
-    layout's ``out`` (the view's ``out_index``), rows past the sequence's queries
-    nowhere. bhsd's ``func`` is returned as it is.
+    layout's ``out`` (the view's ``out_index``), and its ``lse[b, h, i]``, if any, to the
+    layout's ``lse`` (``lse_index``), rows past the sequence's queries nowhere. bhsd's
+    ``func`` is returned as it is.
 
     TE cannot index an output by a loaded value, so the view's output is computed and
-    this rewrite, after scheduling, changes only where the block that stores it writes.
+    this rewrite, after scheduling, changes only where the blocks that store it write.
     """
     if spec.layout == "bhsd":  # the view is the layout
         return func
     params = {p.name: p for p in buffer_params(func)}
-    old = params.pop("out")
     # The view over the function's own buffers: the layout says where a row goes.
     view = views(spec, lambda shape, dtype, name: params[name])
-    new = tirx.decl_buffer(view.out_shape, spec.dtype, name="out")
-    others = list(params.values()) + [new]
+    moved = {params.pop("out"): (tirx.decl_buffer(view.out_shape, spec.dtype, name="out"), view.out_index)}
+    if view.lse_index is not None:
+        lse = tirx.decl_buffer(view.out_shape[:-1], "float32", name="lse")
+        moved[params.pop("lse")] = (lse, lambda b, h, i: view.lse_index(b, h, i))
+    others = list(params.values()) + [new for new, _ in moved.values()]
 
     def store(s):
-        if not s.buffer.same_as(old):
+        target = next((moved[old] for old in moved if s.buffer.same_as(old)), None)
+        if target is None:
             return s
-        b, h, i, x = s.indices
-        stored = tirx.BufferStore(new, s.value, list(view.out_index(b, h, i, x)))
+        new, index = target
+        b, h, i = s.indices[:3]
+        stored = tirx.BufferStore(new, s.value, list(index(*s.indices)))
         return stored if view.q_len is None else tirx.IfThenElse(i < view.q_len(b), stored, None)
 
     def block(blk):
-        if not any(w.source.same_as(old) for w in blk.writes):
+        if not any(w.source.same_as(old) for w in blk.writes for old in moved):
             return blk
         body = tvm_ffi.structural_map(blk.body, [(tirx.BufferStore, store)])
         return with_regions(copy_block(blk, body=body), others + list(blk.alloc_buffers))
 
     body = tvm_ffi.structural_map(func.body, [(SBlock, block)])
-    return tirx.PrimFunc([new if p.same_as(old) else p for p in func.params], body, attrs=func.attrs)
+    new_params = [next((new for old, (new, _) in moved.items() if p.same_as(old)), p) for p in func.params]
+    return tirx.PrimFunc(new_params, body, attrs=func.attrs)

@@ -11,6 +11,11 @@ from ..ops.variants import AttentionVariant, get_variant
 
 #: Memory layouts of a kernel's tensors (see :mod:`tvm_cascade.library.layouts`).
 LAYOUTS = ("bhsd", "bshd", "ragged", "paged")
+#: The layouts of TVM's paged KV cache's kernels (:mod:`tvm_cascade.library.kv_cache`):
+#: their calling convention, not :class:`~tvm_cascade.library.kernel.AttentionKernel`'s.
+CACHE_LAYOUTS = ("kv_ragged", "kv_paged", "kv_decode")
+#: Layouts whose keys lie in pages.
+PAGED_LAYOUTS = ("paged", "kv_paged", "kv_decode")
 #: Layouts whose sequences are all as long (the tensors' shapes say how long).
 UNIFORM_LAYOUTS = ("bhsd", "bshd")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -25,7 +30,8 @@ class AttentionSpec:
     """One attention kernel: everything about it but the lengths and the batch size,
     which are runtime values.
 
-    ``scale`` multiplies Q·Kᵀ (default ``1/sqrt(head_dim)``); ``target`` is the
+    ``scale`` multiplies Q·Kᵀ (default ``1/sqrt(head_dim)``; a kernel of
+    :data:`CACHE_LAYOUTS` takes it at run time instead); ``target`` is the
     target's string form (``str(tvm.target.Target(...))``), part of what a cached kernel
     is keyed by; ``page_size``, the keys a page holds (the paged layout's, None for the
     others).
@@ -57,19 +63,19 @@ class AttentionSpec:
             raise ValueError(f"head_dim={head_dim} is larger than the {MAX_HEAD_DIM} the kernels serve")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in LAYOUTS + CACHE_LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS + CACHE_LAYOUTS}, got {layout!r}")
         variant = get_variant(variant)
         if variant.window is not None and variant.window < 1:
             raise ValueError(f"a sliding window must hold at least one key, got window={variant.window}")
         if variant.softcap is not None and not variant.softcap > 0:
             raise ValueError(f"softcap must be positive, got {variant.softcap}")
-        if layout == "paged":
+        if layout in PAGED_LAYOUTS:
             page_size = PAGE_SIZE if page_size is None else page_size
             if not isinstance(page_size, int) or page_size < 1:
                 raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         elif page_size is not None:
-            raise ValueError(f"page_size is the paged layout's; the {layout} layout has none")
+            raise ValueError(f"page_size is the paged layouts'; the {layout} layout has none")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale, page_size)
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..ops.flex_attention import variant_te_mods
+from ..ops.flex_attention import NO_KEYS_LSE, variant_te_mods
 from ..schedules.warp_specialized import repair_factor
+from .spec import CACHE_LAYOUTS
 
 #: Query rows a sequence may have for the split-k decode families to serve it.
 QUERIES = 8
@@ -51,6 +54,35 @@ def first_key(spec, view, b):
     if window is None:
         return 0
     return T.max(view.key_length(b) - view.query_length(b) - window + 1, 0)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a decode kernel splits a sequence's keys: ``param``, the scalar parameter it
+    takes (``chunk_keys``, the keys of every chunk; for a cache layout, whose calls pass
+    no longest length, ``chunks``, the chunks of every sequence); ``count``, the chunks
+    its grid has per sequence; ``keys(b)``, the keys of a chunk of sequence ``b``."""
+
+    param: tirx.Var
+    count: object
+    keys: Callable
+
+
+def chunking(spec, view, step: int, least: int) -> Chunking:
+    """The chunks of ``spec``'s kernel over ``view`` (see :class:`Chunking`); a cache
+    layout's chunks of a sequence hold a multiple of ``step`` keys, at least ``least``."""
+    if spec.layout not in CACHE_LAYOUTS:
+        chunk_keys = tirx.Var("chunk_keys", "int32")
+        return Chunking(chunk_keys, chunk_count(spec, view, chunk_keys), lambda b: chunk_keys)
+    chunks = tirx.Var("chunks", "int32")
+
+    def keys(b):
+        seen = view.key_length(b)
+        if spec.variant.window is not None:
+            seen = T.min(seen, spec.variant.window + view.query_length(b) - 1)
+        return T.max(least, (seen + chunks * step - 1) // (chunks * step) * step)
+
+    return Chunking(chunks, chunks, keys)
 
 
 def chunk_count(spec, view, chunk_keys):
@@ -89,7 +121,7 @@ def score_of(spec, view):
     score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, ACC)
 
     def score(dot, b, h, qi, j):
-        s = dot * T.float32(spec.scale)
+        s = dot * view.scale
         if score_mod is not None:
             s = score_mod(s, b, h, qi, j).astype(ACC)
         s = s * T.float32(LOG2E)
@@ -140,11 +172,13 @@ def partials_store(spec, rows: int, parts: int, threads: int):
     return store
 
 
-def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
+def combine_kernel(spec, view, chunks: Chunking, out, lse=None, threads=128):
     """A macro ``combine(part_o, part_m, part_l)``: the kernel that combines each row's
-    chunks into ``out``, one block of ``threads`` per row (sequence, query row, head),
-    a thread per output dimension."""
+    chunks into ``out`` (and its base-2 log-sum-exp into ``lse``, if given, at the
+    view's ``lse_index``), one block of ``threads`` per row (sequence, query row,
+    head), a thread per output dimension."""
     d, heads_q = spec.head_dim, spec.heads_q
+    num_chunks = chunks.count
 
     @T.macro
     def combine(part_o, part_m, part_l):
@@ -169,7 +203,7 @@ def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
                         value[0] = T.float32(0)
                         for c in T.serial(num_chunks):
                             weight[0] = T.if_then_else(
-                                lo + c * chunk_keys < view.key_length(b),
+                                lo + c * chunks.keys(b) < view.key_length(b),
                                 repair_factor(spec.variant, part_m[b, qi, h, c], finite(total_m[0])),
                                 T.float32(0),
                             )
@@ -178,6 +212,10 @@ def combine_kernel(spec, view, chunk_keys, num_chunks, out, threads=128):
                         out[view.out_index(b, h, qi, x)] = T.Cast(
                             spec.dtype, T.if_then_else(total_l[0] > T.float32(0), value[0] / total_l[0], T.float32(0))
                         )
+                        if lse is not None and x == 0:
+                            lse[view.lse_index(b, h, qi)] = T.if_then_else(
+                                total_l[0] > T.float32(0), total_m[0] + T.log2(total_l[0]), T.float32(NO_KEYS_LSE)
+                            )
 
     return combine
 
@@ -188,14 +226,17 @@ def sm_count(device) -> int:
 
 
 def plan_chunk_keys(spec, blocks, max_q, max_kv, device, per_sm: int, step: int, least: int, whole_waves: bool):
-    """Keys per chunk (a multiple of ``step``, at least ``least``) so that the chunk kernel
+    """The scalar of :func:`chunking`: keys per chunk (a multiple of ``step``, at least
+    ``least``), or a cache layout's chunks per sequence, so that the chunk kernel
     launches about ``per_sm`` of its ``blocks``-per-chunk blocks per SM: at most that
     many if ``whole_waves`` (a family whose ``per_sm`` blocks fit an SM at once: one wave
     rather than one and a fraction), else at least. Never more chunks than needed to
     cover the keys a sequence's rows see. Lengths are ints, or PrimExprs for a plan
     over symbolic shapes (:func:`maximum`)."""
-    keys = maximum(visible_keys(spec, max_q, max_kv), 1)
     sms = sm_count(device)
     blocks = maximum(blocks, 1)
     chunks = maximum(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))
+    if spec.layout in CACHE_LAYOUTS:
+        return chunks
+    keys = maximum(visible_keys(spec, max_q, max_kv), 1)
     return maximum(least, -(-keys // chunks // step) * step)

@@ -29,7 +29,7 @@ from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
-    ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
+    ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
     maximum, plan_chunk_keys, score_of, unsupported,
 )
 
@@ -60,8 +60,10 @@ class SplitKDecode:
         return decode_kernel(spec)
 
     def plan(self, spec: AttentionSpec, batch, max_q, max_kv, device) -> list:
-        """``[chunk_keys]``: keys per chunk, so that the first kernel launches about
-        :data:`WAVES` blocks per SM (no chunk shorter than a step of every subgroup)."""
+        """``[chunk_keys]``: keys per chunk (a cache layout's ``[chunks]``, chunks per
+        sequence: :func:`.split_k.plan_chunk_keys`), so that the first kernel launches
+        about :data:`WAVES` blocks per SM (no chunk shorter than a step of every
+        subgroup)."""
         _, rows, _, step = _shape(spec)
         blocks = batch * spec.heads_kv * -(-spec.group * maximum(max_q, 1) // rows)
         return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, WAVES, step, step, whole_waves=False)]
@@ -88,22 +90,24 @@ def _shape(spec):
 
 def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     """The family's PrimFunc for ``spec``: the layout's tensors, its scalars, then
-    ``chunk_keys``, then ``out``."""
+    the scalar of its chunking (:func:`.split_k.chunking`), then ``out`` (and ``lse``
+    where the layout has one)."""
     view = views(spec, tirx.decl_buffer)
     d, group, heads_kv, heads_q = spec.head_dim, spec.group, spec.heads_kv, spec.heads_q
     vec, rows, unroll, step = _shape(spec)
     lanes = d // vec
     subgroups = THREADS // lanes
     acc = ACC
-    chunk_keys = tirx.Var("chunk_keys", "int32")
     out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
     q_len, kv_len = view.query_length, view.key_length
     score = score_of(spec, view)
     batch = view.batch
-    num_chunks = chunk_count(spec, view, chunk_keys)
+    chunks = chunking(spec, view, step, step)
+    num_chunks, chunk_keys = chunks.count, chunks.keys
+    lse = None if view.lse_index is None else tirx.decl_buffer(view.out_shape[:-1], ACC, "lse")
     passes = (group * view.rows + rows - 1) // rows
     neg_inf = NEG_INF
-    combine = combine_kernel(spec, view, chunk_keys, num_chunks, out, THREADS)
+    combine = combine_kernel(spec, view, chunks, out, lse, THREADS)
     store = partials_store(spec, rows, THREADS // lanes, THREADS)
 
     row_parts = len(view.kv_row(0, 0))
@@ -161,8 +165,8 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             sub = tx // lanes
             lane = tx % lanes
             n_rows = group * q_len(b)
-            start = first_key(spec, view, b) + c * chunk_keys
-            end = T.min(start + chunk_keys, kv_len(b))
+            start = first_key(spec, view, b) + c * chunk_keys(b)
+            end = T.min(start + chunk_keys(b), kv_len(b))
             for r in T.unroll(rows):
                 rr = bz * rows + r
                 m[r] = neg_inf
@@ -220,5 +224,5 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             store(merged_m, merged_l, merged_o, part_o, part_m, part_l, tx, b, hk, c, bz * rows, n_rows, dot, m_new)
         combine(part_o, part_m, part_l)
 
-    params = list(view.inputs) + [chunk_keys, out]
+    params = list(view.inputs) + [chunks.param, out] + ([] if lse is None else [lse])
     return tirx.PrimFunc(params, body.body).with_attr("global_symbol", SplitKDecode.name)

@@ -34,7 +34,7 @@ from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
-    ACC, ALL_LANES, NEG_INF, QUERIES, chunk_count, combine_kernel, finite, first_key, partial_shape, partials_store,
+    ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
     maximum, plan_chunk_keys, score_of, unsupported,
 )
 
@@ -75,8 +75,10 @@ class TensorCoreDecode:
         return decode_kernel(spec)
 
     def plan(self, spec: AttentionSpec, batch, max_q, max_kv, device) -> list:
-        """``[chunk_keys]``: keys per chunk, so that at most about :data:`BLOCKS_PER_SM`
-        blocks run per SM (one wave), none shorter than :data:`LEAST_CHUNK`."""
+        """``[chunk_keys]``: keys per chunk (a cache layout's ``[chunks]``, chunks per
+        sequence: :func:`.split_k.plan_chunk_keys`), so that at most about
+        :data:`BLOCKS_PER_SM` blocks run per SM (one wave), none shorter than
+        :data:`LEAST_CHUNK`."""
         blocks = batch * spec.heads_kv * -(-spec.group * maximum(max_q, 1) // ROWS)
         return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK,
                                 whole_waves=True)]
@@ -98,17 +100,19 @@ def _v_dim(g, e):
 
 def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     """The family's PrimFunc for ``spec``: the layout's tensors, its scalars, then
-    ``chunk_keys``, then ``out``."""
+    the scalar of its chunking (:func:`.split_k.chunking`), then ``out`` (and ``lse``
+    where the layout has one)."""
     view = views(spec, tirx.decl_buffer)
     d, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
     ptx = _PTX_TYPE[dtype]
     k_steps, k_elems, v_elems = d // 16, d // 4, d // 8
-    chunk_keys = tirx.Var("chunk_keys", "int32")
     out = tirx.decl_buffer(view.out_shape, dtype, "out")
-    num_chunks = chunk_count(spec, view, chunk_keys)
+    chunks = chunking(spec, view, WARPS * STEP, LEAST_CHUNK)
+    num_chunks, chunk_keys = chunks.count, chunks.keys
+    lse = None if view.lse_index is None else tirx.decl_buffer(view.out_shape[:-1], ACC, "lse")
     passes = (group * view.rows + ROWS - 1) // ROWS
     score = score_of(spec, view)
-    combine = combine_kernel(spec, view, chunk_keys, num_chunks, out)
+    combine = combine_kernel(spec, view, chunks, out, lse)
     store = partials_store(spec, ROWS, WARPS, WARP * WARPS)
     shape = partial_shape(view, num_chunks, heads_q)
     row_parts = len(view.kv_row(0, 0))
@@ -181,8 +185,8 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             g = tx // 4
             quad = tx % 4
             n_rows = group * view.query_length(b)
-            start = first_key(spec, view, b) + c * chunk_keys
-            end = T.min(start + chunk_keys, view.key_length(b))
+            start = first_key(spec, view, b) + c * chunk_keys(b)
+            end = T.min(start + chunk_keys(b), view.key_length(b))
             # Q's A fragments: rows g and g + 8, element f of k-step t at the quad's dims.
             for half in T.unroll(2):
                 rr = bz * ROWS + g + 8 * half
@@ -266,5 +270,5 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                   repair, m_new)
         combine(part_o, part_m, part_l)
 
-    params = list(view.inputs) + [chunk_keys, out]
+    params = list(view.inputs) + [chunks.param, out] + ([] if lse is None else [lse])
     return tirx.PrimFunc(params, body.body).with_attr("global_symbol", TensorCoreDecode.name)

@@ -29,7 +29,7 @@ from tvm import tirx
 
 from ..schedules import warp_specialized as ws
 from .layouts import views
-from .spec import AttentionSpec
+from .spec import CACHE_LAYOUTS, AttentionSpec
 from .split_k import maximum, minimum, sm_count
 
 #: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
@@ -59,7 +59,10 @@ class WarpSpecializedPrefill:
         # As many K/V stages as shared memory holds.
         stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(spec.head_dim, s) <= ws.SHARED_BYTES)
         config = ws.WarpSpecializedConfig(stages=stages)
-        func = ws.kernel(persistent(tiles(spec)), spec.variant, config, scale=spec.scale)
+        laid = persistent(tiles(spec))
+        # A cache layout's kernel takes the scale at run time.
+        scale = next((p for p in laid.params if isinstance(p, tirx.Var) and p.name == "sm_scale"), spec.scale)
+        func = ws.kernel(laid, spec.variant, config, scale=scale)
         return func.with_attr("global_symbol", self.name)
 
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
@@ -75,7 +78,8 @@ def persistent(tiles: ws.Tiles) -> ws.Tiles:
     takes row tiles in turn (the next one's loads overlap the last one's stores, and
     no row tile waits for a second wave's start)."""
     blocks = tirx.Var("blocks", "int32")
-    return replace(tiles, params=tiles.params[:-1] + [blocks, tiles.params[-1]], blocks=blocks)
+    at = tiles.params.index(tiles.out)
+    return replace(tiles, params=tiles.params[:at] + [blocks] + tiles.params[at:], blocks=blocks)
 
 
 def tiles(spec: AttentionSpec) -> ws.Tiles:
@@ -88,7 +92,9 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     keys = ws.key_tile(d)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
-    out = tirx.decl_buffer(view.out_shape, spec.dtype, "out")
+    out = [tirx.decl_buffer(view.out_shape, spec.dtype, "out")]
+    if view.lse_index is not None:
+        out.append(tirx.decl_buffer(view.out_shape[:-1], "float32", "lse"))
     row = d * 2
     first_q, first_kv, tokens_of = _packed(spec, view, buffers)
 
@@ -97,17 +103,18 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         return ws.TensorMap(buf, (heads, tokens_of(buf)), (row, heads * row), (1, box))
 
     common = dict(
-        params=list(view.inputs) + [out], heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype,
+        params=list(view.inputs) + out, heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype, lse_index=view.lse_index,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
         q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, first_q(b) + r0), out_index=view.out_index,
     )
-    if spec.layout in ("ragged", "bshd"):
+    if spec.layout in ("ragged", "bshd", "kv_ragged"):
         k, v = buffers["k"], buffers["v"]
         return ws.Tiles(
             k_map=tokens(k, hkv, keys), v_map=tokens(v, hkv, keys),
             kv_at=lambda b, hk, t, s, which: (hk, first_kv(b) + t * keys), **common,
         )
-    pages, page_indptr, page_ids = buffers["pages"], buffers["page_indptr"], buffers["page_ids"]
+    pages, page_indptr = buffers["pages"], buffers["page_indptr"]
+    page_ids = buffers["page_indices" if spec.layout in CACHE_LAYOUTS else "page_ids"]
     size = spec.page_size
     # (d, a page's keys, every (page, K or V, head)); one past the last is no page.
     planes = pages.shape[0] * 2 * hkv
@@ -127,4 +134,5 @@ def _packed(spec, view, buffers):
     first key token, the tokens tensor ``buf`` holds)."""
     if spec.layout == "bshd":
         return (lambda b: b * view.rows), (lambda b: b * view.keys), (lambda buf: view.batch * buf.shape[1])
-    return (lambda b: buffers["q_indptr"][b]), (lambda b: buffers["kv_indptr"][b]), (lambda buf: buf.shape[0])
+    q_indptr = buffers["qo_indptr" if spec.layout in CACHE_LAYOUTS else "q_indptr"]
+    return (lambda b: q_indptr[b]), (lambda b: buffers["kv_indptr"][b]), (lambda buf: buf.shape[0])

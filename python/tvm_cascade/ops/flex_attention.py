@@ -67,6 +67,9 @@ MaskMod = Callable[..., "tvm.tirx.PrimExpr"]
 
 # Block names, in program order, for the two attention layouts.
 ATTENTION_BLOCKS = ("qk", "score", "max", "exp", "sum", "pv", "out")
+#: The base-2 log-sum-exp of a row that sees no key, where a kernel gives one (TVM's KV
+#: cache kernels' value: a merge of attention states gives the row no weight).
+NO_KEYS_LSE = -5e4
 ATTENTION_BLOCKS_NORMALIZE_FIRST = ("qk", "score", "max", "exp", "sum", "p", "pv", "out")
 
 

@@ -1,8 +1,9 @@
 """The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with the
 attention passes before legalization: on GPUs :class:`.DispatchAttention` (attention on
 the kernel library's kernels; what they do not serve is left to the default lowering,
-so that the pipeline is never slower than the default one there), on other targets
-:class:`.FuseAttention` (every attention fused into one generic kernel).
+so that the pipeline is never slower than the default one there) and
+:class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
+targets :class:`.FuseAttention` (every attention fused into one generic kernel).
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
 ``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention
@@ -16,6 +17,7 @@ from tvm import relax
 
 from .dispatch import DispatchAttention
 from .fuse_attention import FuseAttention
+from .kv_cache import KVCacheAttention
 
 PIPELINE_NAME = "cascade"
 
@@ -30,8 +32,8 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
         target = tvm.target.Target.current(allow_none=True)
         dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
         on_gpu = target is not None and "gpu" in target.keys
-        attention = DispatchAttention() if on_gpu else FuseAttention(tile, method, chunks)
-        passes = dispatch + [attention, _default_pipeline(target)]
+        attention = [DispatchAttention(), KVCacheAttention()] if on_gpu else [FuseAttention(tile, method, chunks)]
+        passes = dispatch + attention + [_default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

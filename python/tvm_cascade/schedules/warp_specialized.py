@@ -56,7 +56,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import sympy
@@ -344,6 +344,14 @@ class Tiles:
     out_index: Callable
     #: The grid's blocks (a scalar parameter, persistent blocks), or None: a block per row tile.
     blocks: object = None
+    #: ``lse_index(b, h, row)``: where row ``row`` of sequence ``b`` stores its base-2
+    #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
+    lse_index: Optional[Callable] = None
+
+    @property
+    def out(self):
+        """The output's buffer."""
+        return self.params[-1] if self.lse_index is None else self.params[-2]
 
 
 def key_tile(head_dim):
@@ -743,12 +751,20 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         for g in T.unroll(2):
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
+        if tiles.lse_index is not None:
+            if lane % 4 == 0:
+                for g in T.unroll(2):
+                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                    if row < seq_q:
+                        tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
+                            sees_keys(row, seq_q, seq_kv, n_tiles), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
+                        )
         for n in T.unroll(head_dim // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
                     store(
-                        tiles.params[-1], b, h, row, 8 * n + 2 * (lane % 4) + e,
+                        tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e,
                         T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
                         seq_q,
                     )

@@ -1,0 +1,202 @@
+"""The attention kernels of TVM's paged KV cache (``relax.frontend.nn.llm``'s
+``TIRPagedKVCache``): TVM's own and tvm-cascade's (:mod:`tvm_cascade.library.kv_cache`,
+what the ``"cascade"`` pipeline puts in the cache), called with the cache's calling
+convention on the same tensors, beside cuDNN's SDPA on the same attention (dense
+tensors), timed side by side on one GPU.
+
+    python -m benchmarks.kv_cache [--out DIR]
+
+Every output is checked against float32 SDPA, and each lse against the float32 log-sum-
+exp of the scores (base 2). Times are medians of CUDA-event timed calls with the L2 cache
+flushed before each (:func:`benchmarks.timing.bench`). Prints a table, writes
+``kv_cache.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .attention import environment, skip_without_gpu
+from .timing import bench
+
+PAGE = 16
+#: Where ``o`` is among each kind's arguments (``lse`` follows).
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7}
+#: (name, kind, query lengths, key lengths (cached keys for "prefill"), heads q, heads
+#: kv, head dim). "ragged": the new tokens among themselves (causal); "prefill": new
+#: tokens over cached pages (no mask); "decode": one query per sequence over its pages.
+SHAPES = (
+    ("ragged 1x2048 llama3-8b", "ragged", [2048], [2048], 32, 8, 128),
+    ("ragged 4x512 llama3-8b", "ragged", [512] * 4, [512] * 4, 32, 8, 128),
+    ("ragged 3x(700,1000,300) d64", "ragged", [700, 1000, 300], [700, 1000, 300], 32, 8, 64),
+    ("prefill 1x2048 over 2048 llama3-8b", "prefill", [2048], [2048], 32, 8, 128),
+    ("decode 16x8000 llama3-8b", "decode", [1] * 16, [8000] * 16, 32, 8, 128),
+    ("decode 32x4096 llama3-8b", "decode", [1] * 32, [4096] * 32, 32, 8, 128),
+    ("decode 1x16000 llama3-8b", "decode", [1], [16000], 32, 8, 128),
+    ("decode 16x(1000..8000) mha d64", "decode", [1] * 16, [1000 + 467 * i for i in range(16)], 32, 32, 64),
+)
+
+
+def tvm_kernel(kind, heads_q, heads_kv, head_dim, target):
+    """TVM's kernel of ``kind`` as ``TIRPagedKVCache`` builds it."""
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    rope = {}
+    if kind == "ragged":
+        return kv_cache._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", rope, target)
+    if kind == "prefill":
+        return kv_cache._attention_prefill(heads_kv, heads_q, head_dim, "float16", False, rope, target)
+    return kv_cache._attention_decode(heads_kv, heads_q, head_dim, "float16", False, rope, target)
+
+
+def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
+    """The convention's arguments (torch tensors, then the scalars) and the dense
+    tensors of each sequence for the reference: ``(args, sequences)``."""
+    import torch
+
+    dev = "cuda"
+    q = torch.randn(sum(q_lens), heads_q, head_dim, device=dev, dtype=torch.float16)
+    qo_indptr = torch.tensor([0] + list(_cumsum(q_lens)), dtype=torch.int32, device=dev)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=dev)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    rope_pos = torch.zeros(q.shape[0], dtype=torch.int32, device=dev)
+    rope_offset = torch.zeros(len(q_lens), dtype=torch.int32, device=dev)
+    if kind == "ragged":
+        k = torch.randn(sum(kv_lens), heads_kv, head_dim, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        kv_indptr = torch.tensor([0] + list(_cumsum(kv_lens)), dtype=torch.int32, device=dev)
+        seqs = [(q[a:b], k[c:e], v[c:e]) for a, b, c, e in zip(qo_indptr[:-1].tolist(), qo_indptr[1:].tolist(),
+                                                               kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())]
+        args = [q, qo_indptr, k, v, kv_indptr, rope_pos, rope_offset, o, lse, 1, 0, 1.0, 1e4, sm_scale]
+        return args, seqs, True
+    pages_of = [-(-n // PAGE) for n in kv_lens]
+    num_pages = sum(pages_of)
+    pages = torch.randn(num_pages, 2, heads_kv, PAGE, head_dim, device=dev, dtype=torch.float16)
+    page_indices = torch.randperm(num_pages, device=dev).to(torch.int32)
+    page_indptr = torch.tensor([0] + list(_cumsum(pages_of)), dtype=torch.int32, device=dev)
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(kv_lens, pages_of)], dtype=torch.int32, device=dev)
+    seqs = []
+    for s, (a, b) in enumerate(zip(page_indptr[:-1].tolist(), page_indptr[1:].tolist())):
+        kv = pages[page_indices[a:b].long()]  # [pages, 2, hkv, PAGE, d]
+        kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, heads_kv, head_dim)[:, : kv_lens[s]]
+        seqs.append((q[qo_indptr[s]: qo_indptr[s + 1]], kv[0], kv[1]))
+    if kind == "prefill":
+        args = [q, qo_indptr, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, 0, 0, 1.0, 1e4,
+                sm_scale]
+    else:
+        args = [q, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, 0, 1.0, 1e4, sm_scale]
+    return args, seqs, False
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def reference(seqs, causal, sm_scale):
+    """float32 outputs and base-2 lse of every sequence, concatenated along tokens."""
+    import torch
+
+    outs, lses = [], []
+    for q, k, v in seqs:
+        group = q.shape[1] // k.shape[1]
+        qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+        kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
+        s = qf @ kf.transpose(1, 2) * sm_scale
+        if causal:
+            n_q, n_k = s.shape[1:]
+            visible = torch.arange(n_k, device=s.device)[None] <= torch.arange(n_q, device=s.device)[:, None] + n_k - n_q
+            s = s.masked_fill(~visible, float("-inf"))
+        outs.append((torch.softmax(s, -1) @ vf).transpose(0, 1))
+        lses.append((torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def cudnn(seqs, causal):
+    """A call of cuDNN's SDPA on each sequence's dense tensors (one batched call where the
+    sequences are as long)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    def dense(parts):
+        return [torch.stack(p).transpose(1, 2) for p in zip(*parts)]
+
+    same = len({(q.shape[0], k.shape[0]) for q, k, _ in seqs}) == 1
+    batches = [dense(seqs)] if same else [dense([s]) for s in seqs]
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for q, k, v in batches:
+                n_q, n_k = q.shape[2], k.shape[2]
+                mask = {} if not causal else ({"is_causal": True} if n_q == n_k else
+                                              {"attn_mask": causal_lower_right(n_q, n_k)})
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
+
+    return run
+
+
+def run_shape(shape) -> list:
+    import torch
+    import tvm
+
+    from tvm_cascade.library.kv_cache import cache_kernel
+
+    name, kind, q_lens, kv_lens, heads_q, heads_kv, head_dim = shape
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    args, seqs, causal = inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim)
+    ref_o, ref_lse = reference(seqs, causal, args[-1])
+    ours, _ = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target)
+    funcs = {
+        "tvm": tvm.compile(tvm.IRModule({"main": tvm_kernel(kind, heads_q, heads_kv, head_dim, target)}), target=target),
+        "tvm-cascade": tvm.compile(tvm.IRModule({"main": ours.func}), target=ours.func.attrs["target"]),
+    }
+    rows = []
+    o, lse = args[OUTPUT_AT[kind]], args[OUTPUT_AT[kind] + 1]
+    # TVM tensors over the same memory (no copies).
+    call_args = [tvm.runtime.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
+    for peer, mod in funcs.items():
+        fn = mod["main"]
+        o.zero_()
+        fn(*call_args)
+        torch.cuda.synchronize()
+        err = ((o.float() - ref_o).norm() / ref_o.norm()).item()
+        lse_err = (lse - ref_lse).abs().max().item()
+        ms = bench(lambda: fn(*call_args))
+        rows.append({"shape": name, "peer": peer, "ms": ms, "error": err, "lse_error": lse_err})
+        print(f"{name:36s} {peer:12s} {ms:8.4f} ms  (err {err:.1e}, lse err {lse_err:.1e})", flush=True)
+    ms = bench(cudnn(seqs, causal))
+    rows.append({"shape": name, "peer": "cudnn", "ms": ms})
+    print(f"{name:36s} {'cudnn':12s} {ms:8.4f} ms", flush=True)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where kv_cache.json goes")
+    p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    args = p.parse_args(argv)
+    if skip_without_gpu("benchmarks.kv_cache"):
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv)
+    env["command"] = " ".join(["python", "-m", "benchmarks.kv_cache", *argv])
+    results = []
+    for shape in SHAPES:
+        if args.only and not any(s in shape[0] for s in args.only):
+            continue
+        results += run_shape(shape)
+        (args.out / "kv_cache.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

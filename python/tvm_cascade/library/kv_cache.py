@@ -1,0 +1,165 @@
+"""Kernels with the calling convention of TVM's paged KV cache (``relax.frontend.nn.llm``'s
+``TIRPagedKVCache``): the runtime's ``vm.builtin.paged_attention_kv_cache_create`` calls
+them as it calls TVM's own ``tir_attention_prefill_ragged``, ``tir_attention_prefill``
+and ``tir_attention_decode``.
+
+=====================  ==============  ===============================================
+the cache's kernel     kind            arguments
+=====================  ==============  ===============================================
+ragged prefill         ``"ragged"``    ``q, qo_indptr, k, v, kv_indptr, q_rope_position,
+                                       k_rope_pos_offset, o, lse, causal, rotary_mode,
+                                       rope_scale, rope_theta, sm_scale``
+paged prefill          ``"prefill"``   ``q, qo_indptr, pages, page_indptr, page_indices,
+                                       length_info, k_rope_pos_offset, q_rope_position,
+                                       o, lse, causal, rotary_mode, rope_scale,
+                                       rope_theta, sm_scale``
+paged decode           ``"decode"``    ``q, pages, page_indptr, page_indices,
+                                       length_info, k_rope_pos_offset, q_rope_position,
+                                       o, lse, rotary_mode, rope_scale, rope_theta,
+                                       sm_scale``
+=====================  ==============  ===============================================
+
+``lse`` is each row's base-2 log-sum-exp of its scaled scores (``-5e4`` for a row that
+sees no key), which the cache's merge of attention states reads. The runtime calls the
+ragged kernel with ``causal=1`` (the new tokens among themselves) and the paged
+prefill kernel with ``causal=0`` (the new tokens over the cached ones); a kernel is
+built for that mask and refuses the other. RoPE inside attention (``rotary_mode`` 2,
+the cache's ``RopeMode.INLINE``) is not computed: such a call is refused (the cache's
+other modes rotate keys before they enter the pages). The index arrays may be views
+into the runtime's workspace (any element offset).
+
+The kernel is the first family of :data:`KIND_FAMILIES` that serves the spec; its
+scalars are planned from the tensors' shapes: the longest sequence is bounded by every
+query token and every key (or every page's keys), and the families' per-sequence
+bounds keep the work to each sequence's own lengths.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir import expr as ir_expr
+from tvm.s_tir.stmt import SBlockRealize
+
+from ..analysis.chain import substitute
+from ..analysis.scope import buffer_params
+from ..primitives.ir import copy_block, replace_buffers, seq
+from .families import GenericFused
+from .layouts import INDEX_DTYPE, views
+from .spec import AttentionSpec
+from .split_k_decode import SplitKDecode
+from .tensor_core_decode import TensorCoreDecode
+from .warp_specialized_prefill import WarpSpecializedPrefill
+
+logger = logging.getLogger("tvm_cascade.library")
+
+#: The cache's kernels this module builds: kind -> (layout, causal).
+KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False)}
+#: The families asked, in order, for each kind.
+KIND_FAMILIES = {
+    "ragged": (WarpSpecializedPrefill(), GenericFused()),
+    "prefill": (WarpSpecializedPrefill(), GenericFused()),
+    "decode": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
+}
+#: The cache's ``rotary_mode`` that rotates Q and K inside attention (``RopeMode.INLINE``).
+INLINE_ROPE = 2
+#: The scalars of the convention after ``o`` and ``lse``, by kind.
+_TRAILING = ("causal", "rotary_mode", "rope_scale", "rope_theta")
+_SCALAR_DTYPES = {"causal": "int32", "rotary_mode": "int32", "rope_scale": "float32", "rope_theta": "float32"}
+
+
+@dataclass(frozen=True)
+class CacheKernel:
+    """A built kernel: its PrimFunc (the convention's parameters; scheduled, with the
+    target it compiles for), the family that built it and its spec."""
+
+    func: tvm.tirx.PrimFunc
+    family: object
+    spec: AttentionSpec
+
+
+def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: str, target,
+                 page_size: int = 16) -> tuple[Optional[CacheKernel], str]:
+    """The kernel of ``kind`` (:data:`KINDS`) for the cache's heads, head dim, dtype and
+    page size on ``target``: ``(CacheKernel, "")``, or ``(None, why)`` where no family
+    serves it (each family passed over is logged with its reason)."""
+    layout, causal = KINDS[kind]
+    target = tvm.target.Target(target)
+    try:
+        spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant="causal" if causal else None, dtype=dtype,
+                                  layout=layout, target=target,
+                                  page_size=None if layout == "kv_ragged" else page_size)
+    except ValueError as err:
+        return None, str(err)
+    reasons = []
+    for family in KIND_FAMILIES[kind]:
+        reason = family.supports(spec)
+        if reason is None:
+            func = _with_convention(family, spec, causal).with_attrs(
+                {"tirx.is_scheduled": True, "target": family.compile_target(target)})
+            return CacheKernel(func, family, spec), ""
+        logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
+        reasons.append(f"{family.name}: {reason}")
+    return None, "; ".join(reasons)
+
+
+def _with_convention(family, spec: AttentionSpec, causal: bool) -> tvm.tirx.PrimFunc:
+    """``family``'s function for ``spec`` with the cache's parameters: its scalars planned
+    from the shapes, the trailing scalars added (``causal`` and ``rotary_mode`` checked)
+    and the index arrays given element offsets."""
+    func = family.build(spec)
+    buffers = {b.name: b for b in buffer_params(func)}
+    view = views(spec, lambda shape, dtype, name: buffers[name])
+    names = [p.name for p in func.params]
+    inputs = [p for p in func.params[: names.index("sm_scale")]]
+    sm_scale = func.params[names.index("sm_scale")]
+    scalars = func.params[names.index("sm_scale") + 1: names.index("out")]
+    plan = family.plan(spec, view.batch, view.rows, view.keys, tvm.cuda(0))
+    if len(plan) != len(scalars):
+        raise AssertionError(f"{family.name} plans {len(plan)} scalars for its {len(scalars)}")
+    body = substitute(func.body, dict(zip(scalars, plan)))
+    trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
+    if spec.layout == "kv_decode":
+        del trailing["causal"]
+    checks = [_check(trailing["rotary_mode"] != INLINE_ROPE,
+                     f"{spec.describe()}: RoPE inside attention (rotary_mode {INLINE_ROPE}) is not computed")]
+    if "causal" in trailing:
+        checks.append(_check(trailing["causal"] == int(causal),
+                             f"{spec.describe()}: built for causal={int(causal)}"))
+    offsets = {b: _with_offset(b) for b in buffer_params(func) if b.dtype == INDEX_DTYPE}
+    body = _prepend(_redirect(body, offsets), checks)
+    params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
+    return tirx.PrimFunc(params, body, attrs=func.attrs).with_attr("global_symbol", f"{family.name}_{spec.layout}")
+
+
+def _check(condition, message):
+    # The constructor's own argument order (tirx.AssertStmt's Python one differs).
+    return tirx._ffi_api.AssertStmt(  # pylint: disable=protected-access
+        condition, tvm.ir.StringImm("RuntimeError"), [tvm.ir.StringImm(message)], None)
+
+
+def _with_offset(buffer):
+    """``buffer`` at any element offset (a view into a workspace)."""
+    return tirx.decl_buffer(buffer.shape, buffer.dtype, buffer.name, data=buffer.data,
+                            elem_offset=tirx.Var(f"{buffer.name}_elem_offset", "int32"))
+
+
+def _redirect(body, bmap: dict):
+    """``body`` with the buffers of ``bmap`` replaced: loads, stores and blocks' regions."""
+    def region(r):
+        new = bmap.get(r.source)
+        return r if new is None else tirx.BufferRegion(new, r.region)
+
+    return tvm_ffi.structural_map(replace_buffers(body, bmap), [(ir_expr.TensorRegion, region)])
+
+
+def _prepend(body, statements):
+    """``statements`` before ``body``'s (inside an s_tir root block, where there is one)."""
+    if isinstance(body, SBlockRealize):
+        block = body.block
+        return SBlockRealize(body.iter_values, body.predicate, copy_block(block, body=seq(list(statements) + [block.body])))
+    return tirx.SeqStmt(list(statements) + [body])

@@ -1,0 +1,133 @@
+"""``KVCacheAttention``: TVM's paged KV cache (``relax.frontend.nn.llm``'s
+``TIRPagedKVCache``) runs the kernel library's attention.
+
+The cache is made by one ``vm.builtin.paged_attention_kv_cache_create`` call whose
+arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs. The
+pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention)
+in the slots of the ragged prefill, paged prefill and paged decode kernels; the runtime
+calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
+``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
+attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
+and tree-attention kernels stay TVM's.
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import relax
+
+from ..library.kv_cache import cache_kernel
+from .dispatch import LIBRARY_ATTR
+
+logger = logging.getLogger("tvm_cascade.relax")
+
+CREATE = "vm.builtin.paged_attention_kv_cache_create"
+#: The create call's arguments that the pass reads, by position (after the function's name).
+HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE_OF = 2, 3, 4, 5, 6, 8, 12
+#: The slots of the kernels replaced: position -> kind of :mod:`tvm_cascade.library.kv_cache`.
+SLOTS = {15: "ragged", 16: "prefill", 17: "decode"}
+#: ``AttnKind.MHA`` and ``RopeMode.INLINE`` of the cache.
+_MHA, _INLINE = 0, 2
+_CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
+# FuseOps must leave the kernels as they are (``relay.OpPatternKind.kOpaque``).
+_OPAQUE = 8
+
+
+@tvm.transform.module_pass(opt_level=0, name="KVCacheAttention")
+class KVCacheAttention:
+    """Put the kernel library's kernels in every paged KV cache the module creates, for
+    the current target (a module without one is returned as it is)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        if target is None:
+            return mod
+        creates = [call for func in mod.functions.values() if isinstance(func, relax.Function)
+                   for call in _create_calls(func)]
+        if not creates:
+            return mod
+        kernels = {}  # the old GlobalVar of a slot -> (its replacement's name, PrimFunc)
+        for call in creates:
+            kernels.update(_replacements(call.args[1:], target))
+        if not kernels:
+            return mod
+        mod = _Redirect(mod, kernels).run()
+        for old in kernels:
+            del mod[old]
+        return mod
+
+
+def _create_calls(func) -> list:
+    calls = []
+
+    def visit(expr):
+        if (isinstance(expr, relax.Call) and expr.op.same_as(_CALL_PACKED)
+                and isinstance(expr.args[0], relax.ExternFunc) and expr.args[0].global_symbol == CREATE):
+            calls.append(expr)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return calls
+
+
+def _replacements(args, target) -> dict:
+    """The slots' GlobalVars of one create call's arguments ``args`` -> (the name of
+    their replacement, its PrimFunc), for the slots the library serves (the others
+    logged)."""
+    reason = _unserved(args)
+    if reason is not None:
+        logger.info("paged KV cache left on TVM's kernels: %s", reason)
+        return {}
+    heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
+    dtype = str(args[DTYPE_OF].ty.dtype)
+    out = {}
+    for slot, kind in SLOTS.items():
+        pair = args[slot]
+        if not (isinstance(pair, relax.Tuple) and len(pair.fields) == 2):
+            continue
+        old = pair.fields[1]
+        kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target)
+        if kernel is None:
+            logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
+            continue
+        name = f"{old.name_hint}_cascade"
+        func = kernel.func.with_attrs({"global_symbol": name, "op_pattern": _OPAQUE, LIBRARY_ATTR: kernel.family.name})
+        out[old] = (name, func)
+    return out
+
+
+def _unserved(args):
+    """Why the library serves none of a cache's kernels, or None."""
+    kinds = [int(k) for k in args[ATTN_KINDS].values]
+    if any(k != _MHA for k in kinds):
+        return f"attention kinds {kinds}: multi-head attention (AttnKind.MHA) only"
+    if _int(args[ROPE_MODE]) == _INLINE:
+        return "RoPE inside attention (RopeMode.INLINE) is not computed by the library's kernels"
+    if _int(args[QK_HEAD_DIM]) != _int(args[V_HEAD_DIM]):
+        return "Q·K and V head dims differ"
+    return None
+
+
+def _int(value) -> int:
+    """A create argument's int (a ``relax.prim_value``, an ``IntImm``)."""
+    return int(value.value)
+
+
+@relax.expr_functor.mutator
+class _Redirect(relax.PyExprMutator):
+    """The replacements added and every reference to a replaced kernel's GlobalVar made
+    to its replacement's."""
+
+    def __init__(self, mod, kernels: dict):
+        super().__init__(mod)
+        self.mod_, self.kernels, self.new = mod, kernels, []
+
+    def visit_global_var_(self, op):
+        return next((new for old, new in self.new if old.same_as(op)), op)
+
+    def run(self) -> tvm.IRModule:
+        self.new = [(old, self.builder_.add_func(func, name)) for old, (name, func) in self.kernels.items()]
+        for gvar, func in self.mod_.functions.items():
+            if isinstance(func, relax.Function):
+                self.builder_.update_func(gvar, self.visit_expr(func))
+        return self.builder_.get()

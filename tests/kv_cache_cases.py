@@ -1,0 +1,92 @@
+"""Arguments of TVM's paged KV cache kernels' calling convention
+(:mod:`tvm_cascade.library.kv_cache`) and a numpy reference of what they compute, for
+the tests of the kernels on CPU and GPU."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tvm
+
+PAGE = 16
+#: Where ``o`` is among each kind's arguments (``lse`` follows).
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7}
+
+
+def _indptr(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype("int32")
+
+
+def _viewed(array, dev, rng):
+    """``array`` (int32) as a view at a random element offset into a larger tensor, as
+    the cache's index arrays are views into its workspace."""
+    offset = int(rng.integers(1, 9))
+    backing = tvm.runtime.tensor(np.concatenate([np.full(offset, -7, "int32"), array, [-7]]).astype("int32"), dev)
+    return backing._create_view(array.shape, "int32", relative_byte_offset=4 * offset)  # pylint: disable=protected-access
+
+
+def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, dtype="float16"):
+    """``(args, (q, ks, vs), causal)``: the call's arguments (TVM tensors on ``dev`` and
+    scalars) and, for the reference, the queries (tokens × heads × dim, float32) and
+    each sequence's keys and values."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((sum(q_lens), heads_q, head_dim)).astype(dtype)
+    ks = [rng.standard_normal((n, heads_kv, head_dim)).astype(dtype) for n in kv_lens]
+    vs = [rng.standard_normal((n, heads_kv, head_dim)).astype(dtype) for n in kv_lens]
+    t = lambda a: tvm.runtime.tensor(a, dev)  # noqa: E731
+    o = t(np.zeros_like(q))
+    lse = t(np.zeros(q.shape[:2], "float32"))
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    q_rope = _viewed(np.zeros(q.shape[0], "int32"), dev, rng)
+    k_rope = _viewed(np.zeros(len(kv_lens), "int32"), dev, rng)
+    reference = (q.astype("float32"), [k.astype("float32") for k in ks], [v.astype("float32") for v in vs])
+    if kind == "ragged":
+        args = [t(q), _viewed(_indptr(q_lens), dev, rng), t(np.concatenate(ks)), t(np.concatenate(vs)),
+                _viewed(_indptr(kv_lens), dev, rng), q_rope, k_rope, o, lse, 1, 0, 1.0, 1e4, sm_scale]
+        return args, reference, True
+    pages_of = [-(-n // PAGE) for n in kv_lens]
+    total = sum(pages_of)
+    # Pages in a random order, one spare page never listed.
+    pages = rng.standard_normal((total + 1, 2, heads_kv, PAGE, head_dim)).astype(dtype)
+    order = rng.permutation(total + 1)[:total].astype("int32")
+    for s, first in enumerate(_indptr(pages_of)[:-1]):
+        for p in range(pages_of[s]):
+            keys = slice(p * PAGE, min((p + 1) * PAGE, kv_lens[s]))
+            n = keys.stop - keys.start
+            pages[order[first + p], 0, :, :n] = ks[s][keys].transpose(1, 0, 2)
+            pages[order[first + p], 1, :, :n] = vs[s][keys].transpose(1, 0, 2)
+    last = np.array([n - (p - 1) * PAGE if p else 0 for n, p in zip(kv_lens, pages_of)], "int32")
+    paged = [t(pages), _viewed(_indptr(pages_of), dev, rng), _viewed(order, dev, rng), _viewed(last, dev, rng)]
+    if kind == "prefill":
+        args = [t(q), _viewed(_indptr(q_lens), dev, rng), *paged, k_rope, q_rope, o, lse, 0, 0, 1.0, 1e4, sm_scale]
+    else:
+        args = [t(q), *paged, k_rope, q_rope, o, lse, 0, 1.0, 1e4, sm_scale]
+    return args, reference, False
+
+
+def expected(q_lens, reference, causal, sm_scale):
+    """float64 outputs and base-2 log-sum-exps of every query token: each sequence's
+    queries over its keys, aligned to their end under ``causal``; a row that sees no
+    key gives zeros and lse -5e4."""
+    q, ks, vs = reference
+    outs, lses = [], []
+    for s, first in enumerate(_indptr(q_lens)[:-1]):
+        rows = q[first: first + q_lens[s]].astype("float64")
+        k, v = ks[s].astype("float64"), vs[s].astype("float64")
+        group = rows.shape[1] // k.shape[1]
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("ihd,jhd->hij", rows, k) * sm_scale
+        n_q, n_k = scores.shape[1:]
+        if causal:
+            visible = np.arange(n_k)[None] <= np.arange(n_q)[:, None] + n_k - n_q
+            scores = np.where(visible[None], scores, -np.inf)
+        top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
+        seen = np.isfinite(top)
+        weights = np.where(seen, np.exp(scores - np.where(seen, top, 0)), 0)
+        total = weights.sum(-1, keepdims=True)
+        out = np.einsum("hij,jhd->ihd", weights / np.where(total > 0, total, 1), v)
+        lse = np.where(seen[..., 0], (top[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1))) / math.log(2),
+                       -5e4)
+        outs.append(out)
+        lses.append(lse.T)
+    return np.concatenate(outs), np.concatenate(lses)

@@ -1,0 +1,83 @@
+"""The kernels with TVM's paged KV cache's calling convention
+(:mod:`tvm_cascade.library.kv_cache`) on the CPU: their parameters are the cache's, and
+their outputs and log-sum-exps those of numpy's attention, over ragged batches, pages
+in any order, index arrays at element offsets and sequences without keys."""
+import numpy as np
+import pytest
+import tvm
+
+from tvm_cascade.analysis.scope import buffer_params
+from tvm_cascade.library.kv_cache import cache_kernel
+from kv_cache_cases import OUTPUT_AT, arguments, expected
+
+#: The parameter names of TVM's own kernels (``relax.frontend.nn.llm``), by kind.
+CONVENTION = {
+    "ragged": ["q", "qo_indptr", "k", "v", "kv_indptr", "q_rope_position", "k_rope_pos_offset", "out", "lse",
+               "causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
+    "prefill": ["q", "qo_indptr", "pages", "page_indptr", "page_indices", "length_info", "k_rope_pos_offset",
+                "q_rope_position", "out", "lse", "causal", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
+    "decode": ["q", "pages", "page_indptr", "page_indices", "length_info", "k_rope_pos_offset", "q_rope_position",
+               "out", "lse", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
+}
+#: (kind, query lengths, key lengths): ragged batches with lengths off the tiles, a
+#: sequence without cached keys, decode over partly filled last pages.
+CASES = [
+    ("ragged", [5, 17, 1], [5, 17, 1]),
+    ("prefill", [3, 20, 7], [40, 1, 0]),
+    ("decode", [1, 1, 1, 1], [1, 16, 33, 70]),
+]
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(kind, heads_q, heads_kv, head_dim):
+        key = (kind, heads_q, heads_kv, head_dim)
+        if key not in cache:
+            kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", "llvm")
+            assert kernel is not None, why
+            cache[key] = (kernel, tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"])
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", sorted(CONVENTION))
+def test_parameters_are_the_caches(built, kind):
+    kernel, _ = built(kind, 4, 2, 32)
+    assert [p.name for p in kernel.func.params] == CONVENTION[kind]
+    assert kernel.family.name == "generic"
+    indices = [p for p in buffer_params(kernel.func) if p.dtype == "int32"]
+    assert indices and all(isinstance(p.elem_offset, tvm.tirx.Var) for p in indices)
+
+
+@pytest.mark.parametrize("kind, q_lens, kv_lens", CASES)
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+def test_outputs_and_lse_match_numpy(built, kind, q_lens, kv_lens, heads):
+    heads_q, heads_kv = heads
+    head_dim = 32
+    _, func = built(kind, heads_q, heads_kv, head_dim)
+    args, reference, causal = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, tvm.cpu())
+    func(*args)
+    out, lse = expected(q_lens, reference, causal, args[-1])
+    at = OUTPUT_AT[kind]
+    np.testing.assert_allclose(args[at].numpy().astype("float64"), out, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(args[at + 1].numpy(), lse, atol=1e-3, rtol=1e-4)
+
+
+def test_a_kernel_refuses_the_other_mask_and_inline_rope(built):
+    _, func = built("ragged", 4, 2, 32)
+    args, _, _ = arguments("ragged", [3], [3], 4, 2, 32, tvm.cpu())
+    at = OUTPUT_AT["ragged"] + 2
+    with pytest.raises(RuntimeError, match="built for causal=1"):
+        func(*args[:at], 0, *args[at + 1:])
+    with pytest.raises(RuntimeError, match="RoPE inside attention"):
+        func(*args[:at + 1], 2, *args[at + 2:])
+
+
+def test_attention_kernel_refuses_the_cache_layouts():
+    from tvm_cascade.library import attention_kernel  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(ValueError, match="kv_decode layout is TVM's paged KV cache's calling convention"):
+        attention_kernel(4, 2, 32, layout="kv_decode", target="llvm")

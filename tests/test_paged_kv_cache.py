@@ -1,0 +1,151 @@
+"""TVM's paged KV cache, created by a compiled Relax module and driven through the
+runtime builtins, against the numpy reference of ``paged_kv_cache_scenarios`` (CPU):
+with TVM's own TIR kernels, and with tvm-cascade's in their place
+(:class:`~tvm_cascade.relax.kv_cache.KVCacheAttention` before the default pipeline)."""
+import functools
+import importlib
+
+import numpy as np
+import paged_kv_cache_scenarios as pkv
+import pytest
+import tvm
+from tvm import relax
+
+TARGET = "llvm"
+
+PIPELINES = ["default", "kv_cache_attention"]
+"""Relax pipelines every scenario is compiled with: names of TVM's (a name not
+registered in TVM is looked up after importing ``tvm_cascade``, which registers
+``"cascade"``), or ``"kv_cache_attention"``: the cache's attention kernels tvm-cascade's,
+then the default pipeline (the ``"cascade"`` pipeline does so on GPUs only)."""
+
+HEAD_DIMS = (64, 128)
+
+BASIC_SCENARIOS = [name for name in pkv.SCENARIOS if name not in pkv.SLIDING_WINDOW_SCENARIOS]
+
+
+def _ensure_pipeline(pipeline):
+    if isinstance(pipeline, str) and pipeline not in relax.pipeline.PIPELINE_MAP:
+        importlib.import_module("tvm_cascade")
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(pipeline, config):
+    if pipeline == "kv_cache_attention":
+        from tvm_cascade.relax.kv_cache import KVCacheAttention  # pylint: disable=import-outside-toplevel
+
+        pipeline = tvm.transform.Sequential([KVCacheAttention(), relax.get_pipeline("default")])
+    return pkv.compile_paged_kv_cache(TARGET, pipeline, **dict(config))
+
+
+def compiled(pipeline, **config) -> pkv.CompiledKVCache:
+    """The cache module for ``config`` (see ``compile_paged_kv_cache``), compiled once."""
+    _ensure_pipeline(pipeline)
+    return _compile(pipeline, tuple(sorted(config.items())))
+
+
+def test_module_creates_cache_through_relax_function():
+    """The exported module creates the cache in a Relax function from TIR kernels of the
+    module, and the compiled function returns an empty runtime cache."""
+    spec = pkv.CacheSpec(head_dim=64)
+    mod = pkv.build_paged_kv_cache_module(spec, TARGET)
+    script = mod[pkv.CREATE_FUNCTION].script()
+    assert "vm.builtin.paged_attention_kv_cache_create" in script
+    kernels = {gv.name_hint for gv, func in mod.functions.items() if not isinstance(func, relax.Function)}
+    assert {"batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu", "batch_prefill_ragged_kv"} <= kernels
+
+    cache = compiled("default", head_dim=64).create(max_batch_size=4, max_total_seq_len=256)
+    checker = pkv.KVCacheChecker(compiled("default", head_dim=64), cache)
+    checker.assert_empty()
+
+
+@pytest.mark.parametrize("scenario", list(pkv.SCENARIOS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario(pipeline, head_dim, scenario):
+    """Every scenario, heads 4/2, two layers, float16, no RoPE."""
+    report = pkv.SCENARIOS[scenario](compiled(pipeline, head_dim=head_dim))
+    assert report.steps > 0 and report.kv_checks > 0
+
+
+@pytest.mark.parametrize("scenario", BASIC_SCENARIOS)
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario_with_sliding_window_support(pipeline, scenario):
+    """The scenarios without windows in a cache created with sliding window support,
+    which attends with the runtime's sliding-window kernels."""
+    pkv.SCENARIOS[scenario](compiled(pipeline, head_dim=64),
+                            cache_options={"support_sliding_window": True})
+
+
+@pytest.mark.parametrize("scenario", BASIC_SCENARIOS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario_with_rope(pipeline, head_dim, scenario):
+    """RoPE applied to q/k before attention (``RopeMode.NORMAL``): forks and popn must
+    keep every token's position."""
+    pkv.SCENARIOS[scenario](compiled(pipeline, head_dim=head_dim, rope_mode=pkv.RopeMode.NORMAL,
+                                     rope_theta=5e5, rope_scale=0.5))
+
+
+@pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "sliding_window"])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario_gqa_group_of_four(pipeline, scenario):
+    """Eight query heads over two KV heads."""
+    pkv.SCENARIOS[scenario](compiled(pipeline, num_qo_heads=8, num_kv_heads=2, head_dim=64))
+
+
+FLOAT32_MHA = {"num_layers": 1, "num_qo_heads": 4, "num_kv_heads": 4, "head_dim": 64, "dtype": "float32"}
+"""One layer of plain multi-head attention in float32, where outputs are checked to 1e-5."""
+
+
+@pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "popn", "sliding_window"])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario_float32_mha(pipeline, scenario):
+    """Float32 multi-head attention (as many KV heads as query heads)."""
+    report = pkv.SCENARIOS[scenario](compiled(pipeline, **FLOAT32_MHA))
+    assert report.max_abs_error < 1e-5
+
+
+@pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence"])
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_sm_scale_is_honoured(pipeline, scenario):
+    """A scale other than ``head_dim ** -0.5`` reaches the kernels."""
+    pkv.SCENARIOS[scenario](compiled(pipeline, **FLOAT32_MHA), sm_scale=0.3)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_scenario_bfloat16(pipeline):
+    """A bfloat16 cache."""
+    model = compiled(pipeline, head_dim=64, dtype="bfloat16")
+    pkv.scenario_prefill_decode(model)
+    pkv.scenario_sliding_window(model)
+
+
+def test_checker_catches_wrong_outputs_and_contents():
+    """The comparisons are live: a reference that disagrees with the cache fails."""
+    model = compiled("default", head_dim=64)
+    checker = pkv.KVCacheChecker(model, model.create(), name="corrupted")
+    checker.add(0)
+    checker.step([(0, 20)])
+    checker.keys[0] = checker.keys[0].copy()
+    checker.keys[0][:, 3] += np.asarray(0.5, checker.keys[0].dtype)
+    with pytest.raises(AssertionError, match="attention output of sequence 0"):
+        checker.step([(0, 1)])
+
+    checker = pkv.KVCacheChecker(model, model.create(), name="corrupted")
+    checker.add(0)
+    checker.step([(0, 20)])
+    checker.values[0] = checker.values[0].copy()
+    checker.values[0][1, 19, 0, 0] += np.asarray(0.25, checker.values[0].dtype)
+    with pytest.raises(AssertionError, match="cached values of sequence 0"):
+        checker.verify()
+
+
+def test_unsupported_configurations_are_rejected():
+    """RoPE inside attention is outside what the reference models."""
+    with pytest.raises(ValueError, match="rope_mode"):
+        pkv.CacheSpec(rope_mode=pkv.RopeMode.INLINE)
+    model = compiled("default", head_dim=64, rope_mode=pkv.RopeMode.NORMAL, rope_theta=5e5,
+                     rope_scale=0.5)
+    with pytest.raises(ValueError, match="sliding window"):
+        pkv.scenario_sliding_window(model)

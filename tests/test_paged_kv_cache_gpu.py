@@ -1,0 +1,47 @@
+"""TVM's paged KV cache compiled with ``relax_pipeline="cascade"`` on a CUDA GPU
+(skipped without one): its ragged prefill, paged prefill and decode kernels are
+tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``) give numpy's
+attention through the runtime, fp16, head dims 64 and 128."""
+import functools
+
+import paged_kv_cache_scenarios as pkv
+import pytest
+import tvm
+
+import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
+from tvm_cascade.relax.dispatch import LIBRARY_ATTR
+from tvm_cascade.relax.kv_cache import KVCacheAttention
+
+pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
+
+SCENARIOS = [name for name in pkv.SCENARIOS if name not in pkv.SLIDING_WINDOW_SCENARIOS]
+
+
+def _target():
+    return tvm.target.Target.from_device(tvm.cuda(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(head_dim, heads):
+    return pkv.compile_paged_kv_cache(_target(), "cascade", num_qo_heads=heads[0], num_kv_heads=heads[1],
+                                      head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_caches_kernels_are_the_librarys(head_dim):
+    spec = pkv.CacheSpec(num_qo_heads=8, num_kv_heads=2, head_dim=head_dim)
+    with _target():
+        mod = KVCacheAttention()(pkv.build_paged_kv_cache_module(spec, _target()))
+    families = {gv.name_hint: func.attrs[LIBRARY_ATTR] for gv, func in mod.functions.items()
+                if func.attrs is not None and LIBRARY_ATTR in func.attrs}
+    assert set(families) == {"batch_prefill_ragged_kv_cascade", "batch_prefill_paged_kv_cascade",
+                             "batch_decode_paged_kv_cascade"}, families
+    assert "batch_prefill_ragged_kv" not in {gv.name_hint for gv in mod.functions}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
+def test_scenarios_on_the_library_kernels(scenario, head_dim, heads):
+    report = pkv.SCENARIOS[scenario](_compiled(head_dim, heads))
+    assert report.steps > 0 and report.kv_checks > 0

@@ -1,0 +1,102 @@
+"""``KVCacheAttention`` on a module that creates TVM's paged KV cache as models do
+(``paged_kv_cache_scenarios``): which of the cache's kernels become tvm-cascade's,
+which stay TVM's and why (logged), and that the ``"cascade"`` pipeline does it on GPU
+targets. The kernels' numerics through the runtime: ``test_paged_kv_cache.py``."""
+import logging
+
+import paged_kv_cache_scenarios as pkv
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
+from tvm_cascade.relax.dispatch import LIBRARY_ATTR
+from tvm_cascade.relax.kv_cache import CREATE, KVCacheAttention
+
+CPU = tvm.target.Target("llvm")
+HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+
+
+def _slots(mod):
+    """The functions in the create call's kernel slots 15-19, by slot: (name, family)."""
+    calls = []
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, lambda e: calls.append(e) if isinstance(e, relax.Call)
+                                            and isinstance(e.args[0], relax.ExternFunc)
+                                            and e.args[0].global_symbol == CREATE else None)
+    (call,) = calls
+    out = {}
+    for slot in range(15, 20):
+        gvar = call.args[1 + slot].fields[1]
+        func = mod[gvar]
+        out[slot] = (gvar.name_hint, func.attrs.get(LIBRARY_ATTR) if func.attrs is not None else None)
+    return out
+
+
+def _module(target, **spec):
+    return pkv.build_paged_kv_cache_module(pkv.CacheSpec(**spec), target)
+
+
+def test_cpu_cache_kernels_become_the_generic_family():
+    with CPU:
+        mod = KVCacheAttention()(_module(CPU))
+    assert _slots(mod) == {
+        15: ("batch_prefill_ragged_kv_cascade", "generic"),
+        16: ("batch_prefill_paged_kv_cpu_cascade", "generic"),
+        17: ("batch_decode_paged_kv_cpu_cascade", "generic"),
+        18: ("batch_prefill_paged_kv_cpu_sliding_window", None),
+        19: ("batch_decode_paged_kv_cpu_sliding_window", None),
+    }
+    names = {gv.name_hint for gv in mod.functions}
+    assert not names & {"batch_prefill_ragged_kv", "batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu"}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_cache_kernels_become_the_fast_families(head_dim):
+    with HOPPER:
+        mod = KVCacheAttention()(_module(HOPPER, num_qo_heads=8, num_kv_heads=2, head_dim=head_dim))
+    families = {slot: family for slot, (_, family) in _slots(mod).items()}
+    assert families == {15: "warp_specialized_prefill", 16: "warp_specialized_prefill",
+                        17: "tensor_core_decode", 18: None, 19: None}
+    assert str(mod["batch_prefill_ragged_kv_cascade"].attrs["target"].arch) == "sm_90a"
+
+
+def test_inline_rope_leaves_tvms_kernels_and_says_why(caplog):
+    mod = _module(CPU)
+    # The runtime's RoPE inside attention (RopeMode.INLINE): the library does not compute it.
+    mod = _with_rope_mode(mod, 2)
+    with CPU, caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        out = KVCacheAttention()(mod)
+    tvm.ir.assert_structural_equal(out, mod)
+    assert "RoPE inside attention (RopeMode.INLINE)" in caplog.text
+
+
+def _with_rope_mode(mod, mode):
+    """``mod`` with the create call's RoPE mode argument set to ``mode``."""
+    @relax.expr_functor.mutator
+    class _Rope(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if isinstance(call.args[0], relax.ExternFunc) and call.args[0].global_symbol == CREATE:
+                args = list(call.args)
+                args[1 + 8] = relax.prim_value(mode)
+                return relax.Call(call.op, args, call.attrs, call.ty_args)
+            return call
+
+    rewriter = _Rope(mod)
+    for gvar, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gvar, rewriter.visit_expr(func))
+    return rewriter.builder_.get()
+
+
+def test_the_cascade_pipeline_puts_them_in_on_gpus_only():
+    with HOPPER:
+        gpu = relax.get_pipeline("cascade")(_module(HOPPER))
+    with CPU:
+        cpu = relax.get_pipeline("cascade")(_module(CPU))
+    gpu_names = {gv.name_hint for gv in gpu.functions}
+    assert {"batch_prefill_ragged_kv_cascade", "batch_prefill_paged_kv_cascade",
+            "batch_decode_paged_kv_cascade"} <= gpu_names
+    assert not any(gv.name_hint.endswith("_cascade") for gv in cpu.functions)
