@@ -73,7 +73,7 @@ def test_a_kernel_refuses_the_other_mask_and_inline_rope(built):
     with pytest.raises(RuntimeError, match="built for causal=1"):
         func(*args[:at], 0, *args[at + 1:])
     with pytest.raises(RuntimeError, match="RoPE inside attention"):
-        func(*args[:at + 1], 2, *args[at + 2:])
+        func(*args[:at + 1], 1, *args[at + 2:])
 
 
 def test_attention_kernel_refuses_the_cache_layouts():
@@ -81,3 +81,46 @@ def test_attention_kernel_refuses_the_cache_layouts():
 
     with pytest.raises(ValueError, match="kv_decode layout is TVM's paged KV cache's calling convention"):
         attention_kernel(4, 2, 32, layout="kv_decode", target="llvm")
+
+
+@pytest.mark.parametrize("kind", ["ragged", "prefill"])
+def test_calls_it_does_not_serve_run_the_fallback(kind):
+    """With TVM's kernel as the fallback, RoPE inside attention and the other mask run
+    TVM's code (its outputs, bit for bit); other calls run the library's."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    theirs = (tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", {}) if kind == "ragged" else  # pylint: disable=protected-access
+              tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", False, {}))  # pylint: disable=protected-access
+    kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs)
+    assert kernel is not None, why
+    ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
+    tvm_func = tvm.compile(tvm.IRModule({"main": theirs}), target="llvm")["main"]
+    at = OUTPUT_AT[kind]
+    causal = at + 2
+    q_lens, kv_lens = [5, 17, 1], ([5, 17, 1] if kind == "ragged" else [40, 3, 20])
+    for flag, rotary in ((1 - CONVENTION_MASK[kind], 0), (CONVENTION_MASK[kind], 1)):
+        runs = []
+        for func in (ours, tvm_func):
+            args, _, _ = arguments(kind, q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=4)
+            args[causal], args[causal + 1] = flag, rotary
+            # RoPE at positions other than 0, where rotation changes the scores.
+            positions = [a for a in args[:at] if isinstance(a, tvm.runtime.Tensor) and a.dtype == "int32"]
+            rope = positions[-1] if kind == "ragged" else positions[-2]
+            rope.copyfrom(np.arange(3, 3 + rope.shape[0], dtype="int32"))
+            func(*args)
+            runs.append((args[at].numpy(), args[at + 1].numpy()))
+        np.testing.assert_array_equal(runs[0][0], runs[1][0])
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        if rotary:  # the rotation changed the outputs: TVM's RoPE ran
+            args, reference, causal_flag = arguments(kind, q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=4)
+            assert np.abs(runs[0][0] - expected(q_lens, reference, causal_flag, args[-1])[0]).max() > 1e-2
+    # The branch: the library's body where the call is served, TVM's elsewhere.
+    flags = {p.name: p for p in kernel.func.params}
+    assert isinstance(kernel.func.body, tvm.tirx.IfThenElse)
+    tvm.ir.assert_structural_equal(
+        kernel.func.body.condition,
+        tvm.tirx.op.tvm_thread_invariant(tvm.tirx.And(flags["rotary_mode"] != 1, flags["causal"] == CONVENTION_MASK[kind])))
+
+
+#: The mask each kind's kernel is built for (``causal``).
+CONVENTION_MASK = {"ragged": 1, "prefill": 0}

@@ -42,3 +42,38 @@ def test_fast_families_match_numpy(kind, q_lens, kv_lens, heads, head_dim):
     at = OUTPUT_AT[kind]
     np.testing.assert_allclose(args[at].numpy().astype("float64"), out, atol=5e-3, rtol=5e-3)
     np.testing.assert_allclose(args[at + 1].numpy(), lse, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "prefill", "decode"])
+def test_rope_inside_attention_runs_tvms_kernel(kind):
+    """With TVM's kernel as the fallback (as the cascade pipeline builds them), a call
+    with RoPE inside attention runs TVM's kernel: its outputs bit for bit."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    heads_q, heads_kv, head_dim = 32, 8, 128
+    theirs = {
+        "ragged": lambda: tvm_kv._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", {}, target),
+        "prefill": lambda: tvm_kv._attention_prefill(heads_kv, heads_q, head_dim, "float16", False, {}, target),
+        "decode": lambda: tvm_kv._attention_decode(heads_kv, heads_q, head_dim, "float16", False, {}, target),
+    }[kind]()  # pylint: disable=protected-access
+    kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target, fallback=theirs)
+    assert kernel is not None, why
+    ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"])["main"]
+    tvm_func = tvm.compile(tvm.IRModule({"main": theirs}), target=target)["main"]
+    q_lens, kv_lens = {"ragged": ([300, 7], [300, 7]), "prefill": ([70, 5], [300, 40]),
+                       "decode": ([1, 1, 1], [5, 400, 1000])}[kind]
+    at = OUTPUT_AT[kind]
+    runs = []
+    for func in (ours, tvm_func):
+        args, reference, causal = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, tvm.cuda(0), seed=5)
+        rotary = at + 2 if kind == "decode" else at + 3
+        args[rotary] = 1
+        positions = [a for a in args[:at] if isinstance(a, tvm.runtime.Tensor) and a.dtype == "int32"]
+        for p in positions[-2:]:  # the RoPE positions: not 0, where rotation changes the scores
+            p.copyfrom(np.arange(3, 3 + p.shape[0], dtype="int32"))
+        func(*args)
+        runs.append((args[at].numpy(), args[at + 1].numpy()))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    assert np.abs(runs[0][0] - expected(q_lens, reference, causal, args[-1])[0]).max() > 1e-2

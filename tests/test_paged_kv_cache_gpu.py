@@ -1,7 +1,8 @@
 """TVM's paged KV cache compiled with ``relax_pipeline="cascade"`` on a CUDA GPU
 (skipped without one): its ragged prefill, paged prefill and decode kernels are
-tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``) give numpy's
-attention through the runtime, fp16, head dims 64 and 128."""
+tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``; the sliding-
+window ones attend with TVM's sliding-window kernels and tvm-cascade's ragged prefill)
+give numpy's attention through the runtime, fp16, head dims 64 and 128."""
 import functools
 
 import paged_kv_cache_scenarios as pkv
@@ -14,7 +15,7 @@ from tvm_cascade.relax.kv_cache import KVCacheAttention
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
-SCENARIOS = [name for name in pkv.SCENARIOS if name not in pkv.SLIDING_WINDOW_SCENARIOS]
+SCENARIOS = list(pkv.SCENARIOS)
 
 
 def _target():

@@ -23,9 +23,9 @@ paged decode           ``"decode"``    ``q, pages, page_indptr, page_indices,
 sees no key), which the cache's merge of attention states reads. The runtime calls the
 ragged kernel with ``causal=1`` (the new tokens among themselves) and the paged
 prefill kernel with ``causal=0`` (the new tokens over the cached ones); a kernel is
-built for that mask and refuses the other. RoPE inside attention (``rotary_mode`` 2,
-the cache's ``RopeMode.INLINE``) is not computed: such a call is refused (the cache's
-other modes rotate keys before they enter the pages). The index arrays may be views
+built for that mask and refuses the other. RoPE inside attention (``rotary_mode`` 1,
+what the runtime passes for the cache's ``RopeMode.INLINE``) is not computed: such a
+call is refused (the cache's other modes rotate keys before they enter the pages). The index arrays may be views
 into the runtime's workspace (any element offset).
 
 The kernel is the first family of :data:`KIND_FAMILIES` that serves the spec; its
@@ -35,6 +35,7 @@ bounds keep the work to each sequence's own lengths.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -65,8 +66,9 @@ KIND_FAMILIES = {
     "prefill": (WarpSpecializedPrefill(), GenericFused()),
     "decode": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
 }
-#: The cache's ``rotary_mode`` that rotates Q and K inside attention (``RopeMode.INLINE``).
-INLINE_ROPE = 2
+#: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
+#: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.
+ROTATE_INSIDE = 1
 #: The scalars of the convention after ``o`` and ``lse``, by kind.
 _TRAILING = ("causal", "rotary_mode", "rope_scale", "rope_theta")
 _SCALAR_DTYPES = {"causal": "int32", "rotary_mode": "int32", "rope_scale": "float32", "rope_theta": "float32"}
@@ -83,10 +85,16 @@ class CacheKernel:
 
 
 def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: str, target,
-                 page_size: int = 16) -> tuple[Optional[CacheKernel], str]:
+                 page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None
+                 ) -> tuple[Optional[CacheKernel], str]:
     """The kernel of ``kind`` (:data:`KINDS`) for the cache's heads, head dim, dtype and
     page size on ``target``: ``(CacheKernel, "")``, or ``(None, why)`` where no family
-    serves it (each family passed over is logged with its reason)."""
+    serves it (each family passed over is logged with its reason).
+
+    A call the kernel does not serve (the other mask, RoPE inside attention) raises a
+    ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
+    runs ``fallback``'s body in its place: the runtime switches a cache with RoPE to
+    RoPE inside attention where it supports sliding windows."""
     layout, causal = KINDS[kind]
     target = tvm.target.Target(target)
     try:
@@ -99,7 +107,7 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     for family in KIND_FAMILIES[kind]:
         reason = family.supports(spec)
         if reason is None:
-            func = _with_convention(family, spec, causal).with_attrs(
+            func = _with_convention(family, spec, causal, fallback).with_attrs(
                 {"tirx.is_scheduled": True, "target": family.compile_target(target)})
             return CacheKernel(func, family, spec), ""
         logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
@@ -107,10 +115,11 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     return None, "; ".join(reasons)
 
 
-def _with_convention(family, spec: AttentionSpec, causal: bool) -> tvm.tirx.PrimFunc:
+def _with_convention(family, spec: AttentionSpec, causal: bool, fallback) -> tvm.tirx.PrimFunc:
     """``family``'s function for ``spec`` with the cache's parameters: its scalars planned
-    from the shapes, the trailing scalars added (``causal`` and ``rotary_mode`` checked)
-    and the index arrays given element offsets."""
+    from the shapes, the trailing scalars added (a call with the other ``causal`` or
+    with RoPE inside attention refused, or given to ``fallback``) and the index arrays
+    given element offsets."""
     func = family.build(spec)
     buffers = {b.name: b for b in buffer_params(func)}
     view = views(spec, lambda shape, dtype, name: buffers[name])
@@ -125,15 +134,37 @@ def _with_convention(family, spec: AttentionSpec, causal: bool) -> tvm.tirx.Prim
     trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
     if spec.layout == "kv_decode":
         del trailing["causal"]
-    checks = [_check(trailing["rotary_mode"] != INLINE_ROPE,
-                     f"{spec.describe()}: RoPE inside attention (rotary_mode {INLINE_ROPE}) is not computed")]
+    served = [(tirx.NE(trailing["rotary_mode"], ROTATE_INSIDE),
+               f"{spec.describe()}: RoPE inside attention (rotary_mode {ROTATE_INSIDE}) is not computed")]
     if "causal" in trailing:
-        checks.append(_check(trailing["causal"] == int(causal),
-                             f"{spec.describe()}: built for causal={int(causal)}"))
+        served.append((tirx.EQ(trailing["causal"], int(causal)), f"{spec.describe()}: built for causal={int(causal)}"))
     offsets = {b: _with_offset(b) for b in buffer_params(func) if b.dtype == INDEX_DTYPE}
-    body = _prepend(_redirect(body, offsets), checks)
+    body = _redirect(body, offsets)
     params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
+    if fallback is None:
+        body = _prepend(body, [_check(condition, message) for condition, message in served])
+    else:
+        # A host branch around the kernels (the thread-sync pass takes an unmarked
+        # condition for a branch inside a kernel).
+        condition = tirx.op.tvm_thread_invariant(functools.reduce(tirx.And, [c for c, _ in served]))
+        body = tirx.IfThenElse(condition, body, _bound(fallback, params))
     return tirx.PrimFunc(params, body, attrs=func.attrs).with_attr("global_symbol", f"{family.name}_{spec.layout}")
+
+
+def _bound(func, params):
+    """``func``'s body over ``params`` (of the same convention, in the same order): its
+    parameters, and the shape and offset variables of its buffers, those of ``params``."""
+    if len(func.params) != len(params):
+        raise ValueError(f"the fallback takes {len(func.params)} parameters, the convention {len(params)}")
+    vmap = {}
+    for theirs, ours in zip(func.params, params):
+        if isinstance(theirs.ty, tirx.BufferType) != isinstance(ours.ty, tirx.BufferType):
+            raise ValueError(f"the fallback's {theirs.name} and the convention's {ours.name} differ in kind")
+        vmap[theirs] = ours
+        if isinstance(theirs.ty, tirx.BufferType):
+            pairs = list(zip(theirs.shape, ours.shape)) + [(theirs.elem_offset, ours.elem_offset)]
+            vmap.update((t, o) for t, o in pairs if isinstance(t, tirx.Var) and t not in vmap)
+    return substitute(func.body, vmap)
 
 
 def _check(condition, message):

@@ -8,7 +8,11 @@ in the slots of the ragged prefill, paged prefill and paged decode kernels; the 
 calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
 ``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
 attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
-and tree-attention kernels stay TVM's.
+and tree-attention kernels stay TVM's (logged).
+
+Each replacement keeps TVM's kernel as its fallback (``cache_kernel``'s): a cache made
+with sliding-window support rotates Q and K inside attention even where the model asked
+for RoPE before it (the runtime's rule), and such calls run TVM's code.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class KVCacheAttention:
             return mod
         kernels = {}  # the old GlobalVar of a slot -> (its replacement's name, PrimFunc)
         for call in creates:
-            kernels.update(_replacements(call.args[1:], target))
+            kernels.update(_replacements(mod, call.args[1:], target))
         if not kernels:
             return mod
         mod = _Redirect(mod, kernels).run()
@@ -70,7 +74,7 @@ def _create_calls(func) -> list:
     return calls
 
 
-def _replacements(args, target) -> dict:
+def _replacements(mod, args, target) -> dict:
     """The slots' GlobalVars of one create call's arguments ``args`` -> (the name of
     their replacement, its PrimFunc), for the slots the library serves (the others
     logged)."""
@@ -80,13 +84,14 @@ def _replacements(args, target) -> dict:
         return {}
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
+    logger.info("paged KV cache: the sliding-window and tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
         pair = args[slot]
         if not (isinstance(pair, relax.Tuple) and len(pair.fields) == 2):
             continue
         old = pair.fields[1]
-        kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target)
+        kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target, fallback=mod[old])
         if kernel is None:
             logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
             continue
