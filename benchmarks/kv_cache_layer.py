@@ -1,0 +1,406 @@
+"""An LLM decoder's attention layer on TVM's paged KV cache: default vs "cascade" pipeline.
+
+The layer is built as ``relax.frontend.nn.llm`` models build theirs (a fused QKV
+projection, TVM's paged KV cache ``TIRPagedKVCache`` with RoPE applied before
+attention, an output projection), compiled with TVM's default pipeline and with
+``relax_pipeline="cascade"`` (which puts tvm-cascade's kernels in the cache:
+:class:`tvm_cascade.relax.kv_cache.KVCacheAttention`), timed side by side on one GPU:
+prefill of one sequence into an empty cache, and one decode step of a batch of sequences
+over cached keys.
+
+    python -m benchmarks.kv_cache_layer [--out DIR] [--only SUBSTR ...] [--rope {normal,none}]
+    python -m benchmarks.kv_cache_layer --target llvm --small   # tiny shapes, on the CPU
+
+The model is exported with ``export_tvm`` (functions ``create_paged_kv_cache``,
+``prefill`` and ``batch_decode``, the weights plain arguments) and driven with the
+runtime's ``vm.builtin.kv_state_*`` functions. A timed call is one VM call of
+``prefill`` or ``batch_decode`` (both projections, RoPE, the cache append and attention)
+inside one ``kv_state_begin_forward``: repeated calls write the same cache slots, so each
+computes the same step. Decode shapes prefill every sequence first (in chunks of at most
+the cache's ``prefill_chunk_size``); a decode shape's length counts the decoded token
+("decode 32x8192": 8191 cached tokens and one new one in each of 32 sequences).
+
+Reported for each shape: the median ms of each pipeline (CUDA-event timed VM calls with
+the L2 cache flushed before each, :func:`benchmarks.timing.bench`; with ``--target llvm``
+``time.perf_counter`` medians), the speed-up (default / cascade), ``max |cascade -
+default| / max |default|`` of the layer's output, and each output's ``max |out - ref| /
+max |ref|`` against a float32 torch reference of the layer (projections, RoPE and
+attention in float32 from the same fp16 inputs and weights). Prints a table, writes
+``kv_cache_layer.json``; exits 1 if the two pipelines' outputs differ by more than
+:data:`AGREEMENT`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .attention import _command_output, _version, environment, skip_without_gpu
+from .timing import bench
+
+PIPELINES = ("default", "cascade")
+PAGE = 16
+SEED = 0
+#: Llama-3's RoPE base.
+ROPE_THETA = 500000.0
+#: The largest ``max |cascade - default| / max |default|`` counted as agreement (both are
+#: fp16 outputs of the same fp16 projections; only the attention kernels differ).
+AGREEMENT = 1e-2
+#: (name, kind, batch, tokens, hidden, heads q, heads kv, head dim). "prefill": one
+#: sequence of ``tokens`` into an empty cache; "decode": one token for each of ``batch``
+#: sequences holding ``tokens - 1`` cached tokens (``tokens`` keys). fp16.
+SHAPES = (
+    ("prefill 1x512 llama3-8b", "prefill", 1, 512, 4096, 32, 8, 128),
+    ("prefill 1x2048 llama3-8b", "prefill", 1, 2048, 4096, 32, 8, 128),
+    ("prefill 1x8192 llama3-8b", "prefill", 1, 8192, 4096, 32, 8, 128),
+    ("decode 1x1024 llama3-8b", "decode", 1, 1024, 4096, 32, 8, 128),
+    ("decode 32x1024 llama3-8b", "decode", 32, 1024, 4096, 32, 8, 128),
+    ("decode 1x8192 llama3-8b", "decode", 1, 8192, 4096, 32, 8, 128),
+    ("decode 32x8192 llama3-8b", "decode", 32, 8192, 4096, 32, 8, 128),
+    ("prefill 1x2048 d64", "prefill", 1, 2048, 2048, 32, 8, 64),
+    ("decode 32x4096 d64", "decode", 32, 4096, 2048, 32, 8, 64),
+)
+#: ``--small``: lengths off the page size, and fills in several chunks.
+SMALL_SHAPES = (
+    ("prefill 1x64 small", "prefill", 1, 64, 256, 4, 2, 64),
+    ("prefill 1x45 small", "prefill", 1, 45, 256, 4, 2, 64),
+    ("decode 1x64 small", "decode", 1, 64, 256, 4, 2, 64),
+    ("decode 4x40 small", "decode", 4, 40, 256, 4, 2, 64),
+    ("decode 32x40 small", "decode", 32, 40, 256, 4, 2, 64),
+)
+#: The longest chunk a decode shape's cache is filled with (and the cache's
+#: ``prefill_chunk_size`` unless a prefill shape needs more): mlc-llm's default for
+#: long contexts; ``--small`` fills in chunks of 16.
+FILL_CHUNK, SMALL_FILL_CHUNK = 8192, 16
+CPU_REPS = 5
+
+
+def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool):
+    """The exported Relax module of the layer and its parameters ``[(name, shape)]`` in
+    the order the functions take them (after the input and the cache)."""
+    from tvm import tirx
+    from tvm.relax import ShapeExpr, prim_value
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+    class AttentionLayer(nn.Module):
+        def __init__(self):
+            self.qkv_proj = nn.Linear(hidden, (heads_q + 2 * heads_kv) * head_dim, bias=False, dtype="float16")
+            self.o_proj = nn.Linear(heads_q * head_dim, hidden, bias=False, dtype="float16")
+
+        def _forward(self, x: nn.Tensor, paged_kv_cache: PagedKVCache):
+            b, s, _ = x.shape
+            qkv = nn.reshape(self.qkv_proj(x), (b, s, heads_q + 2 * heads_kv, head_dim))
+            out = paged_kv_cache.attention_with_fused_qkv(0, qkv, heads_q, sm_scale=head_dim ** -0.5)
+            return self.o_proj(nn.reshape(out, (b, s, heads_q * head_dim))), paged_kv_cache
+
+        def prefill(self, x: nn.Tensor, paged_kv_cache: PagedKVCache):
+            return self._forward(x, paged_kv_cache)
+
+        def batch_decode(self, x: nn.Tensor, paged_kv_cache: PagedKVCache):
+            return self._forward(x, paged_kv_cache)
+
+        def create_paged_kv_cache(  # pylint: disable=too-many-arguments
+            self,
+            max_batch_size: tirx.Var,
+            max_total_seq_len: tirx.Var,
+            prefill_chunk_size: tirx.Var,
+            page_size: tirx.Var,
+            support_sliding_window: tirx.Var,
+        ) -> PagedKVCache:
+            return TIRPagedKVCache(
+                attn_kind="mha",
+                max_batch_size=max_batch_size,
+                max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size,
+                page_size=page_size,
+                support_sliding_window=support_sliding_window,
+                layer_partition=ShapeExpr([0, 1]),
+                num_hidden_layers=1,
+                num_attention_heads=heads_q,
+                num_key_value_heads=heads_kv,
+                qk_head_dim=head_dim,
+                v_head_dim=head_dim,
+                mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0,
+                rope_mode=RopeMode.NORMAL if rope else RopeMode.NONE,
+                rope_scale=1,
+                rope_theta=ROPE_THETA,
+                rope_scaling={},
+                rope_ext_factors=prim_value(0),  # the runtime's "no long-RoPE factors"
+                rotary_dim=head_dim,
+                enable_disaggregation=False,
+                dtype="float16",
+                target=target,
+            )
+
+    forward = {"paged_kv_cache": nn.spec.Object(object_type=PagedKVCache),
+               "$": {"param_mode": "plain", "effect_mode": "none"}}
+    spec = {
+        "prefill": {"x": nn.spec.Tensor([1, "seq_len", hidden], "float16"), **forward},
+        "batch_decode": {"x": nn.spec.Tensor(["batch_size", 1, hidden], "float16"), **forward},
+        "create_paged_kv_cache": {
+            **{name: int for name in ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size",
+                                      "support_sliding_window")},
+            "$": {"param_mode": "none", "effect_mode": "none"},
+        },
+    }
+    mod, params = AttentionLayer().export_tvm(spec=spec)
+    return mod, [(name, tuple(int(n) for n in p.shape)) for name, p in params]
+
+
+def pipeline_pass(pipeline: str, target):
+    """What ``relax_pipeline`` gets for ``pipeline``: on CPUs the "cascade" pipeline leaves
+    the cache's kernels to TVM (it fuses attention instead), so there the cache pass runs
+    before the default pipeline as the "cascade" pipeline runs it on GPUs."""
+    from tvm import relax, transform
+
+    if pipeline == "cascade" and "gpu" not in target.keys:
+        from tvm_cascade.relax.kv_cache import KVCacheAttention
+
+        return transform.Sequential([KVCacheAttention(), relax.get_pipeline("default")])
+    return pipeline
+
+
+def tokens(seed: int, rows: int, hidden: int, device: str):
+    """Seeded N(0, 1) fp16 activations ``[rows, hidden]`` (the same for both pipelines
+    and the reference)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(rows, hidden, generator=gen, device=device, dtype=torch.float16)
+
+
+def weights(params, device: str) -> dict:
+    """fp16 weights scaled by ``in_features ** -0.5``, so that q, k, v and the output keep
+    unit-order magnitudes."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(SEED)
+    return {name: (torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5).half()
+            for name, shape in params}
+
+
+def _rope(x, positions):
+    """Rotate-half RoPE of ``x`` ``[tokens, heads, d]`` (float32) at ``positions``,
+    angles in float64."""
+    import torch
+
+    half = x.shape[-1] // 2
+    inv_freq = ROPE_THETA ** (-2.0 * torch.arange(half, dtype=torch.float64, device=x.device) / x.shape[-1])
+    angle = torch.cat([positions.double()[:, None] * inv_freq[None]] * 2, dim=-1)[:, None, :]
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * angle.cos().float() + rotated * angle.sin().float()
+
+
+def reference(seq_tokens, queries: int, w: dict, heads_q, heads_kv, head_dim, rope: bool):
+    """float32 output ``[queries, hidden]`` of the layer for the last ``queries`` of one
+    sequence's tokens ``seq_tokens`` ``[n, hidden]`` (fp16), the earlier ones cached."""
+    import torch
+
+    n = seq_tokens.shape[0]
+    qkv = (seq_tokens.float() @ w["qkv_proj.weight"].float().T).view(n, heads_q + 2 * heads_kv, head_dim)
+    q, k, v = qkv.split([heads_q, heads_kv, heads_kv], dim=1)
+    if rope:
+        positions = torch.arange(n, device=seq_tokens.device)
+        q, k = _rope(q, positions), _rope(k, positions)
+    group = heads_q // heads_kv
+    # [1, heads, tokens, d] with K/V heads repeated: SDPA's fused float32 kernels take
+    # only that, and the math fallback would hold all 8192 x 8192 scores of every head.
+    q = q[n - queries:].transpose(0, 1)[None]
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1)[None] for t in (k, v))
+    # One query (decode) sees every key; ``queries == n`` (prefill) is plain causal.
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=queries > 1,
+                                                           scale=head_dim ** -0.5)
+    return out[0].transpose(0, 1).reshape(queries, heads_q * head_dim) @ w["o_proj.weight"].float().T
+
+
+class Builtins:  # pylint: disable=too-few-public-methods
+    """The runtime's KV-state functions."""
+
+    def __init__(self):
+        import tvm
+
+        for name in ("add_sequence", "begin_forward", "end_forward"):
+            setattr(self, name, tvm.get_global_func(f"vm.builtin.kv_state_{name}"))
+
+
+def _shape(*values):
+    import tvm_ffi
+
+    return tvm_ffi.Shape([int(v) for v in values])
+
+
+def run_pipeline(vm, dev, shape, w_args, x_tvm, fill_args, chunk, timer):
+    """One pipeline on one shape in a cache of its own: ``(output, ms)``."""
+    import torch
+
+    fn = Builtins()
+    name, kind, batch, n, hidden, *_ = shape
+    cached = 0 if kind == "prefill" else n - 1
+    cache = vm["create_paged_kv_cache"](
+        *(_shape(v) for v in (batch, batch * (n + PAGE), chunk, PAGE, 0)))
+    prefill, decode = vm["prefill"], vm["batch_decode"]
+    for seq in range(batch):
+        fn.add_sequence(cache, seq)
+        for start in range(0, cached, chunk):
+            part = fill_args(seq, start, min(cached, start + chunk))
+            fn.begin_forward(cache, _shape(seq), _shape(part.shape[1]), None)
+            prefill(part, cache, *w_args)
+            fn.end_forward(cache)
+            # The next fill's tokens may take this one's memory: the prefill must be done with it.
+            dev.sync()
+    if kind == "prefill":
+        fn.begin_forward(cache, _shape(0), _shape(n), None)
+        step = prefill
+    else:
+        fn.begin_forward(cache, _shape(*range(batch)), _shape(*[1] * batch), None)
+        step = decode
+    out = step(x_tvm, cache, *w_args)[0]
+    dev.sync()  # torch reads it on its own stream
+    out = torch.from_dlpack(out).float().reshape(-1, hidden)
+    ms = timer(lambda: step(x_tvm, cache, *w_args))
+    fn.end_forward(cache)
+    return out, ms
+
+
+def cpu_median(fn) -> float:
+    """Median milliseconds of ``CPU_REPS`` calls of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(CPU_REPS):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int) -> list:
+    """Every shape of one model configuration (hidden, heads, head dim): both pipelines
+    compiled once (lengths and batch are symbolic), then run shape by shape."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
+
+    hidden, heads_q, heads_kv, head_dim = config
+    mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope)
+    dev = tvm.device(target.get_target_device_type(), 0)
+    vms = {p: relax.VirtualMachine(tvm.compile(mod, target, relax_pipeline=pipeline_pass(p, target)), dev)
+           for p in PIPELINES}
+    w = weights(params, device)
+    w_args = [tvm.runtime.from_dlpack(w[name]) for name, _ in params]
+    timer = bench if device == "cuda" else cpu_median
+    rows = []
+    for shape in shapes:
+        name, kind, batch, n, *_ = shape
+        chunk = max(n if kind == "prefill" else batch, chunk_limit)
+        # The step's input: one sequence of n tokens (prefill) or one token a sequence.
+        x = tokens(SEED + 1, n if kind == "prefill" else batch, hidden, device)
+        x_tvm = tvm.runtime.from_dlpack(x.reshape(1, n, hidden) if kind == "prefill" else x.reshape(batch, 1, hidden))
+        fills = {}
+
+        def fill(seq, start, end):
+            if seq not in fills:  # one sequence's cached tokens at a time
+                fills.clear()
+                fills[seq] = tokens(SEED + 2 + seq, n - 1, hidden, device)
+            return tvm.runtime.from_dlpack(fills[seq][start:end].reshape(1, end - start, hidden))
+
+        outs, times = {}, {}
+        for pipeline in PIPELINES:
+            outs[pipeline], times[pipeline] = run_pipeline(vms[pipeline], dev, shape, w_args, x_tvm, fill, chunk, timer)
+        if kind == "prefill":
+            ref = reference(x, n, w, heads_q, heads_kv, head_dim, rope)
+        else:
+            ref = torch.cat([reference(torch.cat([tokens(SEED + 2 + seq, n - 1, hidden, device), x[seq: seq + 1]]),
+                                       1, w, heads_q, heads_kv, head_dim, rope) for seq in range(batch)])
+        scale = ref.abs().max().item()
+        base = outs["default"].abs().max().item()
+        diff = (outs["cascade"] - outs["default"]).abs().max().item() / base
+        for pipeline in PIPELINES:
+            row = {"shape": name, "kind": kind, "batch": batch, "tokens": n, "hidden": hidden, "heads_q": heads_q,
+                   "heads_kv": heads_kv, "head_dim": head_dim, "pipeline": pipeline, "ms": times[pipeline],
+                   "error": (outs[pipeline] - ref).abs().max().item() / scale}
+            if pipeline == "cascade":
+                row.update(speedup=times["default"] / times[pipeline], vs_default=diff, agree=diff <= AGREEMENT)
+            rows.append(row)
+            print(f"{name:28s} {pipeline:8s} {times[pipeline]:9.4f} ms  (err {row['error']:.1e})", flush=True)
+        del outs, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(results) -> str:
+    """The side-by-side table of ``results`` (rows of both pipelines)."""
+    head = (f"{'shape':28s} {'default ms':>11s} {'cascade ms':>11s} {'speed-up':>9s} {'|c-d|/|d|':>10s}"
+            f" {'err default':>12s} {'err cascade':>12s}")
+    lines = [head, "-" * len(head)]
+    by_shape = {}
+    for row in results:
+        by_shape.setdefault(row["shape"], {})[row["pipeline"]] = row
+    for name, rows in by_shape.items():
+        d, c = rows["default"], rows["cascade"]
+        flag = "" if c["agree"] else "  MISMATCH"
+        lines.append(f"{name:28s} {d['ms']:11.4f} {c['ms']:11.4f} {c['speedup']:8.2f}x {c['vs_default']:10.1e}"
+                     f" {d['error']:12.1e} {c['error']:12.1e}{flag}")
+    return "\n".join(lines)
+
+
+def cpu_environment(argv: Sequence[str]) -> dict:
+    """``environment`` without a GPU to describe."""
+    repo = Path(__file__).resolve().parent.parent
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "torch": _version("torch"),
+        "tvm": _version("tvm"),
+        "python": platform.python_version(),
+        "git_commit": _command_output(["git", "-C", str(repo), "rev-parse", "HEAD"]),
+        "git_dirty": bool(_command_output(["git", "-C", str(repo), "status", "--porcelain"])),
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache_layer", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where kv_cache_layer.json goes")
+    p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    p.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
+                   help="llvm: run on the CPU (with --small), timing with time.perf_counter")
+    p.add_argument("--small", action="store_true",
+                   help="tiny shapes (hidden 256, heads 4/2, head dim 64, at most 64 tokens)")
+    p.add_argument("--rope", choices=("normal", "none"), default="normal",
+                   help="RoPE before attention (RopeMode.NORMAL, theta 500000) or none")
+    args = p.parse_args(argv)
+    on_gpu = args.target == "cuda"
+    if on_gpu and skip_without_gpu("benchmarks.kv_cache_layer"):
+        return 0
+    import tvm
+
+    target = tvm.target.Target.from_device(tvm.cuda(0)) if on_gpu else tvm.target.Target("llvm")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv) if on_gpu else cpu_environment(argv)
+    env["command"] = " ".join(["python", "-m", "benchmarks.kv_cache_layer", *argv])
+    env["target"] = str(target)
+    shapes = [s for s in (SMALL_SHAPES if args.small else SHAPES)
+              if not args.only or any(o in s[0] for o in args.only)]
+    configs = list(dict.fromkeys(s[4:] for s in shapes))
+    results = []
+    for config in configs:
+        results += run_config(config, [s for s in shapes if s[4:] == config], target, "cuda" if on_gpu else "cpu",
+                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK)
+        (args.out / "kv_cache_layer.json").write_text(
+            json.dumps({"environment": env, "rope": args.rope, "agreement": AGREEMENT, "results": results}, indent=1))
+    print("\n" + table(results), flush=True)
+    print(f"wrote {args.out / 'kv_cache_layer.json'}", flush=True)
+    return 0 if all(r["agree"] for r in results if r["pipeline"] == "cascade") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
