@@ -10,7 +10,7 @@ import tvm
 
 PAGE = 16
 #: Where ``o`` is among each kind's arguments (``lse`` follows).
-OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7}
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7, "decode_window": 7}
 
 
 def _indptr(lengths):
@@ -44,19 +44,28 @@ def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, d
         args = [t(q), _viewed(_indptr(q_lens), dev, rng), t(np.concatenate(ks)), t(np.concatenate(vs)),
                 _viewed(_indptr(kv_lens), dev, rng), q_rope, k_rope, o, lse, 1, 0, 1.0, 1e4, sm_scale]
         return args, reference, True
-    pages_of = [-(-n // PAGE) for n in kv_lens]
+    # A sliding-window cache keeps a sequence's sink (its first keys) and its window,
+    # stored from `start` on: the positions between hold evicted keys.
+    window = kind == "decode_window"
+    sinks = [int(rng.integers(0, min(n, 20) + 1)) if window else 0 for n in kv_lens]
+    starts = [sink + int(rng.integers(0, 40)) if window else 0 for sink in sinks]
+    stored = [n - sink + start for n, sink, start in zip(kv_lens, sinks, starts)]
+    pages_of = [-(-n // PAGE) for n in stored]
     total = sum(pages_of)
     # Pages in a random order, one spare page never listed.
     pages = rng.standard_normal((total + 1, 2, heads_kv, PAGE, head_dim)).astype(dtype)
     order = rng.permutation(total + 1)[:total].astype("int32")
     for s, first in enumerate(_indptr(pages_of)[:-1]):
-        for p in range(pages_of[s]):
-            keys = slice(p * PAGE, min((p + 1) * PAGE, kv_lens[s]))
-            n = keys.stop - keys.start
-            pages[order[first + p], 0, :, :n] = ks[s][keys].transpose(1, 0, 2)
-            pages[order[first + p], 1, :, :n] = vs[s][keys].transpose(1, 0, 2)
-    last = np.array([n - (p - 1) * PAGE if p else 0 for n, p in zip(kv_lens, pages_of)], "int32")
-    paged = [t(pages), _viewed(_indptr(pages_of), dev, rng), _viewed(order, dev, rng), _viewed(last, dev, rng)]
+        for j in range(kv_lens[s]):
+            at = j if j < sinks[s] else j - sinks[s] + starts[s]
+            page = order[first + at // PAGE]
+            pages[page, 0, :, at % PAGE] = ks[s][j]
+            pages[page, 1, :, at % PAGE] = vs[s][j]
+    last = np.array([n - (p - 1) * PAGE if p else 0 for n, p in zip(stored, pages_of)], "int32")
+    if window:
+        last = np.stack([last, np.array(starts, "int32"), np.array(sinks, "int32")])
+    paged = [t(pages), _viewed(_indptr(pages_of), dev, rng), _viewed(order, dev, rng),
+             _viewed(last.reshape(-1), dev, rng)._create_view(last.shape, "int32")]
     if kind == "prefill":
         args = [t(q), _viewed(_indptr(q_lens), dev, rng), *paged, k_rope, q_rope, o, lse, 0, 0, 1.0, 1e4, sm_scale]
     else:

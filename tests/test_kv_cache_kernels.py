@@ -19,12 +19,15 @@ CONVENTION = {
     "decode": ["q", "pages", "page_indptr", "page_indices", "length_info", "k_rope_pos_offset", "q_rope_position",
                "out", "lse", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
 }
+CONVENTION["decode_window"] = CONVENTION["decode"]
 #: (kind, query lengths, key lengths): ragged batches with lengths off the tiles, a
-#: sequence without cached keys, decode over partly filled last pages.
+#: sequence without cached keys, decode over partly filled last pages, and over a
+#: sliding-window cache's sinks and windows (evicted keys between them).
 CASES = [
     ("ragged", [5, 17, 1], [5, 17, 1]),
     ("prefill", [3, 20, 7], [40, 1, 0]),
     ("decode", [1, 1, 1, 1], [1, 16, 33, 70]),
+    ("decode_window", [1, 1, 1, 1], [1, 16, 33, 70]),
 ]
 
 

@@ -19,6 +19,7 @@ CASES = [
     ("prefill", [130], [1030]),
     ("decode", [1] * 5, [1, 300, 1000, 4097, 77]),
     ("decode", [1] * 40, list(range(10, 4010, 100))),
+    ("decode_window", [1] * 6, [1, 30, 300, 1000, 4097, 77]),
 ]
 #: The family each kind runs on an sm_90 GPU.
 FAMILIES = {"ragged": "warp_specialized_prefill", "prefill": "warp_specialized_prefill"}
@@ -33,7 +34,7 @@ def test_fast_families_match_numpy(kind, q_lens, kv_lens, heads, head_dim):
     assert kernel is not None, why
     if kind in FAMILIES and int(str(target.arch)[3:5]) == 90:
         assert kernel.family.name == FAMILIES[kind]
-    if kind == "decode":
+    if kind.startswith("decode"):
         assert kernel.family.name in ("tensor_core_decode", "split_k_decode")
     func = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"])["main"]
     args, reference, causal = arguments(kind, q_lens, kv_lens, *heads, head_dim, tvm.cuda(0), seed=3)

@@ -46,7 +46,7 @@ def test_cpu_cache_kernels_become_the_generic_family():
         16: ("batch_prefill_paged_kv_cpu_cascade", "generic"),
         17: ("batch_decode_paged_kv_cpu_cascade", "generic"),
         18: ("batch_prefill_paged_kv_cpu_sliding_window", None),
-        19: ("batch_decode_paged_kv_cpu_sliding_window", None),
+        19: ("batch_decode_paged_kv_cpu_sliding_window_cascade", "generic"),
     }
     names = {gv.name_hint for gv in mod.functions}
     assert not names & {"batch_prefill_ragged_kv", "batch_prefill_paged_kv_cpu", "batch_decode_paged_kv_cpu"}
@@ -58,7 +58,7 @@ def test_hopper_cache_kernels_become_the_fast_families(head_dim):
         mod = KVCacheAttention()(_module(HOPPER, num_qo_heads=8, num_kv_heads=2, head_dim=head_dim))
     families = {slot: family for slot, (_, family) in _slots(mod).items()}
     assert families == {15: "warp_specialized_prefill", 16: "warp_specialized_prefill",
-                        17: "tensor_core_decode", 18: None, 19: None}
+                        17: "tensor_core_decode", 18: None, 19: "tensor_core_decode"}
     assert str(mod["batch_prefill_ragged_kv_cascade"].attrs["target"].arch) == "sm_90a"
 
 

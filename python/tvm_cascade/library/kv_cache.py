@@ -1,7 +1,7 @@
 """Kernels with the calling convention of TVM's paged KV cache (``relax.frontend.nn.llm``'s
 ``TIRPagedKVCache``): the runtime's ``vm.builtin.paged_attention_kv_cache_create`` calls
-them as it calls TVM's own ``tir_attention_prefill_ragged``, ``tir_attention_prefill``
-and ``tir_attention_decode``.
+them as it calls TVM's own ``tir_attention_prefill_ragged``, ``tir_attention_prefill``,
+``tir_attention_decode`` and ``tir_attention_decode_sliding_window``.
 
 =====================  ==============  ===============================================
 the cache's kernel     kind            arguments
@@ -17,6 +17,8 @@ paged decode           ``"decode"``    ``q, pages, page_indptr, page_indices,
                                        length_info, k_rope_pos_offset, q_rope_position,
                                        o, lse, rotary_mode, rope_scale, rope_theta,
                                        sm_scale``
+sliding-window decode  ``"decode_      as ``"decode"``, ``length_info[3, batch]`` (the
+                       window"``       window's start and sinks: :mod:`.layouts`)
 =====================  ==============  ===============================================
 
 ``lse`` is each row's base-2 log-sum-exp of its scaled scores (``-5e4`` for a row that
@@ -59,12 +61,14 @@ from .warp_specialized_prefill import WarpSpecializedPrefill
 logger = logging.getLogger("tvm_cascade.library")
 
 #: The cache's kernels this module builds: kind -> (layout, causal).
-KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False)}
+KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
+         "decode_window": ("kv_decode_window", False)}
 #: The families asked, in order, for each kind.
 KIND_FAMILIES = {
     "ragged": (WarpSpecializedPrefill(), GenericFused()),
     "prefill": (WarpSpecializedPrefill(), GenericFused()),
     "decode": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
+    "decode_window": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
 }
 #: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
 #: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.
@@ -132,7 +136,7 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback) -> tvm
         raise AssertionError(f"{family.name} plans {len(plan)} scalars for its {len(scalars)}")
     body = substitute(func.body, dict(zip(scalars, plan)))
     trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
-    if spec.layout == "kv_decode":
+    if spec.layout in ("kv_decode", "kv_decode_window"):  # one query a sequence: no mask
         del trailing["causal"]
     served = [(tirx.NE(trailing["rotary_mode"], ROTATE_INSIDE),
                f"{spec.describe()}: RoPE inside attention (rotary_mode {ROTATE_INSIDE}) is not computed")]

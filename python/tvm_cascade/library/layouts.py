@@ -37,6 +37,13 @@ key token, or every page's keys) as no call passes it.
     (the last page's keys, as ``last_page_len``), ``k_rope_pos_offset, q_rope_position``.
 ``kv_decode``
     ``kv_paged`` with one query per sequence, ``q[batch, hq, d]`` and no ``qo_indptr``.
+``kv_decode_window``
+    ``kv_decode`` of a sliding-window cache: ``length_info[3, batch]`` holds each
+    sequence's last page's keys, where its window starts in its pages' positions and
+    how many keys before the window it keeps (attention sinks, stored first); a
+    sequence's keys are its sink, then its window (``kv_len = (pages - 1) · page_size
+    + last - start + sink``; key ``j`` at position ``j`` below the sink, else ``j - sink
+    + start``).
 
 Queries are aligned to the end of their keys (query ``i`` of a sequence sits at position
 ``i + kv_len - q_len``), as in chunked prefill and decode.
@@ -53,7 +60,7 @@ from tvm.s_tir.stmt import SBlock
 
 from ..analysis.scope import buffer_params
 from ..primitives.ir import copy_block, with_regions
-from .spec import AttentionSpec
+from .spec import WINDOW_LAYOUTS, AttentionSpec
 
 INDEX_DTYPE = "int32"
 
@@ -180,24 +187,36 @@ def _paged(spec, tensor):
     return Views(inputs=[q, pages, q_indptr, page_indptr, page_ids, last_page_len, max_q, max_kv], **paged, **fields)
 
 
-def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_len")):
+def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_len"), window=False):
     """The page pool, its indptr, page ids and last pages' lengths (``names`` the last
     two's): ``(pages, page_indptr, page_ids, last_page_len, fields)``, ``fields`` the
-    :class:`Views` fields of the keys."""
+    :class:`Views` fields of the keys. With ``window``, the lengths are a sliding-window
+    cache's ``[3, batch]`` (see :data:`WINDOW_LAYOUTS`)."""
     num_pages, nnz_pages = te.var("num_pages"), te.var("nnz_pages")
     # A constant: a page's keys are found by shifts and masks where it is a power of two.
     page_size = spec.page_size
     pages = tensor((num_pages, 2, spec.heads_kv, page_size, spec.head_dim), spec.dtype, "pages")
     page_indptr = tensor(indptr_shape, INDEX_DTYPE, "page_indptr")
     page_ids = tensor((nnz_pages,), INDEX_DTYPE, names[0])
-    last_page_len = tensor((batch,), INDEX_DTYPE, names[1])
+    last_page_len = tensor((3, batch) if window else (batch,), INDEX_DTYPE, names[1])
+
+    def stored(b, j):
+        """Where key ``j`` of sequence ``b`` lies in its pages' positions."""
+        if not window:
+            return j
+        sink, offset = last_page_len[2, b], last_page_len[1, b]
+        return tirx.Select(j < sink, j, j - sink + offset)
 
     def kv_len(b):
         used = page_indptr[b + 1] - page_indptr[b]
-        return tirx.Select(used > 0, (used - 1) * page_size + last_page_len[b], 0)
+        if not window:
+            return tirx.Select(used > 0, (used - 1) * page_size + last_page_len[b], 0)
+        kept = (used - 1) * page_size + last_page_len[0, b] - last_page_len[1, b] + last_page_len[2, b]
+        return tirx.Select(used > 0, kept, 0)
 
     def kv_row(b, j):
-        return page_ids[page_indptr[b] + tirx.floordiv(j, page_size)], tirx.floormod(j, page_size)
+        at = stored(b, j)
+        return page_ids[page_indptr[b] + tirx.floordiv(at, page_size)], tirx.floormod(at, page_size)
 
     def cache(which):
         return lambda row, h, x: pages[row[0], which, h, row[1], x]
@@ -241,7 +260,8 @@ def _kv_ragged(spec, tensor):
 def _kv_paged(spec, tensor):
     q, qo_indptr, _, _, fields = _ragged_queries(spec, tensor, "qo_indptr")
     pages, page_indptr, page_indices, length_info, paged = _page_pool(
-        spec, tensor, qo_indptr.shape, fields["batch"], ("page_indices", "length_info"))
+        spec, tensor, qo_indptr.shape, fields["batch"], ("page_indices", "length_info"),
+        window=spec.layout in WINDOW_LAYOUTS)
     k_rope_pos_offset = tensor((fields["batch"],), INDEX_DTYPE, "k_rope_pos_offset")
     q_rope_position = tensor(q.shape[:1], INDEX_DTYPE, "q_rope_position")
     sm_scale, cache = _cache_fields(fields["out_index"])
@@ -258,7 +278,7 @@ def _kv_decode(spec, tensor):
     # q's shape defines the batch; the indptr's follows it.
     batch = q.shape[0]
     pages, page_indptr, page_indices, length_info, paged = _page_pool(
-        spec, tensor, (batch + 1,), batch, ("page_indices", "length_info"))
+        spec, tensor, (batch + 1,), batch, ("page_indices", "length_info"), window=spec.layout in WINDOW_LAYOUTS)
     k_rope_pos_offset = tensor((batch,), INDEX_DTYPE, "k_rope_pos_offset")
     q_rope_position = tensor((batch,), INDEX_DTYPE, "q_rope_position")
 
@@ -275,7 +295,7 @@ def _kv_decode(spec, tensor):
 
 
 _BUILDERS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged,
-             "kv_ragged": _kv_ragged, "kv_paged": _kv_paged, "kv_decode": _kv_decode}
+             "kv_ragged": _kv_ragged, "kv_paged": _kv_paged, "kv_decode": _kv_decode, "kv_decode_window": _kv_decode}
 
 
 def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:

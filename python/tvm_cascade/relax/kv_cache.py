@@ -4,11 +4,11 @@
 The cache is made by one ``vm.builtin.paged_attention_kv_cache_create`` call whose
 arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs. The
 pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention)
-in the slots of the ragged prefill, paged prefill and paged decode kernels; the runtime
-calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
+in the slots of the ragged prefill, paged prefill, paged decode and sliding-window decode
+kernels; the runtime calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
 ``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
 attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
-and tree-attention kernels stay TVM's (logged).
+prefill and the tree-attention kernels stay TVM's (logged).
 
 Each replacement keeps TVM's kernel as its fallback (``cache_kernel``'s): a cache made
 with sliding-window support rotates Q and K inside attention even where the model asked
@@ -30,9 +30,10 @@ CREATE = "vm.builtin.paged_attention_kv_cache_create"
 #: The create call's arguments that the pass reads, by position (after the function's name).
 HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE_OF = 2, 3, 4, 5, 6, 8, 12
 #: The slots of the kernels replaced: position -> kind of :mod:`tvm_cascade.library.kv_cache`.
-SLOTS = {15: "ragged", 16: "prefill", 17: "decode"}
-#: ``AttnKind.MHA`` and ``RopeMode.INLINE`` of the cache.
-_MHA, _INLINE = 0, 2
+SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 19: "decode_window"}
+#: The attention kinds served (``AttnKind.MHA``, ``AttnKind.MHA_SLIDING``: its layers
+#: attend through the sliding-window kernels) and the cache's ``RopeMode.INLINE``.
+_SERVED_KINDS, _INLINE = (0, 3), 2
 _CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 # FuseOps must leave the kernels as they are (``relay.OpPatternKind.kOpaque``).
 _OPAQUE = 8
@@ -84,7 +85,7 @@ def _replacements(mod, args, target) -> dict:
         return {}
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
-    logger.info("paged KV cache: the sliding-window and tree-attention kernels stay TVM's")
+    logger.info("paged KV cache: the sliding-window prefill and the tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
         pair = args[slot]
@@ -104,8 +105,8 @@ def _replacements(mod, args, target) -> dict:
 def _unserved(args):
     """Why the library serves none of a cache's kernels, or None."""
     kinds = [int(k) for k in args[ATTN_KINDS].values]
-    if any(k != _MHA for k in kinds):
-        return f"attention kinds {kinds}: multi-head attention (AttnKind.MHA) only"
+    if any(k not in _SERVED_KINDS for k in kinds):
+        return f"attention kinds {kinds}: multi-head attention (AttnKind.MHA, MHA_SLIDING) only"
     if _int(args[ROPE_MODE]) == _INLINE:
         return "RoPE inside attention (RopeMode.INLINE) is not computed by the library's kernels"
     if _int(args[QK_HEAD_DIM]) != _int(args[V_HEAD_DIM]):
