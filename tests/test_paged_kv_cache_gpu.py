@@ -1,8 +1,8 @@
 """TVM's paged KV cache compiled with ``relax_pipeline="cascade"`` on a CUDA GPU
-(skipped without one): its ragged prefill, paged prefill and decode kernels are
-tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``; the sliding-
-window ones attend with TVM's sliding-window kernels and tvm-cascade's ragged prefill)
-give numpy's attention through the runtime, fp16, head dims 64 and 128."""
+(skipped without one): its ragged prefill, paged prefill, decode and sliding-window
+decode kernels are tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``;
+the sliding-window ones prefill with TVM's sliding-window kernel) give numpy's attention
+through the runtime, fp16, head dims 64 and 128."""
 import functools
 
 import paged_kv_cache_scenarios as pkv
@@ -36,7 +36,7 @@ def test_the_caches_kernels_are_the_librarys(head_dim):
     families = {gv.name_hint: func.attrs[LIBRARY_ATTR] for gv, func in mod.functions.items()
                 if func.attrs is not None and LIBRARY_ATTR in func.attrs}
     assert set(families) == {"batch_prefill_ragged_kv_cascade", "batch_prefill_paged_kv_cascade",
-                             "batch_decode_paged_kv_cascade"}, families
+                             "batch_decode_paged_kv_cascade", "batch_decode_paged_kv_sliding_window_cascade"}, families
     assert "batch_prefill_ragged_kv" not in {gv.name_hint for gv in mod.functions}
 
 
