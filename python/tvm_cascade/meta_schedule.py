@@ -32,10 +32,19 @@ postprocessors and mutators for the target, with :class:`CascadeFusion` first::
 
 The default rules run as :class:`TargetDefault`: one that fails on a block leaves that
 block as it was instead of stopping the whole space, as it does on an unfused attention.
+
+:func:`tune_tir` and :func:`tune_relax` are MetaSchedule's entry points with that space
+and a database that reloads the fused records (:class:`tvm_cascade.trace.JSONDatabase`);
+with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` they measure the candidates on the RPC
+servers registered under that key with TVM's tracker
+(:func:`tvm_cascade.rpc_tuning.rpc_runner`), in parallel, into the one database::
+
+    tune_tir(func, target, work_dir, 64, rpc_tracker="10.0.0.1:9190", rpc_key="h100")
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 from tvm.ir.utils import derived_object
@@ -45,6 +54,8 @@ from tvm.s_tir.schedule import ScheduleError
 from .analysis.scope import collect_sites
 from .errors import FusionError
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
+from .rpc_tuning import resolve_runner
+from .trace import JSONDatabase
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
 
@@ -190,3 +201,70 @@ def cascade_space(tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, 
     mutators. ``unfused=False`` drops a chain's unfused schedule where a fusion applies."""
     rules = [CascadeFusion(tiles, chunks, unfused)] + [TargetDefault(k) for k in range(_most_default_rules())]
     return ms.space_generator.PostOrderApply(sch_rules=rules, postprocs="from-target", mutator_probs="from-target")
+
+
+def tune_tir(
+    mod,
+    target,
+    work_dir: str,
+    max_trials_global: int,
+    *,
+    space=None,
+    database=None,
+    runner=None,
+    rpc_tracker: str | None = None,
+    rpc_key: str | None = None,
+    rpc_workers: int | None = None,
+    **options,
+):
+    """``ms.tune_tir`` of ``mod`` (a PrimFunc or an IRModule of them) over ``space``
+    (default :func:`cascade_space`) into ``database`` (default the
+    :class:`~tvm_cascade.trace.JSONDatabase` in ``work_dir``, which reloads fused
+    records where MetaSchedule's own fails); returns the database. The candidates are
+    measured by ``runner``, or with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` on the
+    RPC servers registered under that key (:func:`tvm_cascade.rpc_tuning.rpc_runner`,
+    ``rpc_workers`` at once: default one per server), else on this machine. ``options``
+    go to ``ms.tune_tir`` (``num_trials_per_iter``, ``builder``, ``strategy``, ...)."""
+    runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
+    return ms.tune_tir(
+        mod, target, work_dir, max_trials_global,
+        space=cascade_space() if space is None else space,
+        database=_database(work_dir) if database is None else database,
+        runner=runner,
+        **options,
+    )
+
+
+def tune_relax(
+    mod,
+    params,
+    target,
+    work_dir: str,
+    max_trials_global: int,
+    *,
+    space=None,
+    database=None,
+    runner=None,
+    rpc_tracker: str | None = None,
+    rpc_key: str | None = None,
+    rpc_workers: int | None = None,
+    **options,
+):
+    """``ms.relax_integration.tune_relax`` of Relax module ``mod`` (``params``: its bound
+    weights) as :func:`tune_tir` tunes a PrimFunc: every task over ``space`` (default
+    :func:`cascade_space`), into ``database`` (default the cascade JSON database in
+    ``work_dir``), measured by ``runner``, on the RPC servers of ``rpc_tracker`` and
+    ``rpc_key``, or on this machine; returns the database."""
+    runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
+    return ms.relax_integration.tune_relax(
+        mod, params, target, work_dir, max_trials_global,
+        space=cascade_space() if space is None else space,
+        database=_database(work_dir) if database is None else database,
+        runner=runner,
+        **options,
+    )
+
+
+def _database(work_dir: str) -> JSONDatabase:
+    os.makedirs(work_dir, exist_ok=True)
+    return JSONDatabase(work_dir=str(work_dir))

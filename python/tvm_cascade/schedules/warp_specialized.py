@@ -606,14 +606,24 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             T.ptx.mbarrier.arrive.shared__cluster.b64(remote[0])
 
     @T.macro
-    def fetch(smem, tensor_map, base, st, b, hk, t, which, bar):
-        """Key tile ``t``'s K (``which`` 0) or V (1) rows into stage ``st``, box by box."""
+    def locate(located, b, hk, t):
+        """The map coordinates of every box of key tile ``t``'s K and V, into ``located``:
+        their loads (a page table's) issue together, not one between each two copies."""
+        for which in T.unroll(2):
+            for s in T.unroll(kv_boxes):
+                a, c = T.meta_var(tiles.kv_at(b, hk, t, s, which))
+                located[(which * kv_boxes + s) * 2] = a
+                located[(which * kv_boxes + s) * 2 + 1] = c
+
+    @T.macro
+    def fetch(smem, tensor_map, base, st, located, which, bar):
+        """The K (``which`` 0) or V (1) rows ``located`` into stage ``st``, box by box."""
         for s in T.unroll(kv_boxes):
-            a, c = T.meta_var(tiles.kv_at(b, hk, t, s, which))
             for p in T.unroll(head_dim // 64):
                 T.ptx[_TMA.format(3) + multicast](
                     smem.ptr_to([base + st * tile + p * keys * 64 + s * tiles.k_map.rows * 64]),
-                    T.address_of(tensor_map), T.int32(p * 64), T.int32(a), T.int32(c), bar, *mask,
+                    T.address_of(tensor_map), T.int32(p * 64), located[(which * kv_boxes + s) * 2],
+                    located[(which * kv_boxes + s) * 2 + 1], bar, *mask,
                 )
 
     @T.macro
@@ -711,7 +721,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     @T.macro
     def produce(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
-        q_map, k_map, v_map = T.meta_var(state)
+        q_map, k_map, v_map, located = T.meta_var(state)
         hk = T.meta_var(h // group)
         # Q waits for the consumers to be done with the block's previous row tile's.
         T.cuda.mbarrier_wait(q_empty.ptr_to([0]), q_phase ^ 1)
@@ -724,14 +734,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             )
         for i in range(n_tiles):
             st = (base + i) % stages
+            # The tile's coordinates are loaded while the stage is still being read.
+            locate(located, b, hk, lo + i)
             T.cuda.mbarrier_wait(empty.ptr_to([st]), (((base + i) // stages) & 1) ^ 1)
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(2 * tile * 2))
             # In a cluster rank 0 fetches K and rank 1 V, each into both blocks
             # (the bytes complete on each block's full[st]).
             if cluster == 1 or rank == 0:
-                fetch(smem, k_map, k_base, st, b, hk, lo + i, 0, full.ptr_to([st]))
+                fetch(smem, k_map, k_base, st, located, 0, full.ptr_to([st]))
             if cluster == 1 or rank == 1:
-                fetch(smem, v_map, v_base, st, b, hk, lo + i, 1, full.ptr_to([st]))
+                fetch(smem, v_map, v_base, st, located, 1, full.ptr_to([st]))
 
     @T.macro
     def finish(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
@@ -830,7 +842,8 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
-                rows_of(produce, (q_map, k_map, v_map), bx, rank, smem, full, empty, q_full, q_empty, counts)
+                located = T.alloc_local((4 * kv_boxes,), "int32")
+                rows_of(produce, (q_map, k_map, v_map, located), bx, rank, smem, full, empty, q_full, q_empty, counts)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
             rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
