@@ -9,6 +9,15 @@ each GQA group), which the cascade pipeline fuses into one kernel.
 
     python examples/llama_block.py                 # CPU: numerics vs numpy
     python examples/llama_block.py --target cuda   # GPU: numerics, then both timed
+    python examples/llama_block.py --tune 16       # CPU: MetaSchedule finds the fusion
+
+With ``--tune N`` the block is exported with the first shape static, its attention
+grouped into one unfused PrimFunc (``FuseAttention(fuse=False)``), and
+``tune_relax`` searches its fused schedules (``cascade_space(unfused=False)``: rolling
+and split-k updates, tile and chunk sizes sampled; with ``--with-unfused`` the default
+rules' schedules too) for ``N`` trials; the records (a JSON database under
+``--work-dir``) are applied with ``MetaScheduleApplyDatabase`` and the block is checked
+against numpy, with what was measured and what won printed.
 """
 
 import math
@@ -77,7 +86,7 @@ def build(args, seq="s", past="past"):
             "x": nn.spec.Tensor([1, seq, args.hidden], args.dtype),
             "past_k": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
             "past_v": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
-            "mask": nn.spec.Tensor([1, 1, seq, "kv"], args.dtype),
+            "mask": nn.spec.Tensor([1, 1, seq, past + seq if isinstance(past, int) else "kv"], args.dtype),
         }
     }
     mod, named_params = block.export_tvm(spec=spec)
@@ -133,6 +142,50 @@ def reference(args, params, x, past_k, past_v, mask):
     return h + mlp
 
 
+def tune(args, seq, past):
+    """Tune the block's attention with MetaSchedule (``--tune``), apply the records and
+    check the block against numpy."""
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade import trace
+    from tvm_cascade.meta_schedule import cascade_space
+    from tvm_cascade.relax import FuseAttention
+
+    target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
+    mod, params = build(args, seq, past)
+    with target:
+        grouped = FuseAttention(fuse=False)(mod)
+    # The attention's task only: the block's other operators keep their default schedules.
+    ms.relax_integration.tune_relax(
+        grouped, params={}, target=target, work_dir=args.work_dir, max_trials_global=args.tune,
+        num_trials_per_iter=min(args.tune, 8), op_names=["softmax"], space=cascade_space(unfused=args.with_unfused),
+        seed=0,
+        strategy=ms.search_strategy.EvolutionarySearch(population_size=16, init_min_unmeasured=8),
+        # A fresh worker imports TVM and tvm_cascade before its first build.
+        builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300), runner=ms.runner.LocalRunner(timeout_sec=300),
+    )
+    database = trace.JSONDatabase(work_dir=args.work_dir)
+    def fused(record):
+        return any(f"sch.{p}(" in str(record.trace) for p in ("rolling_update", "split_k_update"))
+
+    for task in ms.relax_integration.extract_tasks(grouped, target):
+        if "softmax" in task.task_name:
+            records = database.get_top_k(database.commit_workload(task.dispatched[0]), args.tune)
+            print(f"attention: {len(records)} schedules measured, {sum(map(fused, records))} of them fused; "
+                  f"the best {'fused' if records and fused(records[0]) else 'unfused'}", flush=True)
+    with target, database, tvm.transform.PassContext(opt_level=3):
+        applied = relax.transform.MetaScheduleApplyDatabase()(grouped)
+    vm = relax.VirtualMachine(tvm.compile(applied, target), tvm.cpu())
+    data = inputs(args, seq, past)
+    out = vm["forward"](*(tvm.runtime.tensor(x) for x in data + list(params.values()))).numpy()
+    expected = reference(args, params, *data)
+    err = np.abs(out - expected).max()
+    print(f"tuned, seq {seq}, past {past}: max |tuned - ref| {err:.2e}", flush=True)
+    if err > 2e-4:
+        raise SystemExit(f"the tuned block differs from numpy by {err:.2e}")
+
+
 def main():
     parser = block_arguments(__doc__)
     parser.add_argument("--intermediate", type=int, default=512)
@@ -141,9 +194,16 @@ def main():
     parser.add_argument(
         "--static-past", action="store_true", help="CUDA: export decode shapes with a static past"
     )
+    parser.add_argument("--tune", type=int, default=0, help="CPU: MetaSchedule trials for the attention")
+    parser.add_argument("--work-dir", default="llama_block_tuning", help="--tune: where the records go")
+    parser.add_argument("--with-unfused", action="store_true",
+                        help="--tune: the default rules' unfused schedules too (far more trials to find a fusion)")
     args = parser.parse_args()
     args.dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    if args.tune:
+        tune(args, *shapes[0])
+        return
     # On CUDA, one export per shape: a decode step (1 new token) keeps the past symbolic
     # unless --static-past (the fused kernel is then a rolling update, whose tiles have a
     # static size, see tvm_cascade.relax.gpu_schedule; a static past gets split-k); with

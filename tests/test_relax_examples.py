@@ -23,6 +23,14 @@ def test_llama_block_fuses_attention_and_matches_numpy():
     assert out.count("|default - cascade|") == 2
 
 
+def test_llama_block_attention_tuned_by_metaschedule(tmp_path):
+    """``--tune``: ``tune_relax`` over the grouped attention's fused schedules measures
+    fusions, the records apply to the block, and the block matches numpy."""
+    out = _run("llama_block.py", "--tune", "4", "--shapes", "1x63", "--work-dir", str(tmp_path))
+    assert "attention: 4 schedules measured, 4 of them fused; the best fused" in out
+    assert "tuned, seq 1, past 63" in out
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "manual"])
 def test_torch_export_fuses_attention_and_matches_pytorch(attention):
     pytest.importorskip("torch")

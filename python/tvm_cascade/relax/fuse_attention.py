@@ -55,10 +55,14 @@ class FuseAttention:
         Chunks of the split-k update (decode shapes). By default :data:`CPU_CHUNKS` on the
         CPU; on a GPU, where each row and chunk is a CUDA block, enough chunks to make
         about :data:`GPU_BLOCKS` blocks, each of at least :data:`MIN_CHUNK_KEYS` keys.
+    fuse : bool
+        False: group each attention into one PrimFunc and leave it unfused, for
+        MetaSchedule to tune (``tune_relax`` with
+        :func:`tvm_cascade.meta_schedule.cascade_space`, whose proposals fuse it).
     """
 
-    def __init__(self, tile: int = 64, method: str = "auto", chunks: Optional[int] = None):
-        self.tile, self.method, self.chunks = tile, method, chunks
+    def __init__(self, tile: int = 64, method: str = "auto", chunks: Optional[int] = None, fuse: bool = True):
+        self.tile, self.method, self.chunks, self.fuse = tile, method, chunks, fuse
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         grouped = relax.transform.FuseOpsByPattern(attention_patterns(), bind_constants=False)(
@@ -70,6 +74,8 @@ class FuseAttention:
         lowered = tvm.transform.Sequential(
             [relax.transform.LegalizeOps(), relax.transform.FuseTIR()]
         )(grouped)
+        if not self.fuse:
+            return lowered
         target = tvm.target.Target.current(allow_none=True)
         on_gpu = target is not None and "gpu" in target.keys
         for name in groups:
