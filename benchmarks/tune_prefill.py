@@ -2,6 +2,7 @@
 
     python -m benchmarks.tune_prefill [--only SUBSTR ...] [--trials N] [--work-dir DIR]
                                       [--spaces mma warp-specialized]
+                                      [--rpc-tracker HOST:PORT --rpc-key KEY [--rpc-workers N]]
 
 For each prefill configuration of the suite: evolutionary search with the xgboost cost
 model, through :func:`tvm_cascade.kernels.tune`, over the union of two design spaces
@@ -17,7 +18,9 @@ the annotated loop lowered to the kernel by
 :func:`tvm_cascade.schedules.warp_specialized.build`). Records go to a JSON database in
 ``--work-dir`` (default ``python/tvm_cascade/tuned/prefill``, the records shipped with the package), which
 :func:`tvm_cascade.kernels.compile_attention` reads back (the best record that serves
-the GPU); MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored).
+the GPU); MetaSchedule's logs go to ``<work-dir>/logs/<workload>`` (git-ignored). With
+``--rpc-tracker HOST:PORT --rpc-key KEY`` the candidates are measured on the GPU servers
+registered under KEY with TVM's RPC tracker, in parallel (:mod:`benchmarks.tuning`).
 """
 import sys
 from pathlib import Path

@@ -222,15 +222,16 @@ def _database(records, kind, allow_missing=True):
     return JSONDatabase(work_dir=str(records), allow_missing=allow_missing)
 
 
-def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
+def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, runner=None):
     """MetaSchedule's evolutionary search with the xgboost cost model over
     :func:`design_space` of ``func`` (of ``variant``; ``spaces``: prefill's design spaces
-    searched), ``trials`` candidates measured on this machine's GPU; the records go to the
+    searched), ``trials`` candidates measured by ``runner`` (default: on this machine's
+    GPU; :func:`tvm_cascade.rpc_tuning.rpc_runner`: on RPC servers); the records go to the
     JSON database at ``records``, MetaSchedule's logs below its ``logs`` folder. Returns
     the best valid run time in seconds, or None."""
     from tvm.s_tir import meta_schedule as ms
 
-    if not tvm.cuda(0).exist:
+    if runner is None and not tvm.cuda(0).exist:
         raise RuntimeError("tuning measures candidates on a CUDA GPU; this machine has none")
     kind = kind_of(_dims(func)[2])
     space = design_space(func, target, variant, spaces)
@@ -250,6 +251,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES):
         num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
         space=space,
         builder=builder,
+        runner="local" if runner is None else runner,
         strategy=ms.search_strategy.EvolutionarySearch(**_SEARCH[kind]),
         cost_model="xgb",
         database=database,

@@ -6,9 +6,12 @@ h100``, the tracker itself ``python -m tvm.exec.rpc_tracker``). :func:`rpc_runne
 MetaSchedule's RPC runner for that key: it asks the tracker for a free server per
 candidate, so the servers measure a round's candidates in parallel, and a candidate
 whose server is lost mid-measurement comes back as a failed run (MetaSchedule records it
-with a run time of 1e10 s) while the others go on to the servers that remain. The
+with a run time of 1e10 s) while the others go on to the servers that remain; once none
+remains, every candidate fails at once (:func:`create_session`) rather than waiting at
+the tracker for a server to come back. The
 candidates are built here, by MetaSchedule's local builder, whose artifacts (a tar of
-object files) each server links with its own C++ compiler.
+object files) each server links with its own C++ compiler. Only the tracker's host needs
+tornado (``apache-tvm[rpc]``); the runner talks to it with TVM's client alone.
 """
 from __future__ import annotations
 
@@ -60,17 +63,36 @@ def count_servers(tracker: str, key: str) -> int:
     """How many RPC servers are registered under ``key`` with the tracker at ``tracker``,
     busy ones included; ConnectionError where no tracker answers there."""
     host, port = parse_tracker(tracker)
-    key = _check_key(key)
+    return _count_servers(host, port, _check_key(key), tracker)
+
+
+def _count_servers(host: str, port: int, key: str, tracker: str) -> int:
     # TVM's own connection retries for a minute; a wrong address should fail at once.
     try:
         socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_SEC).close()
     except OSError as err:
         raise ConnectionError(f"no RPC tracker answers at {tracker}: {err}") from err
     try:
-        summary = rpc.connect_tracker(host, port).summary()
+        session = rpc.connect_tracker(host, port)
+        try:
+            summary = session.summary()
+        finally:
+            session.close()
     except (OSError, RuntimeError) as err:
         raise ConnectionError(f"{tracker} does not answer as an RPC tracker: {err}") from err
     return sum(1 for server in summary["server_info"] if server["key"].partition(":")[2] == key)
+
+
+def create_session(config: ms.runner.RPCConfig):
+    """The RPC runner's session with a server under ``config``'s key, as MetaSchedule
+    creates it, except that it fails (RuntimeError) where no server is registered under
+    the key: the tracker would hold the request until one registers, and the tuning
+    would wait for good once the whole fleet is gone."""
+    host, port, key = config.tracker_host, config.tracker_port, config.tracker_key
+    tracker = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if _count_servers(host, port, key, tracker) == 0:
+        raise RuntimeError(f"no RPC server is registered under key {key!r} with the tracker at {tracker} any more")
+    return config.connect_server()
 
 
 def rpc_runner(
@@ -88,6 +110,8 @@ def rpc_runner(
     default: as its local runner times them). Raises ValueError for a malformed address
     or key or where no server is registered under ``key``, ConnectionError where no
     tracker answers."""
+    if max_workers is not None and max_workers < 1:
+        raise ValueError(f"max_workers must be at least 1, got {max_workers}")
     config = rpc_config(tracker, key, session_timeout_sec)
     servers = count_servers(tracker, key)
     if servers == 0:
@@ -96,9 +120,10 @@ def rpc_runner(
             f"(python -m tvm.exec.query_rpc_tracker --host {config.tracker_host} --port {config.tracker_port} "
             "lists the keys)"
         )
-    if max_workers is not None and max_workers < 1:
-        raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-    return ms.runner.RPCRunner(config, evaluator_config, max_workers=max_workers or servers)
+    # MetaSchedule's default of one worker would measure on one server at a time.
+    return ms.runner.RPCRunner(
+        config, evaluator_config, f_create_session=create_session, max_workers=max_workers or servers
+    )
 
 
 def resolve_runner(runner=None, rpc_tracker: str | None = None, rpc_key: str | None = None, rpc_workers: int | None = None):
