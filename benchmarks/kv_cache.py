@@ -25,10 +25,11 @@ from .timing import bench
 
 PAGE = 16
 #: Where ``o`` is among each kind's arguments (``lse`` follows).
-OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7}
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7, "decode_window": 7}
 #: (name, kind, query lengths, key lengths (cached keys for "prefill"), heads q, heads
 #: kv, head dim). "ragged": the new tokens among themselves (causal); "prefill": new
-#: tokens over cached pages (no mask); "decode": one query per sequence over its pages.
+#: tokens over cached pages (no mask); "decode": one query per sequence over its pages;
+#: "decode_window": over a sliding-window cache's sink and window.
 SHAPES = (
     ("ragged 1x2048 llama3-8b", "ragged", [2048], [2048], 32, 8, 128),
     ("ragged 4x512 llama3-8b", "ragged", [512] * 4, [512] * 4, 32, 8, 128),
@@ -38,7 +39,11 @@ SHAPES = (
     ("decode 32x4096 llama3-8b", "decode", [1] * 32, [4096] * 32, 32, 8, 128),
     ("decode 1x16000 llama3-8b", "decode", [1], [16000], 32, 8, 128),
     ("decode 16x(1000..8000) mha d64", "decode", [1] * 16, [1000 + 467 * i for i in range(16)], 32, 32, 64),
+    ("decode window 16x(4 sink + 4092) llama3-8b", "decode_window", [1] * 16, [4096] * 16, 32, 8, 128),
 )
+#: The sliding-window shapes' sink: the first keys kept, stored first; the window's keys
+#: are stored from :data:`WINDOW_START` on (the positions between hold evicted keys).
+SINK, WINDOW_START = 4, 4000
 
 
 def tvm_kernel(kind, heads_q, heads_kv, head_dim, target):
@@ -50,7 +55,8 @@ def tvm_kernel(kind, heads_q, heads_kv, head_dim, target):
         return kv_cache._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", rope, target)
     if kind == "prefill":
         return kv_cache._attention_prefill(heads_kv, heads_q, head_dim, "float16", False, rope, target)
-    return kv_cache._attention_decode(heads_kv, heads_q, head_dim, "float16", False, rope, target)
+    window = kind == "decode_window"
+    return kv_cache._attention_decode(heads_kv, heads_q, head_dim, "float16", window, rope, target)
 
 
 def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
@@ -74,16 +80,23 @@ def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
                                                                kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())]
         args = [q, qo_indptr, k, v, kv_indptr, rope_pos, rope_offset, o, lse, 1, 0, 1.0, 1e4, sm_scale]
         return args, seqs, True
-    pages_of = [-(-n // PAGE) for n in kv_lens]
+    # A sliding-window cache's keys: the sink, then the window stored from WINDOW_START.
+    window = kind == "decode_window"
+    stored = [n - SINK + WINDOW_START if window else n for n in kv_lens]
+    pages_of = [-(-n // PAGE) for n in stored]
     num_pages = sum(pages_of)
     pages = torch.randn(num_pages, 2, heads_kv, PAGE, head_dim, device=dev, dtype=torch.float16)
     page_indices = torch.randperm(num_pages, device=dev).to(torch.int32)
     page_indptr = torch.tensor([0] + list(_cumsum(pages_of)), dtype=torch.int32, device=dev)
-    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(kv_lens, pages_of)], dtype=torch.int32, device=dev)
+    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(stored, pages_of)], dtype=torch.int32, device=dev)
+    if window:
+        last = torch.stack([last, torch.full_like(last, WINDOW_START), torch.full_like(last, SINK)])
     seqs = []
     for s, (a, b) in enumerate(zip(page_indptr[:-1].tolist(), page_indptr[1:].tolist())):
         kv = pages[page_indices[a:b].long()]  # [pages, 2, hkv, PAGE, d]
-        kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, heads_kv, head_dim)[:, : kv_lens[s]]
+        kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, heads_kv, head_dim)[:, : stored[s]]
+        if window:
+            kv = torch.cat([kv[:, :SINK], kv[:, WINDOW_START:]], dim=1)
         seqs.append((q[qo_indptr[s]: qo_indptr[s + 1]], kv[0], kv[1]))
     if kind == "prefill":
         args = [q, qo_indptr, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, 0, 0, 1.0, 1e4,
