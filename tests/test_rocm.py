@@ -118,3 +118,18 @@ def test_split_k_decode_schedule_builds(heads, arch):
     sch = schedule_decode(func, *heads, 128, multiprocessors=104)
     kernels = _kernels(tvm.compile(sch.mod, target=tvm.target.Target({"kind": "rocm", "mcpu": arch})))
     assert len(kernels) >= 2
+
+
+def test_cuda_only_kernels_are_refused_for_rocm():
+    """The tensor-core decode form (GQA groups of 8: PTX ``mma.sync``) and
+    ``compile_attention`` (CUDA kernels) refuse a ROCm target with a clear error."""
+    from tvm_cascade.cuda import tensor_cores
+    from tvm_cascade.kernels import compile_attention
+
+    rocm = tvm.target.Target({"kind": "rocm", "mcpu": "gfx942"})
+    func = ops.attention(1, 8, 1, 1, 1024, 128, variant="causal", dtype="float16")
+    sch = schedule_decode(func, 8, 1, 128, multiprocessors=104)
+    with pytest.raises(ValueError, match="tensor-core fragments are PTX .*CUDA targets only, not rocm"):
+        tensor_cores.build(sch.mod, rocm)
+    with pytest.raises(ValueError, match="compile_attention builds CUDA kernels .* not rocm"):
+        compile_attention(1, 8, 1, 1, 1024, 128, target=rocm)

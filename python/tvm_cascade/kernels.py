@@ -125,7 +125,8 @@ def compile_attention(
     ``records`` (default: the user's database). ``config`` (a
     :class:`~tvm_cascade.schedules.decode.DecodeConfig` for :data:`DECODE_QUERIES` query
     rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
-    heuristic schedule's choices and skips the records.
+    heuristic schedule's choices and skips the records. A target other than CUDA raises
+    ``ValueError``.
 
     On an sm_90 GPU (H100, H200) prefill may take the warp-specialised kernel
     (:mod:`~tvm_cascade.schedules.warp_specialized`: TMA, wgmma, FlashAttention-3's
@@ -144,6 +145,13 @@ def compile_attention(
         raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {names}")
     if target is None:
         target = tvm.target.Target.from_device(tvm.cuda(0))
+    target = tvm.target.Target(target)
+    if target.kind.name != "cuda":
+        raise ValueError(
+            f"compile_attention builds CUDA kernels (mma.sync, ldmatrix, cp.async, wgmma), not {target.kind.name} "
+            "ones: on other targets fuse with tvm_cascade.transform.FuseCascadedReductions or the Relax "
+            "FuseAttention pass"
+        )
     warp_specialize = isinstance(config, WarpSpecializedConfig)
     if warp_specialize:
         reason = warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)

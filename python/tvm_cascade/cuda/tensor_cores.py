@@ -29,7 +29,8 @@ def build(mod, target, register_usage_level=None, min_blocks=None):
     given, is ptxas's ``--register-usage-level`` for the kernels (TVM passes 10, or
     ``TVM_CUDA_PTXAS_REG_LEVEL``, which a user's setting keeps precedence over).
     ``min_blocks``, if given, is the thread blocks per multiprocessor the kernels are
-    compiled to fit (``__launch_bounds__(threads, min_blocks)``).
+    compiled to fit (``__launch_bounds__(threads, min_blocks)``). A module with
+    tensor-core fragments for a target other than CUDA raises ``ValueError``.
 
     TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
     sequence per run (it rewrites the rest of the sequence for that buffer and stops);
@@ -49,6 +50,11 @@ def build(mod, target, register_usage_level=None, min_blocks=None):
     (:mod:`.dependent_launch`).
     """
     target = tvm.target.Target(target)
+    if target.kind.name != "cuda" and _has_warp_buffers(mod):
+        raise ValueError(
+            f"the module's tensor-core fragments are PTX (mma.sync, ldmatrix): CUDA targets only, "
+            f"not {target.kind.name}; schedule it without tensor cores for this target"
+        )
     if min_blocks is not None:
         mod = mod.with_attr(_MIN_BLOCKS, min_blocks)
     if dependent_launch.supported(target):
