@@ -13,7 +13,7 @@ each GQA group), which the cascade pipeline fuses into one kernel.
 
 With ``--tune N`` the block is exported with the first shape static, its attention
 grouped into one unfused PrimFunc (``FuseAttention(fuse=False)``), and
-``tune_relax`` searches its fused schedules (``cascade_space(unfused=False)``: rolling
+``tvm_cascade.meta_schedule.tune_relax`` searches its fused schedules (``cascade_space(unfused=False)``: rolling
 and split-k updates, tile and chunk sizes sampled; with ``--with-unfused`` the default
 rules' schedules too) for ``N`` trials; the records (a JSON database under
 ``--work-dir``) are applied with ``MetaScheduleApplyDatabase`` and the block is checked
@@ -148,8 +148,7 @@ def tune(args, seq, past):
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
 
-    from tvm_cascade import trace
-    from tvm_cascade.meta_schedule import cascade_space
+    from tvm_cascade.meta_schedule import cascade_space, tune_relax
     from tvm_cascade.relax import FuseAttention
 
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -157,15 +156,15 @@ def tune(args, seq, past):
     with target:
         grouped = FuseAttention(fuse=False)(mod)
     # The attention's task only: the block's other operators keep their default schedules.
-    ms.relax_integration.tune_relax(
-        grouped, params={}, target=target, work_dir=args.work_dir, max_trials_global=args.tune,
+    database = tune_relax(
+        grouped, {}, target, args.work_dir, args.tune,
         num_trials_per_iter=min(args.tune, 8), op_names=["softmax"], space=cascade_space(unfused=args.with_unfused),
         seed=0,
         strategy=ms.search_strategy.EvolutionarySearch(population_size=16, init_min_unmeasured=8),
         # A fresh worker imports TVM and tvm_cascade before its first build.
         builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300), runner=ms.runner.LocalRunner(timeout_sec=300),
     )
-    database = trace.JSONDatabase(work_dir=args.work_dir)
+
     def fused(record):
         return any(f"sch.{p}(" in str(record.trace) for p in ("rolling_update", "split_k_update"))
 
