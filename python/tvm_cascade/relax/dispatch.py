@@ -50,8 +50,9 @@ _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 #: bshd <-> bhsd.
 _SWAP_SEQ_HEADS = [0, 2, 1, 3]
-# FuseOps must leave the kernel as it is (``relay.OpPatternKind.kOpaque``).
-_OPAQUE = 8
+#: The ``op_pattern`` of a PrimFunc that FuseOps must leave as it is, neither merged
+#: with its neighbours nor rebuilt (``relay.OpPatternKind.kOpaque``).
+OPAQUE = 8
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchAttention")
@@ -152,7 +153,7 @@ class _Dispatcher(relax.PyExprMutator):
         if key not in self.kernels:
             name = f"attention_{family.name}_{spec.describe()}".replace("-", "_")
             func = family.build(spec).with_attrs({
-                "global_symbol": name, "tirx.is_scheduled": True, "op_pattern": _OPAQUE, LIBRARY_ATTR: family.name,
+                "global_symbol": name, "tirx.is_scheduled": True, "op_pattern": OPAQUE, LIBRARY_ATTR: family.name,
                 "target": family.compile_target(self.target),
             })
             self.kernels[key] = self.builder_.add_func(func, name)

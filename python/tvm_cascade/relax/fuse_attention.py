@@ -26,6 +26,7 @@ from ..transform import fuse_cascaded_reductions
 from ..transform.detect import find_candidates
 from ..transform.pass_ import FUSED_ATTR
 from .canonicalize import flip_masked_row_guards, fold_batched_matmuls
+from .dispatch import OPAQUE
 from .gpu_schedule import UnsupportedOnGpu, schedule_fused_for_gpu
 from .patterns import attention_patterns, is_attention_group
 
@@ -35,9 +36,6 @@ CPU_CHUNKS = 8
 GPU_BLOCKS = 1024  # about 8 CUDA blocks per SM of an H100
 MIN_CHUNK_KEYS = 64
 
-# FuseOps must not merge a fused kernel with its neighbours: FuseTIR would rebuild it
-# and drop its schedule. This is ``relay.OpPatternKind.kOpaque``.
-_OPAQUE = 8
 
 
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
@@ -106,7 +104,8 @@ class FuseAttention:
             ", ".join(f"{c.root} <- {c.blocks} ({c.method})" for c in chains),
         )
         fused = sch.mod["main"]
-        attrs = {FUSED_ATTR: [b for c in chains for b in c.blocks], "op_pattern": _OPAQUE}
+        # Opaque: FuseTIR would rebuild a kernel merged with its neighbours and drop its schedule.
+        attrs = {FUSED_ATTR: [b for c in chains for b in c.blocks], "op_pattern": OPAQUE}
         if on_gpu:
             attrs["tirx.is_scheduled"] = True
         return fused.with_attrs(attrs)

@@ -3,9 +3,9 @@
 
 The cache is made by one ``vm.builtin.paged_attention_kv_cache_create`` call whose
 arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs. The
-pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention)
-in the slots of the ragged prefill, paged prefill, paged decode and sliding-window decode
-kernels; the runtime calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
+pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention),
+under the names of TVM's, in the slots of the ragged prefill, paged prefill, paged
+decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
 ``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
 attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
 prefill and the tree-attention kernels stay TVM's (logged).
@@ -22,7 +22,7 @@ import tvm
 from tvm import relax
 
 from ..library.kv_cache import cache_kernel
-from .dispatch import LIBRARY_ATTR
+from .dispatch import LIBRARY_ATTR, OPAQUE
 
 logger = logging.getLogger("tvm_cascade.relax")
 
@@ -35,8 +35,6 @@ SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 19: "decode_window"}
 #: attend through the sliding-window kernels) and the cache's ``RopeMode.INLINE``.
 _SERVED_KINDS, _INLINE = (0, 3), 2
 _CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
-# FuseOps must leave the kernels as they are (``relay.OpPatternKind.kOpaque``).
-_OPAQUE = 8
 
 
 @tvm.transform.module_pass(opt_level=0, name="KVCacheAttention")
@@ -52,14 +50,14 @@ class KVCacheAttention:
                    for call in _create_calls(func)]
         if not creates:
             return mod
-        kernels = {}  # the old GlobalVar of a slot -> (its replacement's name, PrimFunc)
+        kernels = {}  # a slot's GlobalVar -> the PrimFunc that takes its place
         for call in creates:
             kernels.update(_replacements(mod, call.args[1:], target))
         if not kernels:
             return mod
-        mod = _Redirect(mod, kernels).run()
-        for old in kernels:
-            del mod[old]
+        mod = mod.clone()
+        for gvar, func in kernels.items():
+            mod.update_func(gvar, func)
         return mod
 
 
@@ -76,9 +74,9 @@ def _create_calls(func) -> list:
 
 
 def _replacements(mod, args, target) -> dict:
-    """The slots' GlobalVars of one create call's arguments ``args`` -> (the name of
-    their replacement, its PrimFunc), for the slots the library serves (the others
-    logged)."""
+    """The slots' GlobalVars of one create call's arguments ``args`` -> the library's
+    PrimFunc under the same name (the runtime's symbol), for the slots the library
+    serves (the others logged)."""
     reason = _unserved(args)
     if reason is not None:
         logger.info("paged KV cache left on TVM's kernels: %s", reason)
@@ -96,9 +94,8 @@ def _replacements(mod, args, target) -> dict:
         if kernel is None:
             logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
             continue
-        name = f"{old.name_hint}_cascade"
-        func = kernel.func.with_attrs({"global_symbol": name, "op_pattern": _OPAQUE, LIBRARY_ATTR: kernel.family.name})
-        out[old] = (name, func)
+        out[old] = kernel.func.with_attrs(
+            {"global_symbol": old.name_hint, "op_pattern": OPAQUE, LIBRARY_ATTR: kernel.family.name})
     return out
 
 
@@ -117,23 +114,3 @@ def _unserved(args):
 def _int(value) -> int:
     """A create argument's int (a ``relax.prim_value``, an ``IntImm``)."""
     return int(value.value)
-
-
-@relax.expr_functor.mutator
-class _Redirect(relax.PyExprMutator):
-    """The replacements added and every reference to a replaced kernel's GlobalVar made
-    to its replacement's."""
-
-    def __init__(self, mod, kernels: dict):
-        super().__init__(mod)
-        self.mod_, self.kernels, self.new = mod, kernels, []
-
-    def visit_global_var_(self, op):
-        return next((new for old, new in self.new if old.same_as(op)), op)
-
-    def run(self) -> tvm.IRModule:
-        self.new = [(old, self.builder_.add_func(func, name)) for old, (name, func) in self.kernels.items()]
-        for gvar, func in self.mod_.functions.items():
-            if isinstance(func, relax.Function):
-                self.builder_.update_func(gvar, self.visit_expr(func))
-        return self.builder_.get()
