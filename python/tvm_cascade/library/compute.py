@@ -1,8 +1,6 @@
 """The unfused attention chain of a spec over its layout's view, lengths at run time."""
 from __future__ import annotations
 
-import math
-
 import tvm
 from tvm import te, tirx
 
@@ -10,13 +8,13 @@ from ..ops.flex_attention import ATTENTION_BLOCKS, NO_KEYS_LSE, variant_te_mods
 from ..root_order import reorder_root_blocks
 from .layouts import views
 from .spec import AttentionSpec
+from .split_k import LOG2E
 
 #: The blocks that read the layout's tensors into the view (ragged and paged layouts).
 VIEW_BLOCKS = ("Q_view", "K_view", "V_view")
 #: The block that computes a row's log-sum-exp, in base 2 (``log2 Σ_j 2^(log2(e) s_j)``
 #: of the scaled scores ``s_j``), where the layout has an ``lse`` output.
 LSE_BLOCK = "lse"
-LOG2E = math.log2(math.e)
 
 
 def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:

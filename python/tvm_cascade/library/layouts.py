@@ -98,6 +98,11 @@ class Views:
     def value(self, b, h, j, x):
         return self.value_at(self.kv_row(b, j), h, x)
 
+    def lse_buffer(self):
+        """A new buffer for the layout's ``lse`` output (float32, a value per row of
+        ``out``), or None where the layout has none."""
+        return None if self.lse_index is None else tirx.decl_buffer(self.out_shape[:-1], "float32", name="lse")
+
 
 def views(spec: AttentionSpec, tensor=te.placeholder) -> Views:
     """The tensors of ``spec``'s layout, made by ``tensor(shape, dtype, name)``
@@ -314,8 +319,7 @@ def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.Pri
     view = views(spec, lambda shape, dtype, name: params[name])
     moved = {params.pop("out"): (tirx.decl_buffer(view.out_shape, spec.dtype, name="out"), view.out_index)}
     if view.lse_index is not None:
-        lse = tirx.decl_buffer(view.out_shape[:-1], "float32", name="lse")
-        moved[params.pop("lse")] = (lse, lambda b, h, i: view.lse_index(b, h, i))
+        moved[params.pop("lse")] = (view.lse_buffer(), view.lse_index)
     others = list(params.values()) + [new for new, _ in moved.values()]
 
     def store(s):

@@ -104,7 +104,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     batch = view.batch
     chunks = chunking(spec, view, step, step)
     num_chunks, chunk_keys = chunks.count, chunks.keys
-    lse = None if view.lse_index is None else tirx.decl_buffer(view.out_shape[:-1], ACC, "lse")
+    lse = view.lse_buffer()
     passes = (group * view.rows + rows - 1) // rows
     neg_inf = NEG_INF
     combine = combine_kernel(spec, view, chunks, out, lse, THREADS)

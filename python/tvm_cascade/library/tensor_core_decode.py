@@ -109,7 +109,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     out = tirx.decl_buffer(view.out_shape, dtype, "out")
     chunks = chunking(spec, view, WARPS * STEP, LEAST_CHUNK)
     num_chunks, chunk_keys = chunks.count, chunks.keys
-    lse = None if view.lse_index is None else tirx.decl_buffer(view.out_shape[:-1], ACC, "lse")
+    lse = view.lse_buffer()
     passes = (group * view.rows + ROWS - 1) // ROWS
     score = score_of(spec, view)
     combine = combine_kernel(spec, view, chunks, out, lse)

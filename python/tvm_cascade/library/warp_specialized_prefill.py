@@ -92,9 +92,8 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     keys = ws.key_tile(d)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
-    out = [tirx.decl_buffer(view.out_shape, spec.dtype, "out")]
-    if view.lse_index is not None:
-        out.append(tirx.decl_buffer(view.out_shape[:-1], "float32", "lse"))
+    lse = view.lse_buffer()
+    out = [tirx.decl_buffer(view.out_shape, spec.dtype, "out")] + ([] if lse is None else [lse])
     row = d * 2
     first_q, first_kv, tokens_of = _packed(spec, view, buffers)
 
