@@ -195,15 +195,23 @@ def _command_output(cmd: List[str]) -> Optional[str]:
 
 
 def environment(argv: Sequence[str]) -> Dict:
+    """What a run measured on: the GPU and its software (the CPU where there is no GPU),
+    the versions and the commit."""
     import torch
 
     repo = Path(__file__).resolve().parent.parent
+    env = {"command": " ".join([Path(sys.executable).name, "-m", "benchmarks.attention", *argv])}
+    if torch.cuda.is_available():
+        env.update({
+            "gpu": torch.cuda.get_device_name(),
+            "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+            "cuda_runtime": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        })
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
     return {
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.attention", *argv]),
-        "gpu": torch.cuda.get_device_name(),
-        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-        "cuda_runtime": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
+        **env,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "tvm": _version("tvm"),

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .attention import _command_output, _version, environment, skip_without_gpu
+from .attention import environment, skip_without_gpu
 from .timing import bench
 
 PIPELINES = ("default", "cascade")
@@ -353,19 +352,6 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-def cpu_environment(argv: Sequence[str]) -> dict:
-    """``environment`` without a GPU to describe."""
-    repo = Path(__file__).resolve().parent.parent
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "torch": _version("torch"),
-        "tvm": _version("tvm"),
-        "python": platform.python_version(),
-        "git_commit": _command_output(["git", "-C", str(repo), "rev-parse", "HEAD"]),
-        "git_dirty": bool(_command_output(["git", "-C", str(repo), "status", "--porcelain"])),
-    }
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache_layer", description=__doc__.splitlines()[0])
@@ -385,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     target = tvm.target.Target.from_device(tvm.cuda(0)) if on_gpu else tvm.target.Target("llvm")
     args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv) if on_gpu else cpu_environment(argv)
+    env = environment(argv)
     env["command"] = " ".join(["python", "-m", "benchmarks.kv_cache_layer", *argv])
     env["target"] = str(target)
     shapes = [s for s in (SMALL_SHAPES if args.small else SHAPES)
