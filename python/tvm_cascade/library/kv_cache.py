@@ -63,13 +63,11 @@ logger = logging.getLogger("tvm_cascade.library")
 #: The cache's kernels this module builds: kind -> (layout, causal).
 KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
          "decode_window": ("kv_decode_window", False)}
+_PREFILL_FAMILIES = (WarpSpecializedPrefill(), GenericFused())
+_DECODE_FAMILIES = (TensorCoreDecode(), SplitKDecode(), GenericFused())
 #: The families asked, in order, for each kind.
-KIND_FAMILIES = {
-    "ragged": (WarpSpecializedPrefill(), GenericFused()),
-    "prefill": (WarpSpecializedPrefill(), GenericFused()),
-    "decode": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
-    "decode_window": (TensorCoreDecode(), SplitKDecode(), GenericFused()),
-}
+KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "decode": _DECODE_FAMILIES,
+                 "decode_window": _DECODE_FAMILIES}
 #: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
 #: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.
 ROTATE_INSIDE = 1
@@ -128,7 +126,7 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback) -> tvm
     buffers = {b.name: b for b in buffer_params(func)}
     view = views(spec, lambda shape, dtype, name: buffers[name])
     names = [p.name for p in func.params]
-    inputs = [p for p in func.params[: names.index("sm_scale")]]
+    inputs = list(func.params[: names.index("sm_scale")])
     sm_scale = func.params[names.index("sm_scale")]
     scalars = func.params[names.index("sm_scale") + 1: names.index("out")]
     plan = family.plan(spec, view.batch, view.rows, view.keys, tvm.cuda(0))
