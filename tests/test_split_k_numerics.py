@@ -685,6 +685,31 @@ def test_parallel_chunk_loop():
     check_attention(SCHED_SHAPE, chunks=8, schedule_fn=fn, debug_mask="all")
 
 
+def test_rolls_within_chunks_that_do_not_divide_the_row():
+    """Split-k first, over chunks that do not divide the row (77 positions in 4 chunks
+    of 20), then the sum rolled within each chunk: the last chunk's positions past the
+    row fold the reducer's identity, so its update stays a sum of its accumulator and one
+    term; the chunk loop stays parallelisable (a fresh schedule's analysis) and the
+    result is numpy's."""
+    from tvm_cascade.algebra.reducers import SUM, match_reducer
+    from tvm_cascade.analysis.scope import accumulator_store
+
+    func = ops.logsumexp(3, 77)
+    sch = tvm.s_tir.Schedule(func, debug_mask="all")
+    sch.compute_inline(sch.get_sblock("exp"))
+    chunk = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [4, None])[0]
+    for name in ("max", "sum"):
+        sch.split_k_update(sch.get_sblock(name), chunk)
+    reducer, _ = match_reducer(accumulator_store(sch.get(sch.get_sblock("sum_partial"))))
+    assert reducer is SUM
+    tile = sch.split(sch.get_loops(sch.get_sblock("max_partial"))[-1], [None, 8])[0]
+    sch.rolling_update(sch.get_sblock("sum_partial"), tile)
+    fresh = tvm.s_tir.Schedule(sch.mod)
+    fresh.parallel(fresh.get_loops(fresh.get_sblock("max_partial"))[1])
+    x = np.random.default_rng(3).standard_normal((3, 77)).astype("float32") * 4
+    np.testing.assert_allclose(tt.run_prim_func(fresh.mod["main"], [x])[0], R.logsumexp_ref(x), rtol=1e-5)
+
+
 def test_debug_mask_verification_after_split_k_update():
     """split_k_update leaves TVM's cached block info (affine binding, region cover, stage
     pipeline) consistent: the next native primitive verifies the whole state."""

@@ -36,6 +36,16 @@ MIN = Reducer("min", sympy.oo, sympy.Min, tvm.tirx.min, prim.Min, True)
 REDUCERS = (SUM, PROD, MAX, MIN)
 
 
+def tir_identity(reducer: Reducer, dtype: str):
+    """``reducer``'s identity as a TIR constant of ``dtype`` (max and min: the type's
+    lowest and highest values, which fold into any accumulator unchanged)."""
+    if reducer is MAX:
+        return tvm.tirx.min_value(dtype)
+    if reducer is MIN:
+        return tvm.tirx.max_value(dtype)
+    return tvm.tirx.const(0 if reducer is SUM else 1, dtype)
+
+
 def match_reducer(store):
     """Split a reduction update ``X[i] = f(X[i], e)`` into ``(reducer, e)``.
 

@@ -2,11 +2,15 @@
 
 Blocks of a chain talk through buffers: if one block writes ``X[vb, vi]`` and another reads
 ``X[wb, wi]``, then ``vb``/``wb`` and ``vi``/``wi`` walk the same axis. Union-find over all
-plain-variable indices of every buffer access gives the axis classes.
+plain-variable indices of every buffer access gives the axis classes. An index that is an
+expression (``X[vi, c * 32 + vk]``, as ``split_k_update`` leaves the reads of a chunk's
+partial) relates the iterators of two accesses where the expressions are the same up to
+renaming: the iterators in the same places walk the same axes.
 """
+import tvm_ffi
 from tvm.ir import expr as ir_expr
 
-from .scope import buffer_accesses
+from .scope import buffer_accesses, vars_in
 
 
 class AxisClasses:
@@ -17,11 +21,14 @@ class AxisClasses:
             for iv in site.block.iter_vars:
                 iter_vars[iv.var] = iv
                 self._parent.setdefault(iv.var, iv.var)
-        first_access = {}
+        first_access, first_expr = {}, {}
         for site in sites:
             stmts = [site.block.body] + ([site.block.init] if site.block.init is not None else [])
             for stmt in stmts:
                 for buffer, indices in buffer_accesses(stmt):
+                    for dim, idx in enumerate(indices):
+                        if not isinstance(idx, ir_expr.Var):
+                            self._union_renamed(first_expr.setdefault((buffer, dim), idx), idx, iter_vars)
                     plain = [
                         idx if isinstance(idx, ir_expr.Var) and idx in iter_vars else None
                         for idx in indices
@@ -35,6 +42,13 @@ class AxisClasses:
                     first_access[buffer] = [
                         a if a is not None else b for a, b in zip(first_access[buffer], plain)
                     ]
+
+    def _union_renamed(self, a, b, iter_vars):
+        if a.same_as(b) or not tvm_ffi.structural_equal(a, b, map_free_vars=True):
+            return
+        for va, vb in zip(vars_in(a), vars_in(b)):
+            if va in iter_vars and vb in iter_vars:
+                self._union(va, vb)
 
     def _find(self, var):
         root = var

@@ -4,7 +4,8 @@ import tvm_ffi
 from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
-from ..analysis.scope import REDUCE, accumulator_store, dtype_of, uses_var
+from ..algebra.reducers import match_reducer, tir_identity
+from ..analysis.scope import REDUCE, accumulator_store, buffer_accesses, dtype_of, uses_var
 from ..analysis.split_chain import SplitKChain
 from ..analysis.chain import substitute
 from . import ir
@@ -151,20 +152,28 @@ def _partial_realize(chain, edit, block: SBlock, bindings, predicate, partials: 
     ragged = not tvm.sym.Analyzer().can_prove(chain.chunks * chain.chunk <= axis.dom.extent)
     # The last chunk runs past the axis. Rather than a predicate over (chunk, position),
     # which TVM cannot prove an affine binding (so the chunk loop could be neither bound
-    # nor parallel), the block runs every position: reads clamped into the axis, the fold
-    # skipped past it. Not beside reductions rolled within the chunks, whose tiles
-    # TVM's region cover then no longer proves covered.
+    # nor parallel), the block runs every position: reads kept in the axis (shifted or
+    # clamped), the fold skipped where they repeat. Not beside reductions rolled within
+    # the chunks, whose tiles TVM's region cover then no longer proves covered.
     ragged = ragged and _clamps(chain)
+    inside = position < extent
+    if not ragged:
+        reads = {axis.var: position}
+    elif _shifts(chain, block, axis.var, partials, extent):
+        # The last chunk reads a whole chunk's window ending at the axis' end and folds
+        # its positions past the previous chunk: its reads stay contiguous (whole loads).
+        start = tvm.tirx.min(chunk_iv.var * chain.chunk, extent - chain.chunk)
+        reads = {axis.var: start + inner_iv.var}
+        inside = start + inner_iv.var >= chunk_iv.var * chain.chunk
+    else:
+        reads = {axis.var: tvm.tirx.min(position, extent - 1)}
     if ragged:
         predicate = _without_var(predicate, loop_var)
-        reads = {axis.var: tvm.tirx.min(position, extent - 1)}
-    else:
-        reads = {axis.var: position}
 
     def rewrite(stmt, guard=False):
         stmt = substitute(stmt, reads)
         if guard:
-            stmt = _guard_fold(stmt, accumulator_store(block).buffer, position < extent)
+            stmt = _guard_fold(stmt, accumulator_store(block).buffer, inside)
         stmt = chain.localize(stmt, chunk_iv.var)
         return _to_partials(stmt, partials, chunk_iv.var)
 
@@ -196,6 +205,20 @@ def _clamps(chain) -> bool:
     return not any(site.is_reduction and site is not chain.target and not partial(site) for site in chain.under)
 
 
+def _shifts(chain, block, axis_var, partials, extent) -> bool:
+    """Whether the last chunk of ``block`` may read the window of one chunk that ends at
+    the axis' end: a chunk no longer than the axis, and nothing it reads along the axis
+    written under the chunk loop (those values are computed for the chunk's own
+    positions only)."""
+    if not tvm.sym.Analyzer().can_prove(chain.chunk <= extent):
+        return False
+    under = [b for site in [*chain.under, *chain.movers] for b in site.write_buffers()] + [*partials, *partials.values()]
+    return not any(
+        any(buf.same_as(u) for u in under) and any(uses_var(i, axis_var) for i in indices)
+        for buf, indices in buffer_accesses(block.body)
+    )
+
+
 def _without_var(predicate, var):
     """``predicate`` without its conjuncts that use ``var``."""
     if isinstance(predicate, tvm.tirx.And):
@@ -205,14 +228,31 @@ def _without_var(predicate, var):
 
 
 def _guard_fold(stmt, acc, inside):
-    """``stmt`` with its stores to ``acc`` keeping ``acc`` unchanged where not ``inside``."""
+    """``stmt`` with its stores to ``acc`` keeping ``acc`` unchanged where not ``inside``:
+    the folded term replaced there by the reducer's identity, so that the update stays a
+    reducer of its accumulator and one term (``rolling_update`` can then fuse within the
+    chunks)."""
 
     def store(s):
         if not s.buffer.same_as(acc):
             return s
-        return tvm.tirx.BufferStore(s.buffer, tvm.tirx.Select(inside, s.value, tvm.tirx.BufferLoad(acc, s.indices)), s.indices)
+        matched = match_reducer(s)
+        if matched is None or not isinstance(_other_operand(s.value, matched[1]), ir_expr.TensorLoad):
+            value = tvm.tirx.Select(inside, s.value, tvm.tirx.BufferLoad(acc, s.indices))
+        else:
+            reducer, term = matched
+            value = reducer.tir_combine(
+                tvm.tirx.BufferLoad(acc, s.indices),
+                tvm.tirx.Select(inside, term, tir_identity(reducer, s.buffer.dtype)),
+            )
+        return tvm.tirx.BufferStore(s.buffer, value, s.indices)
 
     return tvm_ffi.structural_map(stmt, (tvm.tirx.BufferStore, store))
+
+
+def _other_operand(value, term):
+    """The operand of the binary ``value`` that is not ``term``."""
+    return value.b if value.a.same_as(term) else value.a
 
 
 def _global_combine(chain, edit, fusion, partial):
