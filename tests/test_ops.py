@@ -306,10 +306,11 @@ def test_rmsnorm_gemm(dtype):
 def test_moe_routing_with_topk():
     tokens, experts, top_k = 9, 16, 3
     func = ops.moe_routing(tokens, experts, top_k)
-    assert tt.block_names(func) == list(ops.MOE_ROUTING_BLOCKS) + [ops.MOE_TOPK_BLOCK]
+    assert tt.block_names(func) == list(ops.MOE_ROUTING_BLOCKS) + ["top0", "top1", "top2", *ops.MOE_TOPK_BLOCKS]
     assert [p.name for p in func.params][0] == "logits"
     rng = np.random.default_rng(5)
     logits = (rng.standard_normal((tokens, experts)) * 2).astype("float32")
+    logits[0, [3, 7]] = logits[0].max() + 1  # a tie goes to the lower expert index
     prob, topv, topi = tt.run_prim_func(func, [logits])
     rprob, rtopv, rtopi = ref.moe_routing_ref(logits, top_k)
     np.testing.assert_allclose(prob, rprob, rtol=1e-5, atol=1e-6)

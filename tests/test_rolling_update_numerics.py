@@ -485,7 +485,7 @@ def test_cascades(builder, dims, tile, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dims,tile", [((6, 37, 3), 8), ((5, 16, 2), 4), ((3, 9, 9), 1)])
 def test_moe_routing_with_topk(dims, tile, dtype):
-    """top-k stays an opaque extern block reading the materialised ``prob``."""
+    """The top-k rounds read the softmax statistics the fusion computes (their complete copies)."""
     out, out_unfused, expected = _run_cascade(
         "moe_routing", dims, (("dtype", dtype), ("with_topk", True)), "max", "sum", tile,
         _cascade_inputs("moe_routing", dims, dtype, np.random.default_rng(11)),

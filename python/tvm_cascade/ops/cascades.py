@@ -5,15 +5,15 @@ whose parameters are only the inputs and outputs; every other stage is an
 intermediate buffer allocated inside the function.  Block names (one
 ``te.compute`` per block) are part of the contract with ``rolling_update``:
 
-=====================  =====================================================
+=====================  ===============================================================
 builder                blocks (program order)
-=====================  =====================================================
+=====================  ===============================================================
 ``logsumexp``          ``max``, ``exp``, ``sum``, ``out``
 ``cross_entropy``      ``max``, ``exp``, ``sum``, ``out``
 ``absmax_quant_gemm``  ``absmax``, ``scale``, ``gemm``, ``out``
 ``rmsnorm_gemm``       ``sumsq``, ``rstd``, ``gemm``, ``out``
-``moe_routing``        ``max``, ``exp``, ``sum``, ``prob`` [, ``topk_cpu``]
-=====================  =====================================================
+``moe_routing``        ``max``, ``exp``, ``sum``, ``prob`` [, ``top0`` ..., ``topk_prob``, ``topk_idx``]
+=====================  ===============================================================
 
 Reductions use only the standard reducers (``te.sum`` / ``te.max``), so the
 TIR update statements are ``X[idx] = X[idx] + expr`` or
@@ -23,15 +23,15 @@ TIR update statements are ``X[idx] = X[idx] + expr`` or
 from __future__ import annotations
 
 import tvm
-from tvm import te, tirx, topi
+from tvm import te, tirx
 
 LOGSUMEXP_BLOCKS = ("max", "exp", "sum", "out")
 CROSS_ENTROPY_BLOCKS = ("max", "exp", "sum", "out")
 ABSMAX_QUANT_GEMM_BLOCKS = ("absmax", "scale", "gemm", "out")
 RMSNORM_GEMM_BLOCKS = ("sumsq", "rstd", "gemm", "out")
 MOE_ROUTING_BLOCKS = ("max", "exp", "sum", "prob")
-#: Name of the block created by ``tvm.topi.topk`` (an extern call, not a reduction).
-MOE_TOPK_BLOCK = "topk_cpu"
+#: The blocks that gather the top-k rounds (``top0`` ... ``top{k-1}``) into the outputs.
+MOE_TOPK_BLOCKS = ("topk_prob", "topk_idx")
 
 
 def _softmax_stats(X, rows: int, n: int, acc: str):
@@ -186,14 +186,14 @@ def moe_routing(
       ``prob`` (spatial, ``e / l``) form the softmax cascade -- the part that
       ``rolling_update`` can fuse.
     * top-k is **not** a commutative/associative scalar reduction for
-      ``k > 1`` (its state is a sorted list of k pairs), so it is not written as
-      a TE reduction.  With ``with_topk=True`` it is ``tvm.topi.topk``, i.e. one
-      opaque ``te.extern`` block named ``topk_cpu`` that calls the packed
-      function ``tvm.contrib.sort.topk`` (CPU runtime only) and declares no
-      reads/writes.  It reads the *output* ``prob`` so the softmax result stays
-      materialised whatever a schedule does to the cascade.  Order: descending
-      probability; ties are resolved by that runtime sort.  Because softmax is
-      monotone the selected experts equal ``topk(logits)``.
+      ``k > 1`` (its state is a sorted list of k pairs). With ``with_topk=True`` it
+      is ``top_k`` arg-max reductions over the experts, ``top0`` ... ``top{k-1}``:
+      round ``r`` takes the largest ``e / l`` among the experts that come after round
+      ``r - 1``'s in the order (probability descending, index ascending), so ties go
+      to the lower expert index. Each round reads the one before, but no repair lets
+      a round see a partial previous round: they are no chain for the primitives.
+      ``topk_prob`` and ``topk_idx`` gather the rounds into ``topk_prob`` and ``topk_idx``. Everything is
+      TIR: the function runs on any target.
     * ``with_topk=False`` gives the pure softmax cascade ``main(logits, prob)``;
       the numpy reference :func:`tvm_cascade.ops.reference.moe_routing_ref`
       always provides the top-k.
@@ -206,5 +206,47 @@ def moe_routing(
     prob = te.compute((tokens, experts), lambda t, x: e[t, x] / l[t], name="prob")
     if not with_topk:
         return te.create_prim_func([logits, prob])
-    vals, idx = topi.topk(prob, k=top_k, axis=-1, ret_type="both", is_ascend=False, dtype=index_dtype)
+    vals, idx = _top_k_rounds(e, l, tokens, experts, top_k, acc, index_dtype)
     return te.create_prim_func([logits, prob, vals, idx])
+
+
+def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
+    """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` arg-max rounds."""
+
+    def combine(x, y):  # (index, value): the larger value, on a tie the lower index
+        # TVM's arg-max form, so that its cross-thread reduction recognises it.
+        keep_x = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
+        return tirx.Select(keep_x, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
+
+    def identity(index_t, value_t):
+        return tirx.const(-1, index_t), tirx.min_value(value_t)
+
+    argmax = te.comm_reducer(combine, identity, name="argmax")
+    rounds = []
+    for r in range(top_k):
+        rounds.append(te.compute((tokens,), _round(e, l, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype), name=f"top{r}"))
+
+    def gather(part):
+        def rule(t, k):
+            picked = rounds[-1][part][t]
+            for r in range(top_k - 2, -1, -1):
+                picked = tirx.Select(k == r, rounds[r][part][t], picked)
+            return picked
+
+        return rule
+
+    return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in ((1, "topk_prob"), (0, "topk_idx")))
+
+
+def _round(e, l, experts: int, prev, argmax, acc: str, index_dtype: str):
+    """The compute rule of one arg-max round, after round ``prev`` (None for the first)."""
+    j = te.reduce_axis((0, experts), name="rj")
+
+    def pair(t):
+        value = e[t, j] / l[t]
+        if prev is not None:
+            after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], j > prev[0][t]))
+            value = tirx.Select(after, value, tirx.min_value(acc))
+        return argmax((j.var.astype(index_dtype), value), axis=j)
+
+    return pair
