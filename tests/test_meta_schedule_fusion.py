@@ -83,7 +83,8 @@ def test_fused_nest_is_left_to_the_fusion():
 def test_gpu_proposals_are_bound_and_compile_for_cuda():
     """On a CUDA target the fused proposals are bound to blocks and threads (a row's
     threads sampled) and pass the GPU postprocessors (VerifyGPUCode among them); TVM's
-    CUDA code generation and nvcc build them, with every sampled thread count."""
+    CUDA code generation and nvcc build them, with every sampled thread count; their
+    simplified traces (MetaSchedule's records) replay."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     target = tvm.target.Target("nvidia/nvidia-h100")
@@ -92,6 +93,10 @@ def test_gpu_proposals_are_bound_and_compile_for_cuda():
     fused = [s for s in context.generate_design_space() if _fusions(s)]
     assert {_fusions(s)[0] for s in fused} == set(FUSIONS)
     for space in fused:
+        # As MetaSchedule logs and stores it: simplified, it still names and replays.
+        simplified = space.trace.simplified(remove_postproc=True)
+        simplified.as_python(remove_postproc=False)
+        simplified.apply_to_schedule(tvm.s_tir.Schedule(tvm.IRModule({"main": func})), remove_postproc=True)
         (lanes,) = [
             inst for inst in space.trace.insts
             if inst.kind.name == "SampleCategorical" and tuple(int(c) for c in inst.attrs[0]) == GPU_LANES

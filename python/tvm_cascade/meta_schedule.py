@@ -22,7 +22,10 @@ fused candidate is bound to blocks and threads by
 :func:`~tvm_cascade.relax.gpu_schedule.schedule_fused_for_gpu`, the threads of a row
 sampled from :data:`GPU_LANES`; the blocks of a fused
 nest are then annotated ``schedule_rule = "None"``, so that the other rules leave them
-alone. Every step is a traced instruction, so the evolutionary search mutates the sampled
+alone. On a GPU target a chain that folds each row to values of its own (log-sum-exp,
+cross-entropy, a softmax's statistics) is also proposed as one CUDA block per row
+(:func:`~tvm_cascade.schedules.rows.schedule_rows`: split-k across the row's threads,
+rolled within each thread's chunk), its tile, threads and rows per block sampled. Every step is a traced instruction, so the evolutionary search mutates the sampled
 tile or chunk count and the records replay from a JSON database.
 
 :func:`cascade_space` is the space generator to tune with: MetaSchedule's default rules,
@@ -51,10 +54,11 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import ScheduleError
 
-from .analysis.scope import collect_sites
+from .analysis.scope import buffer_params, collect_sites
 from .errors import FusionError
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .rpc_tuning import resolve_runner
+from .schedules.rows import plan_chunks, plan_rows, row_chains, schedule_rows
 from .trace import JSONDatabase
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
@@ -67,6 +71,12 @@ TILES = (16, 32, 64, 128)
 CHUNKS = (2, 4, 8, 16, 32)
 #: Threads a row of a fused nest spreads its spatial loops over on a GPU, sampled from.
 GPU_LANES = (32, 64, 128)
+#: Positions a thread folds between repairs, threads per row and rows per CUDA block that
+#: the one-block-per-row GPU schedule samples from (the chunk counts that divide the row
+#: into whole tiles are added).
+ROW_TILES = (16, 32, 64, 128)
+ROW_THREADS = (64, 128, 256)
+ROWS_PER_BLOCK = (1, 4, 16)
 #: The annotation that makes MetaSchedule's other rules skip a block.
 SKIP = ("schedule_rule", "None")
 
@@ -89,10 +99,10 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         if candidate is None:
             return [sch]
         proposals = []
-        for how in ("rolling", "split_k"):
+        for how in ("rolling", "split_k") + (("rows",) if self.on_gpu else ()):
             fused = sch.copy()
             try:
-                if self._fuse(fused, candidate, how):
+                if self._fuse_rows(fused, candidate) if how == "rows" else self._fuse(fused, candidate, how):
                     proposals.append(fused)
             except (ScheduleError, UnsupportedOnGpu):
                 continue
@@ -143,6 +153,28 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             names += [candidate.root] + fused
         for name in dict.fromkeys(names):
             sch.annotate(sch.get_sblock(name), *SKIP)
+        return True
+
+    def _fuse_rows(self, sch, candidate) -> bool:
+        """On a GPU, a chain that folds each row to values of its own as one CUDA block
+        per row (:func:`~tvm_cascade.schedules.rows.schedule_rows`), the tile, the
+        threads of a row and the rows of a block sampled."""
+        if candidate.length is None or candidate.root not in {c.root for c in row_chains(only_func(sch))}:
+            return False
+        length = candidate.length
+        dtype = str(next(b for b in buffer_params(only_func(sch))).ty.dtype)
+        plan = plan_rows(length, dtype)
+        tiles = sorted({plan["tile"]} | {t for t in ROW_TILES if 32 * t <= length})
+        # Chunks of whole tiles, none past the row's end with any of the tiles (the
+        # combines would skip it, which leaves TVM unable to stage the loads).
+        chunks = sorted(
+            c for c in {plan_chunks(length, t) for t in tiles} | set(ROW_THREADS)
+            if all((c - 1) * -(-length // (c * t)) * t < length for t in tiles)
+        )
+        sampled = [sch.sample_categorical(list(c), [1 / len(c)] * len(c)) for c in (chunks, tiles, ROWS_PER_BLOCK)]
+        schedule_rows(sch, *sampled)
+        for site in collect_sites(only_func(sch).body.block):
+            sch.annotate(sch.get_sblock(site.name), *SKIP)
         return True
 
     def _choices(self, candidate, how: str) -> tuple:

@@ -28,6 +28,10 @@ ROWS = 4  # rows (threadIdx.y) of a fused nest per CUDA block: they share K and 
 THREADS = 128  # threads per CUDA block of the kernels outside the fused nests
 
 
+#: Marks a block that reads an accumulator's register copy (what ``cache_write`` made).
+READS_REGISTERS = "tvm_cascade.reads_registers_of"
+
+
 class UnsupportedOnGpu(ValueError):
     """The fused PrimFunc has a form this schedule cannot bind."""
 
@@ -44,7 +48,7 @@ def schedule_fused_for_gpu(sch, chains, lanes=LANES) -> None:
                 "symbolic length; the rolling update's tiles have a static one"
             )
     drop_layout_hints(sch)
-    _inline_spatial(sch)
+    inline_spatial(sch)
     for chain in chains:
         _schedule_nest(sch, chain, lanes)
     _bind_remaining(sch, THREADS)
@@ -63,7 +67,7 @@ def drop_layout_hints(sch) -> None:
             sch.unannotate(sch.get_sblock(site.name), "layout_free_placeholders")
 
 
-def _inline_spatial(sch) -> None:
+def inline_spatial(sch) -> None:
     """Inline every spatial block that writes an intermediate (layout copies, scaling,
     masking, exp, normalisation): its consumers recompute it instead of storing it."""
     changed = True
@@ -179,6 +183,12 @@ def _place_buffers(sch, row_rv, inner_rv, tile) -> None:
             if site.is_reduction:
                 readers = [sch.get_sblock(s.name) for s in nest if s is not site and _reads(s, buf)]
                 store = sch.cache_write(block, index, "local", consumer_blocks=readers)
+                # TVM's trace simplification looks for used blocks in an instruction's own
+                # inputs, not in its list inputs: without a use of their own, the readers'
+                # get_sblock would leave the simplified trace (MetaSchedule's records),
+                # which then no longer replays.
+                for reader in readers:
+                    sch.annotate(reader, READS_REGISTERS, buf.name)
                 done.add((sch.get(store).name_hint, 0))
                 if not any(sch.get(l).same_as(sch.get(row_rv)) for l in sch.get_loops(store)):
                     sch.reverse_compute_at(store, row_rv, preserve_unit_loops=True)

@@ -1,0 +1,111 @@
+"""``tvm_cascade.schedules.rows``: the one-block-per-row GPU schedule of chains that fold
+each row to values of their own (log-sum-exp, cross-entropy, MoE routing): its plans,
+the kernel it builds (one launch, loads of 16 bytes where the chunks divide the row), its
+refusals, and MetaSchedule's proposal of it. Numerics on a GPU: test_rows_gpu.py."""
+import re
+import shutil
+
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+from tvm.s_tir import meta_schedule as ms
+
+from tvm_cascade import ops
+from tvm_cascade.meta_schedule import ROWS_PER_BLOCK, cascade_space
+from tvm_cascade.ops import cascades
+from tvm_cascade.relax.gpu_schedule import UnsupportedOnGpu
+from tvm_cascade.schedules.rows import plan_chunks, plan_rows, row_chains, schedule_rows
+
+TARGET = tvm.target.Target("nvidia/nvidia-h100")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+
+
+@pytest.mark.parametrize(
+    "length, tile, chunks",
+    [(128256, 64, 167), (32000, 64, 250), (4096, 64, 64), (64, 8, 8), (151936, 64, 238), (1000, 16, 63), (1001, 16, 63)],
+)
+def test_plan_chunks(length, tile, chunks):
+    """Whole tiles that divide the row where that gives a warp or more of threads; else
+    the fewest chunks of equally many tiles on at most 256 threads (151936 = 2^7 * 1187
+    has no such split: 238 chunks of 10 tiles)."""
+    assert plan_chunks(length, tile) == chunks
+
+
+def test_plan_rows_fills_blocks_of_short_rows():
+    assert plan_rows(64, "float16") == {"chunks": 8, "tile": 8, "rows_per_block": 16}
+    assert plan_rows(128256, "bfloat16") == {"chunks": 167, "tile": 64, "rows_per_block": 1}
+
+
+def test_row_chains_leave_out_chains_with_spatial_work():
+    """Softmax statistics fold a row to values; attention's P·V keeps a head dimension."""
+    assert [c.root for c in row_chains(cascades.cross_entropy(4, 64))] == ["max"]
+    assert row_chains(ops.attention(1, 2, 1, 3, 40, 8, variant="causal")) == []
+    with pytest.raises(UnsupportedOnGpu, match="expected one chain folding each row, found 0"):
+        schedule_rows(tvm.s_tir.Schedule(ops.attention(1, 2, 1, 3, 40, 8, variant="causal")))
+
+
+def _kernels(source) -> set:
+    """The names of the CUDA kernels ``source`` defines."""
+    return set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+
+
+def _kernel_source(func, **kwargs):
+    sch = tvm.s_tir.Schedule(func)
+    schedule_rows(sch, **kwargs)
+    source = tvm.compile(sch.mod, target=TARGET).mod.imports[0].inspect_source()
+    return sch, source
+
+
+@needs_nvcc
+def test_one_kernel_with_whole_loads_where_the_chunks_divide():
+    sch, source = _kernel_source(cascades.cross_entropy(8, 4096, "bfloat16"), tile=32)
+    assert len(_kernels(source)) == 1
+    assert "__launch_bounds__(128)" in source  # 4096 / 32 tiles over 128 threads
+    assert "*(uint4*)(X_ptr" in source
+    loops = [sch.get(l) for l in sch.get_loops(sch.get_sblock("sum_partial"))]
+    assert [l.thread_binding.thread_tag for l in loops[:3]] == ["blockIdx.x", "threadIdx.y", "threadIdx.x"]
+
+
+@needs_nvcc
+def test_rows_that_no_chunk_count_divides():
+    """The last chunk reads the tiles that end the row: whole loads still, unless the row
+    is no whole number of them."""
+    _, source = _kernel_source(cascades.logsumexp(4, 151936, "bfloat16"), tile=64)
+    assert len(_kernels(source)) == 1 and "*(uint4*)(X_ptr" in source
+    _, source = _kernel_source(cascades.logsumexp(4, 1001, "float16"), tile=16)
+    assert len(_kernels(source)) == 1 and "uint4" not in source
+
+
+@needs_nvcc
+def test_moe_routing_with_top_k_is_one_kernel():
+    """The softmax, its normalisation and the top-k rounds (arg-max reductions across the
+    row's threads) in one launch; 16 rows of 8 threads per block."""
+    _, source = _kernel_source(cascades.moe_routing(64, 64, 4, "float16"), **plan_rows(64, "float16"))
+    assert len(_kernels(source)) == 1
+    assert "__launch_bounds__(128)" in source
+
+
+@needs_nvcc
+def test_meta_schedule_proposes_one_block_per_row_on_gpus():
+    """On a CUDA target the space holds the chain split across a row's threads and
+    rolled within each (both fusions in one trace), with its sampled threads, tile and
+    rows per block; a decision passes the GPU postprocessors (and builds) unless its
+    block would exceed 1024 threads."""
+    func = cascades.cross_entropy(16, 4096, "bfloat16")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=TARGET, space_generator=cascade_space(), task_name="ce")
+    rows = [
+        s for s in context.generate_design_space()
+        if {"RollingUpdate", "SplitKUpdate"} <= {i.kind.name for i in s.trace.insts}
+    ]
+    assert len(rows) == 1
+    samples = [inst for inst in rows[0].trace.insts if inst.kind.name == "SampleCategorical"]
+    at = next(k for k, inst in enumerate(samples) if tuple(int(c) for c in inst.attrs[0]) == ROWS_PER_BLOCK)
+    chunks, per_block = samples[at - 2], samples[at]  # sampled as (threads, tile, rows)
+    threads = int(chunks.attrs[0][int(rows[0].trace.decisions[chunks])])
+    for decision, count in enumerate(ROWS_PER_BLOCK):
+        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        rows[0].trace.with_decision(per_block, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
+        valid = all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
+        assert valid == (threads * count <= 1024), (threads, count)  # VerifyGPUCode: threads per block
+        if valid:
+            assert len(_kernels(tvm.compile(sch.mod, target=TARGET).mod.imports[0].inspect_source())) == 1
