@@ -204,6 +204,20 @@ def write_json(path, document: Dict) -> None:
         f.write("\n")
 
 
+def grouped_bars(ax, groups: Sequence[str], series: Dict[str, Sequence[Optional[float]]], ylabel: str) -> None:
+    """Each series' value per group as bars beside each other on a log axis with a line
+    at 1; a None leaves its bar out."""
+    width = 0.8 / len(series)
+    for n, (label, values) in enumerate(series.items()):
+        xs = [x + (n - (len(series) - 1) / 2) * width for x, v in enumerate(values) if v is not None]
+        ax.bar(xs, [v for v in values if v is not None], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+
+
 def plot(results: Sequence[Tuple[Config, List[Dict]]], path) -> bool:
     """Grouped bars of speed relative to the best peer per configuration; False without matplotlib."""
     try:
@@ -220,20 +234,10 @@ def plot(results: Sequence[Tuple[Config, List[Dict]]], path) -> bool:
     for ax, kind in zip(axes[:, 0], kinds):
         rows = [(cfg, rs) for cfg, rs in results if cfg.op.kind == kind]
         impls = [r["impl"] for r in rows[0][1]]
-        width = 0.8 / len(impls)
-        for n, impl in enumerate(impls):
-            xs, ys = [], []
-            for x, (_, rs) in enumerate(rows):
-                r = next(r for r in rs if r["impl"] == impl)
-                if r["vs_best_peer"] is not None:
-                    xs.append(x + (n - (len(impls) - 1) / 2) * width)
-                    ys.append(r["vs_best_peer"])
-            ax.bar(xs, ys, width, label=impl)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log")
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([cfg.name for cfg, _ in rows], rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel("speed vs best peer (x, log)")
+        series = {
+            impl: [next(r for r in rs if r["impl"] == impl)["vs_best_peer"] for _, rs in rows] for impl in impls
+        }
+        grouped_bars(ax, [cfg.name for cfg, _ in rows], series, "speed vs best peer (x, log)")
         ax.set_title(f"{kind} (missing bar: n/a or wrong)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

@@ -179,6 +179,46 @@ def test_stock_tvm_relax_graph_on_llvm(cfg, small_window):
     np.testing.assert_allclose(out, reference.attention_reference(cfg, q, k, v), rtol=1e-2, atol=5e-3)
 
 
+@pytest.mark.parametrize("workload", ["cross_entropy", "logsumexp", "moe_routing"])
+def test_cascades_stock_tvm_graph_on_llvm(workload):
+    """The Relax graph of the cascades benchmark's stock-TVM peer computes the workload
+    (the benchmark's own float64 check, on torch CPU tensors)."""
+    import torch
+    import tvm
+    from tvm import relax
+
+    from benchmarks.cascades import check, relax_graph
+
+    x = torch.randn(6, 40, dtype=torch.float32) * 3
+    args = [x] + ([torch.randint(0, 40, (6,), dtype=torch.int32)] if workload == "cross_entropy" else [])
+    vm = relax.VirtualMachine(tvm.compile(relax_graph(workload, 6, 40, 3, "float32"), target="llvm"), tvm.cpu())
+    out = vm["main"](*(tvm.runtime.tensor(a.numpy()) for a in args))
+    got = [torch.from_numpy(out[k].numpy()) for k in range(len(out))] if workload == "moe_routing" else [torch.from_numpy(out.numpy())]
+    assert check(workload, got, args, 3) is None
+
+
+def test_cascades_check_names_what_is_off():
+    import torch
+
+    from benchmarks.cascades import check
+
+    x = torch.randn(4, 16)
+    lse = torch.logsumexp(x.double(), dim=-1)
+    assert check("logsumexp", [lse.float()], [x], 0) is None
+    assert check("logsumexp", [lse.float() + 0.1], [x], 0).startswith("out off by 1.00e-01")
+
+
+def test_cascades_tuning_arguments_keep_labels_in_range():
+    """MetaSchedule's random arguments with the index inputs zeroed (random labels would
+    index past the row)."""
+    import tvm
+
+    from benchmarks.cascades import arguments_in_range
+
+    (args,) = arguments_in_range(tvm.cpu(), [["TENSOR", "float32", [2, 8]], ["TENSOR", "int32", [2]]], 1)
+    assert not args[1].numpy().any() and args[0].numpy().shape == (2, 8)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
 def test_torch_peers_express_the_variants(cfg, small_window, monkeypatch):
@@ -314,6 +354,7 @@ def test_plot(tmp_path):
         ["benchmarks.wgmma_check"],
         ["benchmarks.models", "--only", "mha-b1-kv2048"],
         ["benchmarks.attention", "--suite", "models", "--only", "mha-b1-kv2048"],
+        ["benchmarks.cascades", "--only", "moe"],
     ],
 )
 def test_cli_without_gpu_skips(command):
