@@ -85,23 +85,27 @@ def tuned_kernel(workload, rows, n, top_k, dtype, target, trials: int, work_dir:
         mod, target, str(work_dir), trials, num_trials_per_iter=min(trials, 32), cost_model=cost_model, runner=runner
     )
     sch = ms.tir_integration.compile_tir(database, mod, target)
+    if sch is None:
+        raise RuntimeError(f"none of the {trials} candidates ran (why: {work_dir}/logs)")
     fusions = [i.kind.name for i in sch.trace.insts if i.kind.name in ("RollingUpdate", "SplitKUpdate")]
     return tvm.compile(sch.mod, target=target)["main"], {"cost_model": cost_model, "fusions": fusions}
 
 
 def arguments_in_range(device, args_info, alloc_repeat):
-    """MetaSchedule's random arguments, its index inputs (labels) zero: random ones would
-    index past the row."""
+    """The arguments MetaSchedule's runner measures a candidate with: zeros, made in
+    numpy (no device-side random fill, whose dtypes vary by device), so that index inputs
+    (labels) stay in range. These kernels take as long on any values."""
     import numpy as np
     import tvm
-    from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
 
-    repeated = default_alloc_argument(device, args_info, alloc_repeat)
-    for args in repeated:
-        for k, (_, dtype, shape) in enumerate(args_info):
-            if dtype.startswith("int"):
-                args[k] = tvm.runtime.tensor(np.zeros(shape, dtype), device)
-    return repeated
+    def zeros(dtype, shape):
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            return np.zeros(shape, ml_dtypes.bfloat16)
+        return np.zeros(shape, dtype)
+
+    return [[tvm.runtime.tensor(zeros(dtype, shape), device) for _, dtype, shape in args_info] for _ in range(alloc_repeat)]
 
 
 def relax_graph(workload: str, rows: int, n: int, top_k: int, dtype: str):

@@ -209,14 +209,15 @@ def test_cascades_check_names_what_is_off():
 
 
 def test_cascades_tuning_arguments_keep_labels_in_range():
-    """MetaSchedule's random arguments with the index inputs zeroed (random labels would
-    index past the row)."""
+    """The tuning runner's arguments: zeros of every dtype (labels in range)."""
     import tvm
 
     from benchmarks.cascades import arguments_in_range
 
-    (args,) = arguments_in_range(tvm.cpu(), [["TENSOR", "float32", [2, 8]], ["TENSOR", "int32", [2]]], 1)
-    assert not args[1].numpy().any() and args[0].numpy().shape == (2, 8)
+    info = [["TENSOR", "bfloat16", [2, 8]], ["TENSOR", "int32", [2]], ["TENSOR", "float32", [2]]]
+    (args,) = arguments_in_range(tvm.cpu(), info, 1)
+    assert [a.numpy().shape for a in args] == [(2, 8), (2,), (2,)]
+    assert not any(a.numpy().astype("float32").any() for a in args)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
