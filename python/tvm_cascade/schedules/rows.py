@@ -28,12 +28,13 @@ Before::
         for i in range(rows):
             with T.sblock("out"): ...      # out[i] = m[i] + log(s[i])
 
-After ``schedule_rows(sch, chunks=167, tile=32)`` (n = 128256)::
+After ``schedule_rows(sch, chunks=167, tile=32)`` (n = 128256; the row loop is split
+by ``rows_per_block`` over ``blockIdx.x`` and ``threadIdx.y``, here 1)::
 
     for i in T.thread_binding(rows, thread="blockIdx.x"):
         for c in T.thread_binding(167, thread="threadIdx.x"):
             for t in range(24):                       # 768 positions per chunk
-                for v in T.vectorized(32): ...        # X_local = X[i, c*768 + t*32 + v]
+                for u, v in T.grid(4, T.vectorized(8)): ...  # X_local = X[i, c*768 + t*32 + u*8 + v]
                 for v in T.unroll(32):
                     with T.sblock("max_partial"): ... # and the maximum before the tile
                 for v in T.unroll(32):
@@ -53,11 +54,9 @@ from ..relax.gpu_schedule import UnsupportedOnGpu, inline_spatial
 from ..transform.detect import find_candidates
 from ..transform.fuse import key_loop, only_func
 
-#: Positions a thread folds between two repairs of its running state, sampled from.
-TILES = (16, 32, 64, 128)
 #: The most threads one row's block uses.
 MAX_THREADS = 256
-#: Bytes per load where the chunks divide the row.
+#: Bytes per load of a tile.
 LOAD_BYTES = 16
 
 
