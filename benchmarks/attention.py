@@ -221,6 +221,24 @@ def environment(argv: Sequence[str]) -> Dict:
     }
 
 
+def shapes_parser(module: str, doc: str, outputs: str, only: bool = True) -> argparse.ArgumentParser:
+    """The arguments of a benchmark over named shapes: ``--out`` (where ``outputs``
+    go) and, with ``only``, ``--only``."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help=f"where {outputs} go")
+    if only:
+        p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    return p
+
+
+def run_environment(module: str, out: Path, argv: Sequence[str]) -> Dict:
+    """Make ``out``; what the run of ``module`` with ``argv`` measures on (``environment``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv)
+    env["command"] = " ".join(["python", "-m", module, *argv])
+    return env
+
+
 def write_outputs(out_dir: Path, env: Dict, bandwidth: float, results, flush: str = FLUSHES[0]) -> List[str]:
     """Write results.md, results.json and (with matplotlib) results.png; their names."""
     out_dir.mkdir(parents=True, exist_ok=True)

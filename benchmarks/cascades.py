@@ -21,13 +21,12 @@ and (with matplotlib) ``cascades.png``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import environment, skip_without_gpu
+from .attention import run_environment, shapes_parser, skip_without_gpu
 from .report import grouped_bars
 from .timing import bench
 
@@ -353,16 +352,12 @@ def plot(results: List[Dict], path: Path) -> bool:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cascades", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where the outputs go")
-    p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    p = shapes_parser("benchmarks.cascades", __doc__, "cascades.json, .md and .png")
     p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune each shape with MetaSchedule")
     args = p.parse_args(argv)
     if skip_without_gpu("benchmarks.cascades"):
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.cascades", *argv])
+    env = run_environment("benchmarks.cascades", args.out, argv)
     shapes = [s for s in SHAPES if not args.only or any(o in s[0] for o in args.only)]
     results: List[Dict] = []
     for index, shape in enumerate(shapes, 1):

@@ -13,14 +13,12 @@ flushed before each (:func:`benchmarks.timing.bench`). Prints a table, writes
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-from .attention import environment, skip_without_gpu
+from .attention import run_environment, shapes_parser, skip_without_gpu
 from .timing import bench
 
 PAGE = 16
@@ -193,15 +191,11 @@ def run_shape(shape) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where kv_cache.json goes")
-    p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    p = shapes_parser("benchmarks.kv_cache", __doc__, "kv_cache.json")
     args = p.parse_args(argv)
     if skip_without_gpu("benchmarks.kv_cache"):
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.kv_cache", *argv])
+    env = run_environment("benchmarks.kv_cache", args.out, argv)
     results = []
     for shape in SHAPES:
         if args.only and not any(s in shape[0] for s in args.only):

@@ -31,15 +31,13 @@ attention in float32 from the same fp16 inputs and weights). Prints a table, wri
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
-from .attention import environment, skip_without_gpu
+from .attention import run_environment, shapes_parser, skip_without_gpu
 from .timing import bench
 
 PIPELINES = ("default", "cascade")
@@ -354,9 +352,7 @@ def table(results) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache_layer", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where kv_cache_layer.json goes")
-    p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
+    p = shapes_parser("benchmarks.kv_cache_layer", __doc__, "kv_cache_layer.json")
     p.add_argument("--target", choices=("cuda", "llvm"), default="cuda",
                    help="llvm: run on the CPU (with --small), timing with time.perf_counter")
     p.add_argument("--small", action="store_true",
@@ -370,9 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import tvm
 
     target = tvm.target.Target.from_device(tvm.cuda(0)) if on_gpu else tvm.target.Target("llvm")
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.kv_cache_layer", *argv])
+    env = run_environment("benchmarks.kv_cache_layer", args.out, argv)
     env["target"] = str(target)
     shapes = [s for s in (SMALL_SHAPES if args.small else SHAPES)
               if not args.only or any(o in s[0] for o in args.only)]

@@ -11,13 +11,11 @@ legalizes the softmax in fp16: its error is the larger); times are medians of CU
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-from .attention import environment, skip_without_gpu
+from .attention import run_environment, shapes_parser, skip_without_gpu
 from .timing import bench
 
 #: (name, form, batch, queries, keys, heads q, heads kv, head dim, symbolic). "op":
@@ -78,14 +76,11 @@ def run_shape(shape) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.relax_attention", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/out"), help="where relax_attention.json goes")
+    p = shapes_parser("benchmarks.relax_attention", __doc__, "relax_attention.json", only=False)
     args = p.parse_args(argv)
     if skip_without_gpu("benchmarks.relax_attention"):
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
-    env["command"] = " ".join(["python", "-m", "benchmarks.relax_attention", *argv])
+    env = run_environment("benchmarks.relax_attention", args.out, argv)
     results = []
     for shape in SHAPES:
         results += run_shape(shape)
