@@ -1,6 +1,7 @@
 """ROCm code generation (no AMD GPU here: builds only): the generic fused kernels of the
-transform and Relax paths, the non-attention cascades and the CUDA-core split-k decode
-schedule build code objects for MI300 (gfx942) and MI200 (gfx90a).
+transform and Relax paths, the non-attention cascades (also as one block per row), and
+the CUDA-core split-k decode schedule build code objects for MI300 (gfx942) and MI200
+(gfx90a).
 
 TVM links an AMDGPU code object with ``ld.lld-<its LLVM major>``, else ``ld.lld``, and
 the ROCm device bitcode under ``$ROCM_PATH/amdgcn/bitcode``. Debian's ``lld`` (14) is
@@ -95,6 +96,26 @@ def test_fused_kernels_build_code_objects(kind, arch):
     its kernels: the split-k chunks, rolling rows and combines."""
     executable = tvm.compile(FUSED[kind](), target=tvm.target.Target({"kind": "rocm", "mcpu": arch}))
     assert _kernels(executable)[:2] == ["main_kernel", "main_kernel_1"]
+
+
+ROWS = {
+    "cross-entropy": (lambda: cascades.cross_entropy(8, 4096, "float16"), 4096),
+    "log-sum-exp, chunks past the row": (lambda: cascades.logsumexp(8, 1001, "float16"), 1001),
+    "moe-routing-top-k": (lambda: cascades.moe_routing(16, 64, 2, "float16"), 64),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", list(ROWS))
+def test_one_block_per_row_schedule_builds(kind, arch):
+    """``schedules.rows`` (cross-thread reductions over a row's threads, on AMD's
+    64-wide wavefronts) links into a code object of one kernel."""
+    from tvm_cascade.schedules.rows import plan_rows, schedule_rows
+
+    build, length = ROWS[kind]
+    sch = tvm.s_tir.Schedule(build())
+    schedule_rows(sch, **plan_rows(length, "float16"))
+    assert _kernels(tvm.compile(sch.mod, target=tvm.target.Target({"kind": "rocm", "mcpu": arch}))) == ["main_kernel"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

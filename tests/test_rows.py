@@ -77,6 +77,15 @@ def test_rows_that_no_chunk_count_divides():
 
 
 @needs_nvcc
+def test_a_runtime_number_of_rows():
+    """Tokens as a symbolic extent (a model's batch of tokens): one kernel for any count."""
+    tokens = tvm.tirx.Var("tokens", "int32")
+    sch, source = _kernel_source(cascades.moe_routing(tokens, 64, 2, "float16"), **plan_rows(64, "float16"))
+    assert len(_kernels(source)) == 1
+    assert any(isinstance(p.ty.shape[0], tvm.tirx.Var) for p in sch.mod["main"].params)
+
+
+@needs_nvcc
 def test_moe_routing_with_top_k_is_one_kernel():
     """The softmax, its normalisation and the top-k rounds (arg-max reductions across the
     row's threads) in one launch; 16 rows of 8 threads per block."""

@@ -71,6 +71,22 @@ def test_moe_routing_with_top_k(experts, top_k):
     np.testing.assert_array_equal(top_idx, ref_idx)
 
 
+def test_a_runtime_number_of_tokens():
+    """One kernel built for a symbolic token count, run at several counts."""
+    tokens = tvm.tirx.Var("tokens", "int32")
+    sch = tvm.s_tir.Schedule(cascades.moe_routing(tokens, 128, 8, "float16"))
+    schedule_rows(sch, **plan_rows(128, "float16"))
+    for count in (1, 37, 300):
+        x = _logits(count, 128, "float16", count)
+        prob, top_prob, top_idx = _run(
+            sch, [x], [((count, 128), "float32"), ((count, 8), "float32"), ((count, 8), "int32")]
+        )
+        ref_prob, ref_top, ref_idx = R.moe_routing_ref(x.astype("float64"), 8)
+        np.testing.assert_allclose(prob, ref_prob, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(top_prob, ref_top, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(top_idx, ref_idx)
+
+
 @pytest.mark.parametrize("rows_per_block", [1, 4, 16])
 def test_rows_per_block(rows_per_block):
     x = _logits(37, 256, "float16", 5)  # 37 rows: the last block runs past them
