@@ -108,6 +108,73 @@ def test_exact_ir_numerics():
     np.testing.assert_allclose(out, p @ v, rtol=1e-5, atol=1e-4)
 
 
+# fmt: off
+@T.prim_func(s_tir=True)
+def logsumexp_ragged_split(X: T.Buffer((2, 10), "float32"), out: T.Buffer((2,), "float32")):
+    max = T.sblock_alloc_buffer((2,))
+    sum = T.sblock_alloc_buffer((2,))
+    max_partial = T.sblock_alloc_buffer((3, 2))
+    sum_partial = T.sblock_alloc_buffer((3, 2))
+    for i, rj_0 in T.grid(2, 3):
+        for rj_1 in range(4):
+            with T.sblock("max_partial"):
+                v_chunk, v_i, v_rj_in = T.axis.remap("SSR", [rj_0, i, rj_1])
+                T.reads(X[v_i, T.min(v_chunk * 4, 6) + v_rj_in])
+                T.writes(max_partial[v_chunk, v_i])
+                with T.init():
+                    max_partial[v_chunk, v_i] = T.float32(-340282346638528859811704183484516925440.0)
+                max_partial[v_chunk, v_i] = T.max(max_partial[v_chunk, v_i], T.Select(T.min(v_chunk * 4, 6) + v_rj_in >= v_chunk * 4, X[v_i, T.min(v_chunk * 4, 6) + v_rj_in], T.float32(-340282346638528859811704183484516925440.0)))
+        for rj_1 in range(4):
+            with T.sblock("sum_partial"):
+                v_chunk, v_i, v_rj_in = T.axis.remap("SSR", [rj_0, i, rj_1])
+                T.reads(X[v_i, T.min(v_chunk * 4, 6) + v_rj_in], max_partial[v_chunk, v_i])
+                T.writes(sum_partial[v_chunk, v_i])
+                with T.init():
+                    sum_partial[v_chunk, v_i] = T.float32(0.0)
+                sum_partial[v_chunk, v_i] = sum_partial[v_chunk, v_i] + T.Select(T.min(v_chunk * 4, 6) + v_rj_in >= v_chunk * 4, T.exp(X[v_i, T.min(v_chunk * 4, 6) + v_rj_in] - max_partial[v_chunk, v_i]), T.float32(0.0))
+    for ax0, chunk in T.grid(2, 3):
+        with T.sblock("max"):
+            v_i, v_chunk = T.axis.remap("SR", [ax0, chunk])
+            T.reads(max_partial[v_chunk, v_i])
+            T.writes(max[v_i])
+            with T.init():
+                max[v_i] = T.float32(-340282346638528859811704183484516925440.0)
+            max[v_i] = T.max(max[v_i], max_partial[v_chunk, v_i])
+    for ax0, chunk in T.grid(2, 3):
+        with T.sblock("sum"):
+            v_i, v_chunk = T.axis.remap("SR", [ax0, chunk])
+            T.reads(sum_partial[v_chunk, v_i], max_partial[v_chunk, v_i], max[v_i])
+            T.writes(sum[v_i])
+            with T.init():
+                sum[v_i] = T.float32(0.0)
+            sum[v_i] = sum[v_i] + sum_partial[v_chunk, v_i] * T.exp(max_partial[v_chunk, v_i] - max[v_i])
+    for i in range(2):
+        with T.sblock("out"):
+            v_i = T.axis.spatial(2, i)
+            T.reads(max[v_i], sum[v_i])
+            T.writes(out[v_i])
+            out[v_i] = max[v_i] + T.log(sum[v_i])
+# fmt: on
+
+
+def test_exact_ir_chunks_that_do_not_divide_the_row():
+    """10 positions in 3 chunks of 4: the last chunk reads positions 6..9 (the window
+    that ends the row, contiguous) and folds only 8 and 9 (the reducer's identity where
+    the chunk before has folded), with no predicate on the chunk loop."""
+    sch = tvm.s_tir.Schedule(ops.logsumexp(2, 10))
+    sch.compute_inline(sch.get_sblock("exp"))
+    chunk = sch.split(sch.get_loops(sch.get_sblock("max"))[-1], [3, None])[0]
+    for name in ("max", "sum"):
+        sch.split_k_update(sch.get_sblock(name), chunk)
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"].without_attr("global_symbol"),
+        logsumexp_ragged_split.with_attr("tirx.noalias", True).without_attr("global_symbol"),
+    )
+    x = (np.random.default_rng(2).standard_normal((2, 10)) * 4).astype("float32")
+    (out,) = testing.run_prim_func(logsumexp_ragged_split, [x])
+    np.testing.assert_allclose(out, reference.logsumexp_ref(x), rtol=1e-6)
+
+
 def _assert_refused(func, chunks, done, block, match, loop_of=None):
     sch, j0 = _split_chunks(func, chunks)
     for name in done:
