@@ -192,7 +192,8 @@ def _load_tiles(sch, partials, tile_loop, length: int, tile: int) -> None:
 def _epilogue(sch, rows, chunks, depth) -> None:
     """What follows the combines (per row, per element of the row as a softmax's
     normalisation, or reductions over the row as top-k's rounds) in the row's block, its
-    loops over the row's threads; what it writes for later blocks in shared memory."""
+    loops over the row's threads; what it writes for later blocks where
+    :func:`_scope_across_threads` says."""
     params = buffer_params(only_func(sch))
     for site in collect_sites(only_func(sch).body.block):
         if site.under(sch.get(rows)):
