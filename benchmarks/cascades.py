@@ -249,10 +249,13 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     fn = torch_fn(workload, top_k)
     as_list = lambda r: list(r) if isinstance(r, tuple) else [r]  # noqa: E731
 
-    def ours():
-        kernel = cascade_kernel(workload, rows, n, top_k, dtype, target)
+    def on_tensors(kernel):
+        """``kernel`` called on the shape's inputs and outputs (TVM tensors over torch's)."""
         tvm_args = [tvm.runtime.from_dlpack(t) for t in args + outs]
         return (lambda: kernel(*tvm_args)), (lambda: outs)
+
+    def ours():
+        return on_tensors(cascade_kernel(workload, rows, n, top_k, dtype, target))
 
     def eager(f):
         def build():
@@ -284,8 +287,7 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
 
     def tuned():
         kernel, tuning["record"] = tuned_kernel(workload, rows, n, top_k, dtype, target, tune, work_dir / name.replace(" ", "_"))
-        tvm_args = [tvm.runtime.from_dlpack(t) for t in args + outs]
-        return (lambda: kernel(*tvm_args)), (lambda: outs)
+        return on_tensors(kernel)
 
     builders = {"tvm-cascade": ours, "torch": eager(fn), "torch.compile": eager(torch.compile(fn)), "tvm": tvm_vm}
     peers = PEERS + ((TUNED,) if tune else ())

@@ -25,8 +25,9 @@ nest are then annotated ``schedule_rule = "None"``, so that the other rules leav
 alone. On a GPU target a chain that folds each row to values of its own (log-sum-exp,
 cross-entropy, a softmax's statistics) is also proposed as one CUDA block per row
 (:func:`~tvm_cascade.schedules.rows.schedule_rows`: split-k across the row's threads,
-rolled within each thread's chunk), its tile, threads and rows per block sampled. Every step is a traced instruction, so the evolutionary search mutates the sampled
-tile or chunk count and the records replay from a JSON database.
+rolled within each thread's chunk), its tile, threads and rows per block sampled. Every
+step is a traced instruction, so the evolutionary search mutates the sampled tile or
+chunk count and the records replay from a JSON database.
 
 :func:`cascade_space` is the space generator to tune with: MetaSchedule's default rules,
 postprocessors and mutators for the target, with :class:`CascadeFusion` first::
@@ -162,7 +163,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         if candidate.length is None or candidate.root not in {c.root for c in row_chains(only_func(sch))}:
             return False
         length = candidate.length
-        dtype = str(next(b for b in buffer_params(only_func(sch))).ty.dtype)
+        dtype = str(buffer_params(only_func(sch))[0].ty.dtype)
         plan = plan_rows(length, dtype)
         tiles = sorted({plan["tile"]} | {t for t in ROW_TILES if 32 * t <= length})
         # Chunks of whole tiles, none past the row's end with any of the tiles (the

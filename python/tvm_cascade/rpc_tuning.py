@@ -8,9 +8,9 @@ candidate, so the servers measure a round's candidates in parallel, and a candid
 whose server is lost mid-measurement comes back as a failed run (MetaSchedule records it
 with a run time of 1e10 s) while the others go on to the servers that remain; once none
 remains, every candidate fails at once (:func:`create_session`) rather than waiting at
-the tracker for a server to come back. The
-candidates are built here, by MetaSchedule's local builder, whose artifacts (a tar of
-object files) each server links with its own C++ compiler. Only the tracker's host needs
+the tracker for a server to come back. The candidates are built here, by MetaSchedule's
+local builder, whose artifacts (a tar of object files) each server links with its own
+C++ compiler. Only the tracker's host needs
 tornado (``apache-tvm[rpc]``); the runner talks to it with TVM's client alone.
 """
 from __future__ import annotations

@@ -192,8 +192,8 @@ def moe_routing(
       ``r - 1``'s in the order (probability descending, index ascending), so ties go
       to the lower expert index. Each round reads the one before, but no repair lets
       a round see a partial previous round: they are no chain for the primitives.
-      ``topk_prob`` and ``topk_idx`` gather the rounds into ``topk_prob`` and ``topk_idx``. Everything is
-      TIR: the function runs on any target.
+      The blocks ``topk_prob`` and ``topk_idx`` gather the rounds into the outputs.
+      Everything is TIR: the function runs on any target.
     * ``with_topk=False`` gives the pure softmax cascade ``main(logits, prob)``;
       the numpy reference :func:`tvm_cascade.ops.reference.moe_routing_ref`
       always provides the top-k.
@@ -224,7 +224,8 @@ def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_d
     argmax = te.comm_reducer(combine, identity, name="argmax")
     rounds = []
     for r in range(top_k):
-        rounds.append(te.compute((tokens,), _round(e, l, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype), name=f"top{r}"))
+        rule = _round(e, l, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype)
+        rounds.append(te.compute((tokens,), rule, name=f"top{r}"))
 
     def gather(part):
         def rule(t, k):
@@ -235,7 +236,8 @@ def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_d
 
         return rule
 
-    return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in ((1, "topk_prob"), (0, "topk_idx")))
+    parts = ((1, "topk_prob"), (0, "topk_idx"))
+    return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in parts)
 
 
 def _round(e, l, experts: int, prev, argmax, acc: str, index_dtype: str):

@@ -37,7 +37,6 @@ GPU_BLOCKS = 1024  # about 8 CUDA blocks per SM of an H100
 MIN_CHUNK_KEYS = 64
 
 
-
 @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
 class FuseAttention:
     """Fuse the attention of a Relax module into single fused-reduction kernels.

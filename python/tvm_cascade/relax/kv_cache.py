@@ -5,8 +5,8 @@ The cache is made by one ``vm.builtin.paged_attention_kv_cache_create`` call who
 arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs. The
 pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention),
 under the names of TVM's, in the slots of the ragged prefill, paged prefill, paged
-decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves TVM's kernel in a slot, and logs why on
-``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
+decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves
+TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
 attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
 prefill and the tree-attention kernels stay TVM's (logged).
 

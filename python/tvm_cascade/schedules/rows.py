@@ -52,7 +52,7 @@ import tvm
 from ..analysis.scope import REDUCE, buffer_params, collect_sites
 from ..relax.gpu_schedule import UnsupportedOnGpu, inline_spatial
 from ..transform.detect import find_candidates
-from ..transform.fuse import key_loop, only_func
+from ..transform.fuse import key_loop, named_site, only_func
 
 #: The most threads one row's block uses.
 MAX_THREADS = 256
@@ -93,7 +93,7 @@ def plan_rows(length: int, dtype: str) -> dict:
     of a vocabulary, one warp of 128-position tiles on rows of a few thousand (whose
     later reductions across the row, as top-k's rounds, then need no barrier), 16 on
     rows of a few hundred, whole loads on short ones; blocks of at least 128 threads."""
-    lanes = max(1, LOAD_BYTES * 8 // tvm.DataType(dtype).bits)
+    lanes = _lanes(dtype)
     if length > 8192:
         tile = 64
     elif length > 1024:
@@ -147,7 +147,7 @@ def schedule_rows(sch, chunks=None, tile: int = 32, rows_per_block: int = 1) -> 
         combine = sch.get_sblock(name)
         sch.reverse_compute_at(combine, rows)
         sch.bind(sch.get_loops(combine)[-1], "threadIdx.x")
-        sch.set_scope(combine, 0, _scope_across_threads(_site(sch, name)))
+        sch.set_scope(combine, 0, _scope_across_threads(named_site(sch, name)))
     _epilogue(sch, rows, chunks, depth=2)
 
 
@@ -159,12 +159,13 @@ def _scope_across_threads(site) -> str:
     return "local" if site.is_reduction else "shared"
 
 
-def _site(sch, name: str):
-    return next(s for s in collect_sites(only_func(sch).body.block) if s.name == name)
-
-
 def _spatial_count(site) -> int:
     return sum(1 for iv in site.block.iter_vars if iv.iter_type != REDUCE)
+
+
+def _lanes(dtype: str) -> int:
+    """Elements of ``dtype`` in one load of :data:`LOAD_BYTES`."""
+    return max(1, LOAD_BYTES * 8 // tvm.DataType(dtype).bits)
 
 
 def _value(sch, x) -> int:
@@ -184,7 +185,7 @@ def _load_tiles(sch, partials, tile_loop, length: int, tile: int) -> None:
         readers = [p for p in partials if any(r.source.same_as(buf) for r in sch.get(p).reads)]
         cache = sch.cache_read(partials[0], index, "local", consumer_blocks=readers)
         sch.compute_at(cache, tile_loop)
-        lanes = max(1, LOAD_BYTES * 8 // tvm.DataType(str(buf.ty.dtype)).bits)
+        lanes = _lanes(str(buf.ty.dtype))
         if length % lanes == 0 and tile % lanes == 0:
             sch.vectorize(sch.split(sch.get_loops(cache)[-1], [None, lanes])[-1])
 

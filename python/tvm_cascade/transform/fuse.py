@@ -116,7 +116,7 @@ def compute_producers_at(sch, loop, along_keys: set) -> None:
             if name in seen or name not in along_keys:
                 continue
             seen.add(name)
-            if not _site(sch, name).under(sch.get(loop)):
+            if not named_site(sch, name).under(sch.get(loop)):
                 try:
                     sch.compute_at(producer, loop, preserve_unit_loops=True)
                 except ScheduleError as err:
@@ -149,7 +149,8 @@ def only_func(sch) -> tvm.tirx.PrimFunc:
     return funcs[0]
 
 
-def _site(sch, name: str):
+def named_site(sch, name: str):
+    """The site of the block ``name`` in the one PrimFunc of ``sch``."""
     for site in collect_sites(only_func(sch).body.block):
         if site.name == name:
             return site
@@ -158,7 +159,7 @@ def _site(sch, name: str):
 
 def key_loop(sch, root_name: str):
     """A LoopRV of the loop that drives the reduced axis of the reduction ``root_name``."""
-    site = _site(sch, root_name)
+    site = named_site(sch, root_name)
     loop = driving_loop(site, reduced_axis(site))
     for loop_rv in sch.get_loops(sch.get_sblock(root_name)):
         if sch.get(loop_rv).same_as(loop):
