@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 import tvm
-import tvm_cascade  # noqa: F401
+import tvm_cascade.meta_schedule
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_cascade import trace as cascade_trace
@@ -151,6 +151,8 @@ def test_entry_points_hand_metaschedule_the_space_database_and_runner(monkeypatc
     runner given goes to MetaSchedule as it is, and a runner beside a tracker is refused
     before any tuning starts."""
     calls = []
+    default_builder = object()
+    monkeypatch.setattr(tvm_cascade.meta_schedule, "candidate_builder", lambda: default_builder)
     monkeypatch.setattr(ms, "tune_tir", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(ms.relax_integration, "tune_relax", lambda *args, **kwargs: calls.append((args, kwargs)))
     func = cascades.logsumexp(8, 64)
@@ -160,6 +162,7 @@ def test_entry_points_hand_metaschedule_the_space_database_and_runner(monkeypatc
     (tir_args, tir), (relax_args, relax) = calls
     assert tir_args == (func, TARGET, str(tmp_path / "tir"), 8) and tir["num_trials_per_iter"] == 4
     assert tir["runner"] == "local" and relax["runner"].same_as(runner)
+    assert tir["builder"] is default_builder and relax["builder"] is default_builder
     for kwargs in (tir, relax):
         assert isinstance(kwargs["space"], ms.space_generator.PostOrderApply)
         assert isinstance(kwargs["database"], cascade_trace.JSONDatabase)

@@ -32,7 +32,8 @@ chunk count and the records replay from a JSON database.
 :func:`cascade_space` is the space generator to tune with: MetaSchedule's default rules,
 postprocessors and mutators for the target, with :class:`CascadeFusion` first::
 
-    ms.tune_tir(func, target, work_dir, max_trials_global=64, space=cascade_space())
+    ms.tune_tir(func, target, work_dir, max_trials_global=64, space=cascade_space(),
+                builder=candidate_builder())
 
 The default rules run as :class:`TargetDefault`: one that fails on a block leaves that
 block as it was instead of stopping the whole space, as it does on an unfused attention.
@@ -47,6 +48,8 @@ servers registered under that key with TVM's tracker
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 import os
 from typing import Sequence
@@ -236,6 +239,19 @@ def cascade_space(tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, 
     return ms.space_generator.PostOrderApply(sch_rules=rules, postprocs="from-target", mutator_probs="from-target")
 
 
+def candidate_builder(max_workers: int | None = None, timeout_sec: float = 30.0) -> ms.builder.LocalBuilder:
+    """MetaSchedule's local builder whose processes load TVM's tensor intrinsics as they
+    start. MetaSchedule's default build imports them inside each candidate's
+    ``timeout_sec``: half a minute per fresh builder process, more with many at once, so
+    on a many-core machine every candidate of a round ran out of time. Loaded by the
+    initializer, they cost the same once per process but no candidate's time limit."""
+    return ms.builder.LocalBuilder(
+        max_workers=max_workers,
+        timeout_sec=timeout_sec,
+        initializer=functools.partial(importlib.import_module, "tvm.s_tir.tensor_intrin"),
+    )
+
+
 def tune_tir(
     mod,
     target,
@@ -244,6 +260,7 @@ def tune_tir(
     *,
     space=None,
     database=None,
+    builder=None,
     runner=None,
     rpc_tracker: str | None = None,
     rpc_key: str | None = None,
@@ -254,15 +271,17 @@ def tune_tir(
     (default :func:`cascade_space`) into ``database`` (default the
     :class:`~tvm_cascade.trace.JSONDatabase` in ``work_dir``, which reloads fused
     records where MetaSchedule's own fails); returns the database. The candidates are
-    measured by ``runner``, or with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` on the
-    RPC servers registered under that key (:func:`tvm_cascade.rpc_tuning.rpc_runner`,
-    ``rpc_workers`` at once: default one per server), else on this machine. ``options``
-    go to ``ms.tune_tir`` (``num_trials_per_iter``, ``builder``, ``strategy``, ...)."""
+    built by ``builder`` (default :func:`candidate_builder`) and measured by ``runner``,
+    or with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` on the RPC servers registered
+    under that key (:func:`tvm_cascade.rpc_tuning.rpc_runner`, ``rpc_workers`` at once:
+    default one per server), else on this machine. ``options`` go to ``ms.tune_tir``
+    (``num_trials_per_iter``, ``strategy``, ...)."""
     runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
     return ms.tune_tir(
         mod, target, work_dir, max_trials_global,
         space=cascade_space() if space is None else space,
         database=_database(work_dir) if database is None else database,
+        builder=candidate_builder() if builder is None else builder,
         runner=runner,
         **options,
     )
@@ -277,6 +296,7 @@ def tune_relax(
     *,
     space=None,
     database=None,
+    builder=None,
     runner=None,
     rpc_tracker: str | None = None,
     rpc_key: str | None = None,
@@ -286,13 +306,15 @@ def tune_relax(
     """``ms.relax_integration.tune_relax`` of Relax module ``mod`` (``params``: its bound
     weights) as :func:`tune_tir` tunes a PrimFunc: every task over ``space`` (default
     :func:`cascade_space`), into ``database`` (default the cascade JSON database in
-    ``work_dir``), measured by ``runner``, on the RPC servers of ``rpc_tracker`` and
-    ``rpc_key``, or on this machine; returns the database."""
+    ``work_dir``), built by ``builder`` (default :func:`candidate_builder`), measured by
+    ``runner``, on the RPC servers of ``rpc_tracker`` and ``rpc_key``, or on this
+    machine; returns the database."""
     runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
     return ms.relax_integration.tune_relax(
         mod, params, target, work_dir, max_trials_global,
         space=cascade_space() if space is None else space,
         database=_database(work_dir) if database is None else database,
+        builder=candidate_builder() if builder is None else builder,
         runner=runner,
         **options,
     )
