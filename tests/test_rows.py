@@ -44,6 +44,24 @@ def test_row_chains_leave_out_chains_with_spatial_work():
         schedule_rows(tvm.s_tir.Schedule(ops.attention(1, 2, 1, 3, 40, 8, variant="causal")))
 
 
+def test_a_block_after_the_chain_must_read_the_row():
+    """A block after the chain that reads none of it would be placed whole in every row's
+    block: refused, naming it."""
+    from tvm import te
+
+    x = te.placeholder((4, 64), "float32", name="X")
+    j = te.reduce_axis((0, 64), name="j")
+    m = te.compute((4,), lambda i: te.max(x[i, j], axis=j), name="max")
+    k = te.reduce_axis((0, 64), name="k")
+    s = te.compute((4,), lambda i: te.sum(te.exp(x[i, k] - m[i]), axis=k), name="sum")
+    lse = te.compute((4,), lambda i: m[i] + te.log(s[i]), name="lse")
+    c = te.reduce_axis((0, 64), name="c")
+    total = te.compute((1,), lambda _: te.sum(x[c // 16, c], axis=c), name="total")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([x, lse, total]))
+    with pytest.raises(UnsupportedOnGpu, match="'total' reads nothing the row's block computes"):
+        schedule_rows(sch, chunks=4, tile=16)
+
+
 def _kernels(source) -> set:
     """The names of the CUDA kernels ``source`` defines."""
     return set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))

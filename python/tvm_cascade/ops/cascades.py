@@ -188,11 +188,15 @@ def moe_routing(
     * top-k is **not** a commutative/associative scalar reduction for
       ``k > 1`` (its state is a sorted list of k pairs). With ``with_topk=True`` it
       is ``top_k`` arg-max reductions over the experts, ``top0`` ... ``top{k-1}``:
-      round ``r`` takes the largest ``e / l`` among the experts that come after round
-      ``r - 1``'s in the order (probability descending, index ascending), so ties go
-      to the lower expert index. Each round reads the one before, but no repair lets
-      a round see a partial previous round: they are no chain for the primitives.
-      The blocks ``topk_prob`` and ``topk_idx`` gather the rounds into the outputs.
+      round ``r`` takes the largest ``x - m`` (logit less the row's maximum) among the
+      experts that come after round ``r - 1``'s in the order (descending, index
+      ascending), so ties go to the lower expert index. The probability
+      ``exp(x - m) / l`` is increasing in ``x - m``, so that is the order of the
+      probabilities, and a round costs a subtraction and comparisons per expert, not
+      an exponential and a division. Each round reads the one before, but no repair
+      lets a round see a partial previous round: they are no chain for the
+      primitives. The blocks ``topk_prob`` (``exp(x - m) / l`` of each round's
+      ``x - m``) and ``topk_idx`` gather the rounds into the outputs.
       Everything is TIR: the function runs on any target.
     * ``with_topk=False`` gives the pure softmax cascade ``main(logits, prob)``;
       the numpy reference :func:`tvm_cascade.ops.reference.moe_routing_ref`
@@ -202,16 +206,17 @@ def moe_routing(
         raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
     acc = accum_dtype
     logits = te.placeholder((tokens, experts), dtype, name="logits")
-    _, e, l = _softmax_stats(logits, tokens, experts, acc)
+    m, e, l = _softmax_stats(logits, tokens, experts, acc)
     prob = te.compute((tokens, experts), lambda t, x: e[t, x] / l[t], name="prob")
     if not with_topk:
         return te.create_prim_func([logits, prob])
-    vals, idx = _top_k_rounds(e, l, tokens, experts, top_k, acc, index_dtype)
+    vals, idx = _top_k_rounds(logits, m, l, tokens, experts, top_k, acc, index_dtype)
     return te.create_prim_func([logits, prob, vals, idx])
 
 
-def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
-    """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` arg-max rounds."""
+def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
+    """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` arg-max rounds over
+    the logits less their row's maximum ``m`` (``l``: the softmax's sum)."""
 
     def combine(x, y):  # (index, value): the larger value, on a tie the lower index
         # TVM's arg-max form, so that its cross-thread reduction recognises it.
@@ -224,7 +229,7 @@ def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_d
     argmax = te.comm_reducer(combine, identity, name="argmax")
     rounds = []
     for r in range(top_k):
-        rule = _round(e, l, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype)
+        rule = _round(logits, m, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype)
         rounds.append(te.compute((tokens,), rule, name=f"top{r}"))
 
     def gather(part):
@@ -232,7 +237,7 @@ def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_d
             picked = rounds[-1][part][t]
             for r in range(top_k - 2, -1, -1):
                 picked = tirx.Select(k == r, rounds[r][part][t], picked)
-            return picked
+            return te.exp(picked) / l[t] if part == 1 else picked
 
         return rule
 
@@ -240,12 +245,12 @@ def _top_k_rounds(e, l, tokens: int, experts: int, top_k: int, acc: str, index_d
     return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in parts)
 
 
-def _round(e, l, experts: int, prev, argmax, acc: str, index_dtype: str):
+def _round(logits, m, experts: int, prev, argmax, acc: str, index_dtype: str):
     """The compute rule of one arg-max round, after round ``prev`` (None for the first)."""
     j = te.reduce_axis((0, experts), name="rj")
 
     def pair(t):
-        value = e[t, j] / l[t]
+        value = logits[t, j].astype(acc) - m[t]
         if prev is not None:
             after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], j > prev[0][t]))
             value = tirx.Select(after, value, tirx.min_value(acc))

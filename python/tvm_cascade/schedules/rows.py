@@ -196,9 +196,15 @@ def _epilogue(sch, rows, chunks, depth) -> None:
     loops over the row's threads; what it writes for later blocks where
     :func:`_scope_across_threads` says."""
     params = buffer_params(only_func(sch))
+    in_row = set()
     for site in collect_sites(only_func(sch).body.block):
         if site.under(sch.get(rows)):
+            in_row.update(site.write_buffers())
             continue
+        if not any(buf in in_row for buf in site.read_buffers()):
+            # reverse_compute_at would place it whole inside every row's block.
+            raise UnsupportedOnGpu(f"'{site.name}' reads nothing the row's block computes: no row of it to place there")
+        in_row.update(site.write_buffers())
         block = sch.get_sblock(site.name)
         sch.reverse_compute_at(block, rows)
         inner = sch.get_loops(block)[depth:]
