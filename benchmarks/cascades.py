@@ -1,7 +1,9 @@
 """Cascaded reductions beyond attention on the GPU: log-sum-exp and cross-entropy over a
 vocabulary, MoE routing (softmax over the experts, then top-k), as one tvm-cascade kernel
 each, beside PyTorch eager, ``torch.compile`` and stock TVM (the unfused Relax graph
-through TVM's default CUDA pipeline), timed side by side on one GPU.
+through TVM's default CUDA pipeline), timed side by side on one GPU. "tvm, cascade
+pipeline" is that Relax graph compiled with ``relax_pipeline="cascade"``: what a Relax
+user gets (its softmax and log-softmax as row kernels, the rest as stock TVM).
 
     python -m benchmarks.cascades [--out DIR] [--only NAME ...] [--tune TRIALS]
 
@@ -30,7 +32,7 @@ from .attention import run_environment, shapes_parser, skip_without_gpu
 from .report import grouped_bars
 from .timing import bench
 
-PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm")
+PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline")
 TUNED = "tvm-cascade (tuned)"
 #: (name, workload, rows (tokens), row length (classes, experts), top-k, dtype)
 SHAPES = (
@@ -137,11 +139,11 @@ def relax_graph(workload: str, rows: int, n: int, top_k: int, dtype: str):
     return bb.get()
 
 
-def stock_tvm(workload, rows, n, top_k, dtype, target):
+def stock_tvm(workload, rows, n, top_k, dtype, target, pipeline: str = "default"):
     import tvm
     from tvm import relax
 
-    executable = tvm.compile(relax_graph(workload, rows, n, top_k, dtype), target=target)
+    executable = tvm.compile(relax_graph(workload, rows, n, top_k, dtype), target=target, relax_pipeline=pipeline)
     return relax.VirtualMachine(executable, tvm.cuda(0))["main"]
 
 
@@ -268,20 +270,23 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
 
         return build
 
-    def tvm_vm():
-        vm = stock_tvm(workload, rows, n, top_k, dtype, target)
-        tvm_args = [tvm.runtime.from_dlpack(t) for t in args]
-        box = {}
+    def tvm_vm(pipeline):
+        def build():
+            vm = stock_tvm(workload, rows, n, top_k, dtype, target, pipeline)
+            tvm_args = [tvm.runtime.from_dlpack(t) for t in args]
+            box = {}
 
-        def call():
-            box["out"] = vm(*tvm_args)
+            def call():
+                box["out"] = vm(*tvm_args)
 
-        def result():
-            out = box["out"]
-            items = [out[k] for k in range(len(out))] if workload == "moe_routing" else [out]
-            return [torch.from_dlpack(t) for t in items]
+            def result():
+                out = box["out"]
+                items = [out[k] for k in range(len(out))] if workload == "moe_routing" else [out]
+                return [torch.from_dlpack(t) for t in items]
 
-        return call, result
+            return call, result
+
+        return build
 
     tuning = {}
 
@@ -289,7 +294,10 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
         kernel, tuning["record"] = tuned_kernel(workload, rows, n, top_k, dtype, target, tune, work_dir / name.replace(" ", "_"))
         return on_tensors(kernel)
 
-    builders = {"tvm-cascade": ours, "torch": eager(fn), "torch.compile": eager(torch.compile(fn)), "tvm": tvm_vm}
+    builders = {
+        "tvm-cascade": ours, "torch": eager(fn), "torch.compile": eager(torch.compile(fn)),
+        "tvm": tvm_vm("default"), "tvm, cascade pipeline": tvm_vm("cascade"),
+    }
     peers = PEERS + ((TUNED,) if tune else ())
     builders[TUNED] = tuned
     results = []

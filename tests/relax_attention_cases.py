@@ -2,6 +2,7 @@
 ``tvm_cascade.relax.dispatch``."""
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from tvm_cascade.ops import testing as tt
@@ -44,3 +45,22 @@ def exported_sdpa(batch, seq, heads_q, heads_kv, head_dim, dtype="float16", deco
     example = tuple(torch.zeros(batch, h, seq, head_dim, dtype=getattr(torch, dtype))
                     for h in (heads_q, heads_kv, heads_kv))
     return from_exported_program(torch.export.export(SDPA(), example), run_ep_decomposition=decompose)
+
+
+def row_kernels_else_default(cascade, default) -> list:
+    """The names of ``cascade``'s row kernels (``schedule_rows``' split partials), after
+    checking that ``cascade`` holds the functions of ``default`` (a module lowered by the
+    default pipeline) and that every other one equals its namesake there."""
+    functions = {gv.name_hint: f for gv, f in default.functions_items()}
+    assert {gv.name_hint for gv, _ in cascade.functions_items()} == set(functions)
+    rows = []
+    for gv, func in cascade.functions_items():
+        blocks = []
+        if isinstance(func, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, lambda n: blocks.append(n.name_hint) if isinstance(n, tvm.s_tir.stmt.SBlock) else None)
+        if any(b.endswith("_partial") for b in blocks):
+            rows.append(gv.name_hint)
+        else:
+            tvm.ir.assert_structural_equal(func, functions[gv.name_hint], map_free_vars=True)
+    return rows
+

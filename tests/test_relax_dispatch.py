@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import tvm
-from relax_attention_cases import SM90A, exported_sdpa
+from relax_attention_cases import SM90A, exported_sdpa, row_kernels_else_default
 from tvm import relax, tirx
 
 import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
@@ -302,11 +302,13 @@ def test_a_key_padding_mask_of_one_row_is_not_causal():
 
 def test_gpu_targets_other_than_cuda_leave_attention_to_the_default_lowering():
     """ROCm has none of the library's kernels: the cascade pipeline lowers attention there
-    as the default pipeline does (``FuseAttention`` remains for explicit use)."""
+    as the default pipeline does (``FuseAttention`` remains for explicit use), but for
+    its softmax, one block per row."""
     rocm = tvm.target.Target({"kind": "rocm", "mcpu": "gfx942"})
     mod = chain_module(1, 64, 256, 8, 2, 64)
     with rocm:
-        tvm.ir.assert_structural_equal(relax.get_pipeline("cascade")(mod), relax.get_default_pipeline(rocm)(mod))
+        rows = row_kernels_else_default(relax.get_pipeline("cascade")(mod), relax.get_default_pipeline(rocm)(mod))
+    assert len(rows) == 1 and "softmax" in rows[0]
 
 
 def test_a_window_size_is_the_library_sliding_window():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tvm
+from relax_row_cases import row_model
 
 import tvm_cascade  # noqa: F401
 from tvm_cascade import ops
@@ -128,6 +129,14 @@ def test_relax_fused_attention_builds(arch):
     fused = [gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert fused, "nothing fused"
     assert _kernels(tvm.compile(mod, target=target, relax_pipeline="default"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_relax_row_kernels_build(arch):
+    """A Relax softmax through the cascade pipeline: its row kernel in the code object."""
+    target = tvm.target.Target({"kind": "rocm", "mcpu": arch})
+    executable = tvm.compile(row_model("softmax", 64, 4096, "float16"), target=target, relax_pipeline="cascade")
+    assert "softmax_kernel" in _kernels(executable)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,11 +3,15 @@ attention passes before legalization: on GPUs :class:`.DispatchAttention` (atten
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
-targets :class:`.FuseAttention` (every attention fused into one generic kernel).
+targets :class:`.FuseAttention` (every attention fused into one generic kernel). On CUDA
+and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's default
+schedules: a softmax or log-softmax over rows of a length known at compile time (an
+MoE router's, a loss's over a vocabulary, an attention's the library left) becomes one
+block per row, one pass over it.
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
 ``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention
-goes through exactly the passes of ``relax_pipeline="default"``.
+or row chains goes through exactly the passes of ``relax_pipeline="default"``.
 """
 
 from typing import Optional
@@ -18,6 +22,7 @@ from tvm import relax
 from .dispatch import DispatchAttention
 from .fuse_attention import FuseAttention
 from .kv_cache import KVCacheAttention
+from .row_kernels import schedule_row_chains
 
 PIPELINE_NAME = "cascade"
 
@@ -40,10 +45,26 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
 
 
 def _default_pipeline(target):
-    """The pipeline ``relax.build`` runs for ``relax_pipeline="default"`` on ``target``."""
-    if target is not None and "gpu" in target.keys:
+    """The pipeline ``relax.build`` runs for ``relax_pipeline="default"`` on ``target``,
+    on CUDA and ROCm with :func:`~.row_kernels.schedule_row_chains` before dlight."""
+    if target is None or "gpu" not in target.keys:
+        return relax.get_pipeline("default")
+    backend = {"cuda": relax.backend.cuda, "rocm": relax.backend.rocm}.get(target.kind.name)
+    if backend is None:
         return relax.get_default_pipeline(target)
-    return relax.get_pipeline("default")
+    phases = backend.pipeline
+    legalize = phases.legalize_passes(target)
+    dlight = next((k for k, p in enumerate(legalize) if p.info.name == "ApplyDefaultSchedule"), len(legalize))
+    legalize.insert(dlight, schedule_row_chains)
+    passes = phases.library_dispatch_passes(target) + legalize
+    passes += phases.dataflow_lower_passes(target) + phases.finalize_passes(target)
+
+    @tvm.transform.module_pass(opt_level=0, name="CascadeDefaultPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
 
 
 def register() -> None:
