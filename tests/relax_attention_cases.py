@@ -30,10 +30,11 @@ def run(executable, device, *arrays):
     return vm["main"](*(tvm.runtime.tensor(a, device) for a in arrays)).numpy()
 
 
-def exported_sdpa(batch, seq, heads_q, heads_kv, head_dim, dtype="float16", decompose=False):
+def exported_sdpa(batch, seq, heads_q, heads_kv, head_dim, dtype="float16", decompose=False, dynamic=False):
     """The Relax module of ``torch.export`` of ``F.scaled_dot_product_attention(q, k, v,
     is_causal=True, enable_gqa=...)`` over bhsd tensors: decomposed (the importer's
-    default: a float32 chain) or kept whole (``R.nn.attention``); needs torch."""
+    default: a float32 chain) or kept whole (``R.nn.attention``), the sequence length
+    ``seq`` or (``dynamic``) a symbolic one; needs torch."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -44,7 +45,12 @@ def exported_sdpa(batch, seq, heads_q, heads_kv, head_dim, dtype="float16", deco
 
     example = tuple(torch.zeros(batch, h, seq, head_dim, dtype=getattr(torch, dtype))
                     for h in (heads_q, heads_kv, heads_kv))
-    return from_exported_program(torch.export.export(SDPA(), example), run_ep_decomposition=decompose)
+    shapes = None
+    if dynamic:
+        length = torch.export.Dim("seq", min=2, max=1 << 16)
+        shapes = tuple({2: length} for _ in example)
+    exported = torch.export.export(SDPA(), example, dynamic_shapes=shapes)
+    return from_exported_program(exported, run_ep_decomposition=decompose)
 
 
 def row_kernels_else_default(cascade, default) -> list:

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from relax_attention_cases import SM90A, exported_sdpa, row_kernels_else_default
 from tvm import relax, tirx
 
@@ -156,7 +157,7 @@ def _read(mod):
     func = mod["main"]
     var2val = relax.analysis.get_var2val(func)
     (root,) = [c for c in _calls(mod) if c.op.name == "relax.matmul" and c.ty.ndim == 4 and
-               int(c.ty.shape.values[-1]) == int(func.params[0].ty.shape.values[-1])][-1:]
+               tvm_ffi.structural_equal(c.ty.shape.values[-1], func.params[0].ty.shape.values[-1])][-1:]
     return read_chain(root, var2val.get)
 
 
@@ -186,7 +187,7 @@ def test_chains_read_as_library_variants(kwargs, variant):
     "kwargs, reason",
     [
         (dict(mask="bias"), "values other than 0 and -inf (a bias)"),
-        (dict(mask_input=True), "not a constant (a mask tensor input)"),
+        (dict(mask_input=True), "not computed from constants and the lengths (a mask tensor input)"),
     ],
 )
 def test_chains_the_library_does_not_express(kwargs, reason, caplog):
@@ -231,8 +232,8 @@ def test_a_mask_graph_shared_by_layers_is_computed_once(monkeypatch):
     import tvm_cascade.relax.chain_spec as chain_spec
 
     computed = []
-    evaluate = chain_spec._evaluate
-    monkeypatch.setattr(chain_spec, "_evaluate", lambda var, lookup: computed.append(var) or evaluate(var, lookup))
+    evaluator = chain_spec._evaluator
+    monkeypatch.setattr(chain_spec, "_evaluator", lambda var, lookup: computed.append(var) or evaluator(var, lookup))
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 4, 64, 64), "float16"))
     with bb.function("main", [x]):
@@ -252,6 +253,75 @@ def test_a_mask_graph_shared_by_layers_is_computed_once(monkeypatch):
     dispatched = _dispatch(bb.get())
     assert len(computed) == 1
     assert [c.op.name for c in _calls(dispatched) if isinstance(c.op, tvm.ir.Op)] == ["relax.call_tir"] * 2
+
+
+def test_torch_export_with_a_dynamic_length_is_one_kernel():
+    """``torch.export`` with the sequence length dynamic: the decomposed SDPA's mask is a
+    graph over the shape variable; computed at several lengths it is causal at each, and
+    the chain is one call of the kernel whose lengths are runtime values."""
+    pytest.importorskip("torch")
+    out = _dispatch(exported_sdpa(2, 300, 8, 2, 128, decompose=True, dynamic=True))
+    (name,) = _kernels(out)
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal"
+    (call,) = [c for c in _calls(out) if isinstance(c.op, tvm.ir.Op)]
+    assert call.op.name == "relax.call_tir" and not isinstance(call.ty.shape.values[2], tirx.IntImm)
+
+
+def _arange_mask_chain(length, seen):
+    """Self-attention over ``length`` positions (symbolic or not) whose additive mask is
+    ``where(seen(rows, cols), 0, -1e9)``: ``rows``/``cols`` the [n, 1] and [1, n]
+    ``arange``s of the queries and keys (emitted relax expressions)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, length, 64), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, length, 1, "int64")), axis=[-1]))
+            cols = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, length, 1, "int64")), axis=[-2]))
+            mask = bb.emit(relax.op.where(bb.emit(seen(bb, rows, cols)), relax.const(0.0, "float32"),
+                                          relax.const(-1e9, "float32")))
+            s = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(x, [0, 1, 3, 2]))))
+            s = bb.emit(relax.op.add(bb.emit(relax.op.astype(s, "float32")), mask))
+            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
+            out = bb.emit_output(relax.op.matmul(p, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _causal_rows(bb, rows, cols):
+    return relax.op.less_equal(bb.emit(relax.op.subtract(cols, rows)), relax.const(0, "int64"))
+
+
+def _window_rows(width):
+    def seen(bb, rows, cols):
+        within = bb.emit(relax.op.less(bb.emit(relax.op.subtract(rows, cols)), relax.const(width, "int64")))
+        return relax.op.logical_and(bb.emit(_causal_rows(bb, rows, cols)), within)
+
+    return seen
+
+
+def _causal_below(threshold):
+    """Causal for the first ``threshold`` queries, every key seen by the later ones."""
+
+    def seen(bb, rows, cols):
+        late = bb.emit(relax.op.greater_equal(rows, relax.const(threshold, "int64")))
+        return relax.op.logical_or(bb.emit(_causal_rows(bb, rows, cols)), late)
+
+    return seen
+
+
+def test_masks_over_a_symbolic_length_are_read_at_several_lengths():
+    """A mask built of ``arange``s over a symbolic length: causal, or a sliding window
+    whose width shows only at lengths past it, is the library's variant; a mask that is
+    causal only below a threshold (a constant of its graph) is refused, as is one that
+    is no variant at any length."""
+    n = tirx.Var("n", "int64")
+    assert _read(_arange_mask_chain(n, _causal_rows)).variant == AttentionVariant("causal", causal=True)
+    window = _read(_arange_mask_chain(n, _window_rows(40))).variant
+    assert window == AttentionVariant("window", causal=True, window=40)
+    assert "no causal or sliding-window mask" in _read(_arange_mask_chain(n, _causal_below(100)))
+    prefix = _read(_arange_mask_chain(n, lambda bb, rows, cols: relax.op.less(cols, relax.const(3, "int64"))))
+    assert "no causal or sliding-window mask" in prefix
+    assert "with a constant past 8192, too long to check" in _read(_arange_mask_chain(n, _window_rows(10000)))
 
 
 def test_chunked_prefill_over_a_symbolic_past_is_served():

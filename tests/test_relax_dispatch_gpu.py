@@ -82,15 +82,20 @@ def test_hand_written_chains_on_the_library_kernels(batch, seq_q, seq_kv, heads_
     check(out.transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, variant, scale), dtype)
 
 
-def test_torch_export_decomposed_sdpa_on_the_library_kernel():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_torch_export_decomposed_sdpa_on_the_library_kernel(dynamic):
+    """The decomposed SDPA of ``torch.export``, its length static or dynamic (one
+    executable run at two lengths)."""
     pytest.importorskip("torch")
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    executable = tvm.compile(exported_sdpa(2, 300, 8, 2, 128, decompose=True), target=target, relax_pipeline="cascade")
-    q, k, v = random_inputs(2, 300, 300, 8, 2, 128, "float16")
+    executable = tvm.compile(exported_sdpa(2, 300, 8, 2, 128, decompose=True, dynamic=dynamic), target=target,
+                             relax_pipeline="cascade")
     vm = relax.VirtualMachine(executable, tvm.cuda(0))
-    (out,) = vm["main"](*(tvm.runtime.tensor(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), tvm.cuda(0))
-                          for x in (q, k, v)))
-    check(out.numpy().transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, "causal"), "float16")
+    for seq in (300, 77) if dynamic else (300,):
+        q, k, v = random_inputs(2, seq, seq, 8, 2, 128, "float16")
+        (out,) = vm["main"](*(tvm.runtime.tensor(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), tvm.cuda(0))
+                              for x in (q, k, v)))
+        check(out.numpy().transpose(0, 2, 1, 3).astype(np.float64), reference(q, k, v, "causal"), "float16")
 
 
 @pytest.mark.parametrize("seq_q, seq_kv", [(1, 3000), (700, 700)], ids=["decode", "prefill"])

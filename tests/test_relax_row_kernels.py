@@ -12,7 +12,7 @@ from relax_row_cases import row_model
 from tvm import relax
 
 import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
-from tvm_cascade.relax.row_kernels import row_kernel
+from tvm_cascade.relax.row_kernels import LONGEST_ROW, row_kernel
 
 CUDA = tvm.target.Target(SM90A)
 
@@ -58,3 +58,11 @@ def test_a_function_without_a_row_chain_is_not_touched():
     x = te.placeholder((4, 8), "float32", name="x")
     k = te.reduce_axis((0, 8), name="k")
     assert row_kernel(te.create_prim_func([x, te.compute((4,), lambda i: te.sum(x[i, k], axis=k), name="total")])) is None
+
+
+def test_rows_longer_than_the_measured_limit_stay_with_dlight(caplog):
+    """A log-softmax over a vocabulary (128256 > LONGEST_ROW): dlight's, and why."""
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        cascade, default = _lower(row_model("log_softmax", 8, 128256, "bfloat16"))
+    assert row_kernels_else_default(cascade, default) == []
+    assert f"'log_softmax' left to the default schedules: rows of 128256 elements, longer than {LONGEST_ROW}" in caplog.text

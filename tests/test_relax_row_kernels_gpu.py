@@ -23,7 +23,7 @@ def _logits(rows, n, dtype, rng):
 
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("n", [4096, 1001, 128256])
+@pytest.mark.parametrize("n", [4096, 1001])
 @pytest.mark.parametrize("kind", ["softmax", "log_softmax", "cross_entropy"])
 def test_matches_float64(kind, n, dtype, symbolic):
     rows = 37

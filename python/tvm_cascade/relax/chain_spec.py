@@ -15,9 +15,13 @@ scores ``q @ permute_dims(k)`` taken through
 - casts (the scores or softmax in float32).
 
 K and V are read before a GQA repeat (``repeat`` over heads, or ``expand_dims ->
-broadcast_to -> reshape``) and before casts. Shapes must be static: a mask is known by
-its value (a constant, or computed on the CPU from the constants and ``arange``s it is
-built of).
+broadcast_to -> reshape``) and before casts. Heads and head dims must be static; batch
+and lengths may be symbolic (torch.export with dynamic shapes). A mask is known by its
+value: a constant, or computed on the CPU from the constants, shapes and ``arange``s it
+is built of. Over symbolic lengths it is computed at several lengths
+(:func:`sample_lengths`: small ones, and ones past every integer constant of its graph,
+where a window's width or an offset would show) and served where each gives the same
+variant.
 """
 from __future__ import annotations
 
@@ -28,10 +32,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..analysis.chain import substitute
 from ..ops.variants import AttentionVariant
 
 #: An additive mask's entries at or below this hide a key (``-1e9``, ``finfo.min``...).
 MASKED_BELOW = -1e4
+#: The largest integer constant of a mask over symbolic lengths that :func:`sample_lengths`
+#: checks past (at lengths up to twice it).
+LONGEST_SAMPLE = 1 << 13
 #: :func:`read_chain`'s answer for a matmul that is not a softmax's product with V.
 NOT_A_CHAIN = "not a softmax over the keys"
 
@@ -74,11 +82,14 @@ def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None
         return "the keys are not transposed from [b, h, s, d]"
     k, v = (_ungroup(x, lookup) for x in (kt.args[0], v_grouped))
     q = _strip(q, lookup, ("relax.astype",), value=False)
-    shapes = [_static_shape(x) for x in (q, k, v)]
+    shapes = [tensor_shape(x) for x in (q, k, v)]
     if any(s is None or len(s) != 4 for s in shapes):
-        return "q, k and v need static 4-d shapes [b, h, s, d]"
+        return "q, k and v need 4-d shapes [b, h, s, d]"
     (batch, heads_q, seq_q, head_dim), (batch_kv, heads_kv, seq_kv, head_dim_kv) = shapes[:2]
-    if heads_q % heads_kv or shapes[1] != shapes[2] or batch != batch_kv or head_dim != head_dim_kv:
+    if not all(isinstance(x, int) for x in (heads_q, heads_kv, head_dim, head_dim_kv, shapes[2][1], shapes[2][3])):
+        return "heads and head dims must be static"
+    same = all(_same(a, b) for a, b in zip(shapes[1], shapes[2]))
+    if heads_q % heads_kv or not same or not _same(batch, batch_kv) or head_dim != head_dim_kv:
         return f"q {shapes[0]}, k {shapes[1]} and v {shapes[2]} are not one batch of heads with K/V groups"
     dtypes = {str(x.ty.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
@@ -88,7 +99,7 @@ def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None
 
 def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
     """The chain's variant and scale from its score ops (first to last)."""
-    softcap, visible = None, None
+    softcap, mask = None, None
     i = 0
     while i < len(ops) and (_scalar_factor(ops[i]) is not None or _is(ops[i], "relax.astype")):
         scale *= _scalar_factor(ops[i]) or 1.0
@@ -102,15 +113,88 @@ def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
     for op in ops[i:]:
         if _is(op, "relax.astype"):
             continue
-        if visible is not None:
+        if mask is not None:
             return f"more than one mask ({op.op.name})"
-        visible = _mask(op, lookup, values)
+        mask = op
+    # The variant the mask is at the largest lengths sampled; at every other sample it
+    # must hide what that variant hides (at small lengths a causal mask may hide none).
+    samples = _samples([seq_q, seq_kv], mask, lookup)
+    if isinstance(samples, str):
+        return samples
+    variant = None
+    for sizes in samples[::-1]:
+        visible = None if mask is None else _mask(mask, lookup, values, sizes)
         if isinstance(visible, str):
             return visible
-    variant = _variant(visible, seq_q, seq_kv, softcap)
-    if isinstance(variant, str):
-        return variant
+        lengths = _size(seq_q, sizes), _size(seq_kv, sizes)
+        if variant is None:
+            variant = _variant(visible, *lengths, softcap)
+            if isinstance(variant, str):
+                return variant
+        elif not np.array_equal(np.broadcast_to(True if visible is None else visible, lengths), _seen(variant, *lengths)):
+            return "a mask whose pattern changes with the lengths"
     return ChainAttention(q, k, v, variant, scale)
+
+
+def _samples(lengths, mask, lookup):
+    """The bindings (shape variable -> int) of the lengths' variables to check a mask at
+    (one empty binding where the lengths are static), or why there are none."""
+    names = _sorted_vars(v for x in lengths if not isinstance(x, int) for v in tvm.tirx.analysis.undefined_vars(x))
+    if not names:
+        return [{}]
+    constants = _integer_constants(mask, lookup) if mask is not None else []
+    if constants and max(abs(c) for c in constants) > LONGEST_SAMPLE:
+        return f"a mask over symbolic lengths with a constant past {LONGEST_SAMPLE}, too long to check it at"
+    return [{var: n + 2 * k for k, var in enumerate(names)} for n in sample_lengths(constants)]
+
+
+def _sorted_vars(found) -> list:
+    """Shape variables, each once, by name."""
+    unique = {}
+    for var in found:
+        unique.setdefault(var.name, var)
+    return [unique[name] for name in sorted(unique)]
+
+
+def sample_lengths(constants) -> list:
+    """Lengths a mask over symbolic lengths is computed at: a few small ones, and ones
+    past the largest integer constant of its graph (a window's width, an offset), where
+    a pattern that turns at such a constant has turned."""
+    past = max((abs(c) for c in constants), default=0)
+    small = [1, 2, 3, 5, 8]
+    return small + [past + 1, past + 2, 2 * past + 3] if past else small
+
+
+def _size(length, sizes) -> int:
+    if isinstance(length, int):
+        return length
+    return int(tvm.sym.Analyzer().simplify(substitute(length, sizes)))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return tvm.sym.Analyzer().can_prove_equal(a, b)
+
+
+def _integer_constants(op, lookup) -> list:
+    """The integer scalars the closed operands of mask op ``op`` are computed with (a
+    window's width, an offset; not a fill value such as -1e9)."""
+    found = []
+    for arg in op.args:
+        for _, value in _closed_bindings(arg, lookup) or []:
+            for operand in value.args if isinstance(value, relax.Call) else []:
+                found += _integer_scalar(operand)
+        found += _integer_scalar(arg)
+    return found
+
+
+def _integer_scalar(expr) -> list:
+    """``[n]`` where ``expr`` is an integer scalar constant or immediate of the value n."""
+    if isinstance(expr, tvm.tirx.IntImm):
+        return [int(expr.value)]
+    c = _constant(expr)
+    return [int(c.item())] if c is not None and c.size == 1 and np.issubdtype(c.dtype, np.integer) else []
 
 
 def _variant(visible: Optional[np.ndarray], seq_q, seq_kv, softcap):
@@ -120,31 +204,39 @@ def _variant(visible: Optional[np.ndarray], seq_q, seq_kv, softcap):
         return AttentionVariant("global", softcap=softcap)
     # (the mask broadcasts to the scores: one row for every query, say)
     visible = np.broadcast_to(visible, (seq_q, seq_kv))
-    rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)  # queries aligned to the end of the keys
-    keys = np.arange(seq_kv)[None, :]
-    causal = keys <= rows
-    if np.array_equal(visible, causal):
-        return AttentionVariant("causal", causal=True, softcap=softcap)
-    window = int(visible[-1].sum())
-    if window and np.array_equal(visible, causal & (keys > rows - window)):
-        return AttentionVariant("window", causal=True, window=window, softcap=softcap)
+    causal = AttentionVariant("causal", causal=True, softcap=softcap)
+    if np.array_equal(visible, _seen(causal, seq_q, seq_kv)):
+        return causal
+    window = AttentionVariant("window", causal=True, window=int(visible[-1].sum()), softcap=softcap)
+    if window.window and np.array_equal(visible, _seen(window, seq_q, seq_kv)):
+        return window
     return "a mask that is no causal or sliding-window mask aligned to the end of the keys"
 
 
-def _mask(op, lookup, values):
-    """The keys seen by the mask op ``op`` ([sq, skv] bools), or why it is not one."""
+def _seen(variant: AttentionVariant, seq_q: int, seq_kv: int) -> np.ndarray:
+    """The [sq, skv] keys each query sees under ``variant`` (queries aligned to the end
+    of the keys)."""
+    rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)
+    keys = np.arange(seq_kv)[None, :]
+    seen = keys <= rows if variant.is_causal else np.ones((seq_q, seq_kv), bool)
+    return seen & (keys > rows - variant.window) if variant.window is not None else seen
+
+
+def _mask(op, lookup, values, sizes):
+    """The keys seen by the mask op ``op`` ([sq, skv] bools) at the lengths ``sizes``
+    (shape variable -> int), or why it is not one."""
     if _is(op, "relax.add"):
-        mask = _closed_value(op.args[1], lookup, values)
+        mask = _closed_value(op.args[1], lookup, values, sizes)
         if mask is None:
-            mask = _closed_value(op.args[0], lookup, values)
+            mask = _closed_value(op.args[0], lookup, values, sizes)
         if mask is None:
-            return "an additive mask that is not a constant (a mask tensor input)"
+            return "an additive mask not computed from constants and the lengths (a mask tensor input)"
         visible, hidden = mask == 0, mask <= MASKED_BELOW
         if not (visible | hidden).all():
             return "an additive mask with values other than 0 and -inf (a bias)"
         return _plane(visible)
     if _is(op, "relax.where"):
-        cond, lhs, rhs = (_closed_value(a, lookup, values) for a in op.args)
+        cond, lhs, rhs = (_closed_value(a, lookup, values, sizes) for a in op.args)
         if cond is None:
             return "a where-mask whose condition is not a constant"
         for fill, keep in ((rhs, True), (lhs, False)):
@@ -247,6 +339,8 @@ def _closed_bindings(expr, lookup):
     order, seen = [], set()
 
     def visit(e):
+        if isinstance(e, relax.Var) and isinstance(e.ty, tvm.ir.PrimType):
+            return True  # a shape variable: the lengths, not a parameter
         if isinstance(e, relax.Var):
             if e in seen:
                 return True
@@ -269,33 +363,45 @@ def _closed(expr, lookup) -> bool:
     return _closed_bindings(expr, lookup) is not None
 
 
-def _closed_value(expr, lookup, values: dict) -> Optional[np.ndarray]:
-    """The value of ``expr`` where it depends on no parameter (a mask built of
-    ``arange``, comparisons and constants), computed on the CPU once (``values``); else
-    None."""
+def _closed_value(expr, lookup, values: dict, sizes: dict) -> Optional[np.ndarray]:
+    """The value of ``expr`` at the lengths ``sizes`` where it depends on no parameter (a
+    mask built of ``arange``, comparisons and constants), computed on the CPU (its
+    function compiled once: ``values``); else None."""
     constant = _constant(expr)
     if constant is not None or not isinstance(expr, relax.Var):
         return constant
     if expr not in values:
-        values[expr] = _evaluate(expr, lookup)
-    return values[expr]
+        values[expr] = _evaluator(expr, lookup)
+    evaluate = values[expr]
+    return None if evaluate is None else evaluate(sizes)
 
 
-def _evaluate(target, lookup) -> Optional[np.ndarray]:
-    """The value of variable ``target`` computed on the CPU, where no parameter feeds it."""
+def _evaluator(target, lookup) -> Optional[Callable]:
+    """A function of the lengths (shape variable -> int) computing variable ``target``
+    on the CPU, where no parameter feeds it; None where one does or where it uses sizes
+    other than the lengths."""
     order = _closed_bindings(target, lookup)
     if order is None:
         return None
     bb = relax.BlockBuilder()
-    with bb.function("main", []):
+    free = _sorted_vars(v for _, value in order for v in relax.analysis.free_symbolic_vars(value))
+    params = [relax.Var("sizes", relax.ShapeType(free))] if free else []
+    with bb.function("main", params):
         mapping = {}
         for var, value in order:
             if isinstance(value, relax.Call):
                 value = relax.Call(value.op, [mapping.get(a, a) for a in value.args], value.attrs, value.ty_args)
             mapping[var] = bb.emit(value)
         bb.emit_func_output(mapping[target])
-    executable = tvm.compile(bb.get(), target="llvm")
-    return relax.VirtualMachine(executable, tvm.cpu())["main"]().numpy()
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+
+    def evaluate(lengths: dict) -> Optional[np.ndarray]:
+        if any(v not in lengths for v in free):
+            return None
+        args = [tvm.runtime.ShapeTuple([lengths[v] for v in free])] if free else []
+        return vm["main"](*args).numpy()
+
+    return evaluate
 
 
 def _constant(expr) -> Optional[np.ndarray]:
@@ -309,7 +415,3 @@ def tensor_shape(expr):
         return None
     return [int(v) if isinstance(v, tvm.tirx.IntImm) else v for v in ty.shape.values]
 
-
-def _static_shape(expr):
-    shape = tensor_shape(expr)
-    return shape if shape is not None and all(isinstance(x, int) for x in shape) else None

@@ -78,7 +78,7 @@ class _Dispatcher(relax.PyExprMutator):
         super().__init__(mod)
         self.mod_, self.target = mod, target
         self.kernels = {}  # (spec, family name) -> GlobalVar
-        self.masks = {}  # mask variable -> its value (read_chain's)
+        self.masks = {}  # mask variable -> its evaluator (read_chain's)
 
     def run(self) -> tvm.IRModule:
         for gvar, func in self.mod_.functions_items():

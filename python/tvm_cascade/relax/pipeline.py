@@ -5,9 +5,8 @@ so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
 targets :class:`.FuseAttention` (every attention fused into one generic kernel). On CUDA
 and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's default
-schedules: a softmax or log-softmax over rows of a length known at compile time (an
-MoE router's, a loss's over a vocabulary, an attention's the library left) becomes one
-block per row, one pass over it.
+schedules: a softmax or log-softmax over rows of a static length up to 4096 (an MoE
+router's, an attention's the library left) becomes one block per row.
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
 ``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention

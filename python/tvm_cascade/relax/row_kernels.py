@@ -4,10 +4,11 @@
 between TVM's legalisation (``FuseTIR``) and dlight's default schedules: each PrimFunc
 that holds one cascaded reduction folding each row to values of its own (what
 ``R.nn.softmax`` and ``R.nn.log_softmax`` legalise to, with what the fusion put around
-them) is scheduled by :func:`~tvm_cascade.schedules.rows.schedule_rows` with
+them) over rows of at most :data:`LONGEST_ROW` elements is scheduled by
+:func:`~tvm_cascade.schedules.rows.schedule_rows` with
 :func:`~tvm_cascade.schedules.rows.plan_rows`' plan and marked scheduled, so dlight
-leaves it. A function the schedule does not serve (a row length known only at run time,
-a refusal of the schedule) is left to dlight, the reason logged on the
+leaves it. A function the schedule does not serve (a row length known only at run time
+or longer, a refusal of the schedule) is left to dlight, the reason logged on the
 ``tvm_cascade.relax`` logger.
 """
 from __future__ import annotations
@@ -25,6 +26,11 @@ from .gpu_schedule import UnsupportedOnGpu
 logger = logging.getLogger("tvm_cascade.relax")
 
 SCHEDULED = "tirx.is_scheduled"
+#: The longest rows given the row kernel. Up to 4096 (an MoE router's softmax over its
+#: experts, with or without top-k) it measured as fast as dlight's or faster on an H200;
+#: a log-softmax over a 128k vocabulary, whose output is as large as its input, 7-19%
+#: slower (benchmarks/RESULTS.md, "Cascades beyond attention").
+LONGEST_ROW = 4096
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.ScheduleRowChains")
@@ -56,6 +62,10 @@ def row_kernel(func: tvm.tirx.PrimFunc, name: str = "main"):
     (chain,) = chains
     if chain.length is None:
         logger.info("'%s' left to the default schedules: its rows' length is known only at run time", name)
+        return None
+    if chain.length > LONGEST_ROW:
+        logger.info("'%s' left to the default schedules: rows of %d elements, longer than %d", name, chain.length,
+                    LONGEST_ROW)
         return None
     sch = tvm.s_tir.Schedule(func)
     try:
