@@ -70,6 +70,24 @@ def test_space_proposes_each_fusion_beside_the_unfused_schedule(kind):
             np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_top_k_rounds_do_not_multiply_the_space():
+    """MoE routing with 8 top-k rounds: each round, a reduction outside the chain, takes
+    one alternative of each default rule, so the space is a handful of schedules (it
+    was 72171 on LLVM) with both fusions; a fused one routes as numpy does."""
+    logits = np.random.default_rng(1).standard_normal((4, 40)).astype("float32") * 3
+    func = cascades.moe_routing(4, 40, 8)
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=LLVM, space_generator=cascade_space(), task_name="moe")
+    spaces = context.generate_design_space()
+    assert len(spaces) <= 16
+    fused = [s for s in spaces if _fusions(s)]
+    assert {tuple(sorted(set(_fusions(s)))) for s in fused} == {("RollingUpdate",), ("SplitKUpdate",)}
+    replayed = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+    cascade_trace.apply_json_to_schedule(fused[0].trace.as_json(), replayed)
+    assert all(postproc.apply(replayed) for postproc in context.space_generator.postprocs)
+    for out, ref in zip(testing.run_prim_func(replayed.mod["main"], [logits]), R.moe_routing_ref(logits, 8)):
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_fused_nest_is_left_to_the_fusion():
     """The blocks of a fused nest carry ``schedule_rule = "None"``: the default rules
     that follow leave them alone (no multi-level tiling of P·V inside the key loop)."""
