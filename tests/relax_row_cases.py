@@ -5,14 +5,16 @@ from tvm import relax
 from tvm.relax import op as R
 
 
-def row_model(kind: str, rows, n: int, dtype: str):
-    """``main(x[rows, n]: dtype)`` (and ``labels[rows]`` for ``"cross_entropy"``): the
-    float32 softmax, log-softmax or per-row cross-entropy of ``x``, as a Relax user
-    writes them."""
+def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2):
+    """``main(x[rows, n]: dtype)`` (and ``labels[rows]`` for the cross-entropies): the
+    float32 softmax, log-softmax, per-row cross-entropy (``"cross_entropy"`` by
+    ``nll_loss``; ``"exported_cross_entropy"`` by ``gather_elements``, as
+    ``torch.export`` gives ``F.cross_entropy``) or MoE router (``"router"``: the softmax
+    and its ``top_k`` probabilities and int64 indices) of ``x``."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((rows, n), dtype))
     params = [x]
-    if kind == "cross_entropy":
+    if "cross_entropy" in kind:
         params.append(relax.Var("labels", relax.TensorType((rows,), "int64")))
     with bb.function("main", params):
         with bb.dataflow():
@@ -21,6 +23,14 @@ def row_model(kind: str, rows, n: int, dtype: str):
                 y = bb.emit(R.nn.softmax(xf, axis=-1))
             elif kind == "log_softmax":
                 y = bb.emit(R.nn.log_softmax(xf, axis=-1))
+            elif kind == "exported_cross_entropy":
+                logp = bb.emit(R.nn.log_softmax(xf, axis=1))
+                picked = bb.emit(R.gather_elements(logp, bb.emit(R.expand_dims(params[1], axis=[1])), axis=1))
+                y = bb.emit(R.negative(bb.emit(R.squeeze(picked, axis=[1]))))
+            elif kind == "router":
+                prob = bb.emit(R.nn.softmax(xf, axis=-1))
+                top = bb.emit(R.topk(prob, top_k, axis=-1, ret_type="both", largest=True, dtype="int64"))
+                y = bb.emit(relax.Tuple([prob, bb.emit(relax.TupleGetItem(top, 0)), bb.emit(relax.TupleGetItem(top, 1))]))
             else:
                 logp = bb.emit(R.nn.log_softmax(xf, axis=-1))
                 y = bb.emit(R.nn.nll_loss(logp, params[1], reduction="none"))
@@ -29,13 +39,16 @@ def row_model(kind: str, rows, n: int, dtype: str):
     return bb.get()
 
 
-def row_reference(kind: str, x, labels=None):
-    """Float64 numpy of :func:`row_model`."""
+def row_reference(kind: str, x, labels=None, top_k: int = 2):
+    """Float64 numpy of :func:`row_model` (a list of arrays for ``"router"``)."""
     x = x.astype("float64")
     shifted = x - x.max(axis=-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     if kind == "softmax":
         return np.exp(logp)
+    if kind == "router":
+        index = np.argsort(-x, axis=-1, kind="stable")[:, :top_k]
+        return [np.exp(logp), np.take_along_axis(np.exp(logp), index, axis=-1), index]
     if kind == "log_softmax":
         return logp
     return -np.take_along_axis(logp, labels[:, None], axis=1)[:, 0]

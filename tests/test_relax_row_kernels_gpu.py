@@ -1,6 +1,8 @@
 """Relax models' row chains through the ``"cascade"`` pipeline on a CUDA GPU (skipped
-without one): softmax, log-softmax and cross-entropy against float64 numpy, rows the
-chunks divide and rows they do not, a static and a runtime number of rows."""
+without one): softmax, log-softmax and cross-entropy (row kernels after legalisation),
+torch.export's cross-entropy and an MoE router (``DispatchRowChains``' fused kernels)
+against float64 numpy, rows the chunks divide and rows they do not, a static and a
+runtime number of rows."""
 import numpy as np
 import pytest
 import tvm
@@ -24,7 +26,7 @@ def _logits(rows, n, dtype, rng):
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [4096, 1001])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "cross_entropy"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "cross_entropy", "exported_cross_entropy", "router"])
 def test_matches_float64(kind, n, dtype, symbolic):
     rows = 37
     dev = tvm.cuda(0)
@@ -33,6 +35,8 @@ def test_matches_float64(kind, n, dtype, symbolic):
     executable = tvm.compile(row_model(kind, extent, n, dtype), target=target, relax_pipeline="cascade")
     rng = np.random.default_rng(n)
     x = _logits(rows, n, dtype, rng)
-    args = [x] + ([rng.integers(0, n, rows).astype("int64")] if kind == "cross_entropy" else [])
-    got = relax.VirtualMachine(executable, dev)["main"](*(tvm.runtime.tensor(a, dev) for a in args)).numpy()
-    np.testing.assert_allclose(got, row_reference(kind, x, *args[1:]), rtol=1e-4, atol=1e-5)
+    args = [x] + ([rng.integers(0, n, rows).astype("int64")] if "cross_entropy" in kind else [])
+    got = relax.VirtualMachine(executable, dev)["main"](*(tvm.runtime.tensor(a, dev) for a in args))
+    expected = row_reference(kind, x, *args[1:])
+    for out, ref in zip(got if kind == "router" else [got], expected if kind == "router" else [expected]):
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5)

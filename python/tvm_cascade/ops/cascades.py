@@ -173,12 +173,13 @@ def moe_routing(
     accum_dtype: str = "float32",
     with_topk: bool = True,
     index_dtype: str = "int32",
+    with_prob: bool = True,
 ) -> tvm.tirx.PrimFunc:
     """Mixture-of-experts router: softmax over experts, then top-k.
 
     ``main(logits[tokens, experts], prob[tokens, experts],
     topk_prob[tokens, top_k], topk_idx[tokens, top_k])``
-    (the last two only with ``with_topk=True``).
+    (the last two only with ``with_topk=True``; ``prob`` only with ``with_prob=True``).
 
     What is a reduction and what is not:
 
@@ -211,7 +212,7 @@ def moe_routing(
     if not with_topk:
         return te.create_prim_func([logits, prob])
     vals, idx = _top_k_rounds(logits, m, l, tokens, experts, top_k, acc, index_dtype)
-    return te.create_prim_func([logits, prob, vals, idx])
+    return te.create_prim_func([logits, prob, vals, idx] if with_prob else [logits, vals, idx])
 
 
 def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):

@@ -3,14 +3,16 @@ attention passes before legalization: on GPUs :class:`.DispatchAttention` (atten
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
-targets :class:`.FuseAttention` (every attention fused into one generic kernel). On CUDA
-and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's default
-schedules: a softmax or log-softmax over rows of a static length up to 4096 (an MoE
-router's, an attention's the library left) becomes one block per row.
+targets :class:`.FuseAttention` (every attention fused into one generic kernel). Then
+:class:`.DispatchRowChains`: a cross-entropy loss and an MoE router's top-k as
+``torch.export`` gives them become one fused kernel each (on CUDA and ROCm one block per
+row). On CUDA and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's
+default schedules: a softmax or log-softmax over rows of a static length up to 4096 (an
+MoE router's, an attention's the library left) becomes one block per row.
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
-``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention
-or row chains goes through exactly the passes of ``relax_pipeline="default"``.
+``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention,
+loss, router or row chains goes through exactly the passes of ``relax_pipeline="default"``.
 """
 
 from typing import Optional
@@ -21,6 +23,7 @@ from tvm import relax
 from .dispatch import DispatchAttention
 from .fuse_attention import FuseAttention
 from .kv_cache import KVCacheAttention
+from .row_dispatch import DispatchRowChains
 from .row_kernels import schedule_row_chains
 
 PIPELINE_NAME = "cascade"
@@ -37,7 +40,7 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
         dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
         on_gpu = target is not None and "gpu" in target.keys
         attention = [DispatchAttention(), KVCacheAttention()] if on_gpu else [FuseAttention(tile, method, chunks)]
-        passes = dispatch + attention + [_default_pipeline(target)]
+        passes = dispatch + attention + [DispatchRowChains(), _default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

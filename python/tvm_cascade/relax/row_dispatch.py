@@ -1,0 +1,144 @@
+"""A Relax model's loss and router as one fused kernel each.
+
+:class:`DispatchRowChains` rewrites, before legalisation, the two forms the frontends
+give these cascades (``torch.export`` of ``F.cross_entropy(x.float(), labels,
+reduction="none")`` and of ``torch.topk(torch.softmax(x.float(), -1), k)``):
+
+* cross-entropy, ``negative(squeeze(gather_elements(log_softmax(x), expand_dims(labels,
+  1), axis=1), 1))``, becomes one call of :func:`~tvm_cascade.ops.cascades.cross_entropy`
+  (what follows it, as the frontend's ``where`` for an ignored index, stays);
+* MoE routing's top-k, ``topk(softmax(x), k)`` over the last axis with the largest
+  first, becomes one call of :func:`~tvm_cascade.ops.cascades.moe_routing`'s top-k
+  outputs (the softmax stays where something else reads it).
+
+``x`` is a 2-d float32 tensor, or the float32 cast of a half one, which the kernel then
+reads as it is; the number of rows may be symbolic, the row length must be static. On
+CUDA and ROCm the kernel is :func:`~tvm_cascade.schedules.rows.schedule_rows`' one block
+per row; elsewhere the chain fused by the rolling update, the rows a parallel loop.
+Anything else is left as it is.
+"""
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+from ..analysis.scope import buffer_params
+from ..ops import cascades
+from ..schedules.rows import plan_rows, schedule_rows
+from ..transform import fuse_cascaded_reductions
+from .chain_spec import tensor_shape
+from .dispatch import OPAQUE
+
+logger = logging.getLogger("tvm_cascade.relax")
+
+_HALF = ("float16", "bfloat16")
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_cascade.DispatchRowChains")
+class DispatchRowChains:
+    """Replace a Relax module's cross-entropy and MoE top-k (module docstring) by calls
+    of fused kernels for the current target."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = tvm.target.Target.current(allow_none=True)
+        if target is None:
+            return mod
+        rewriter = _Rewriter(relax.BlockBuilder(mod), target)
+        for gvar, func in list(mod.functions_items()):
+            if isinstance(func, relax.Function):
+                rewriter.bound = relax.analysis.get_var2val(func)
+                func = rewrite_call(_CROSS_ENTROPY, rewriter.cross_entropy, func)
+                rewriter.bound = relax.analysis.get_var2val(func)
+                rewriter.builder.update_func(gvar, rewrite_call(_TOP_K, rewriter.top_k, func))
+        if not rewriter.kernels:
+            return mod
+        return relax.transform.DeadCodeElimination()(rewriter.builder.get())
+
+
+_X = wildcard()
+_LABELS = wildcard()
+_LOG_SOFTMAX = is_op("relax.nn.log_softmax")(_X)
+_PICKED = is_op("relax.gather_elements")(_LOG_SOFTMAX, is_op("relax.expand_dims")(_LABELS))
+_CROSS_ENTROPY = is_op("relax.negative")(is_op("relax.squeeze")(_PICKED))
+_TOP_K = is_op("relax.topk")(is_op("relax.nn.softmax")(_X))
+
+
+class _Rewriter:
+    def __init__(self, builder, target):
+        self.builder, self.target = builder, target
+        self.kernels = {}  # (workload, ...) -> the kernel's GlobalVar
+        self.bound = {}  # variable -> its value, in the function rewritten
+
+    def cross_entropy(self, matched, matches):
+        call = self._value(matched)
+        log_softmax, picked, squeeze = (self._value(e) for e in (matches[_LOG_SOFTMAX], matches[_PICKED], call.args[0]))
+        labels = matches[_LABELS]
+        x, rows, n = self._rows(matches[_X], log_softmax.attrs.axis)
+        if x is None or int(picked.attrs.axis) not in (1, -1) or list(squeeze.attrs.axis or [1]) not in ([1], [-1]):
+            return matched
+        label_shape = tensor_shape(labels)
+        if label_shape is None or len(label_shape) != 1 or "int" not in str(labels.ty.dtype):
+            return matched
+        gvar = self._kernel(
+            ("cross_entropy", n, str(x.ty.dtype), str(labels.ty.dtype)),
+            lambda r: cascades.cross_entropy(r, n, str(x.ty.dtype), str(labels.ty.dtype)),
+        )
+        return relax.call_tir(gvar, [x, labels], relax.TensorType([rows], "float32"))
+
+    def top_k(self, matched, matches):
+        call = self._value(matched)
+        attrs = call.attrs
+        softmax = self._value(call.args[0])
+        x, rows, n = self._rows(matches[_X], softmax.attrs.axis)
+        if x is None or int(attrs.axis) not in (1, -1) or not bool(attrs.largest) or attrs.ret_type != "both":
+            return matched
+        k, index = int(attrs.k), str(attrs.dtype)
+        gvar = self._kernel(
+            ("moe_routing", n, k, str(x.ty.dtype), index),
+            lambda r: cascades.moe_routing(r, n, k, str(x.ty.dtype), index_dtype=index, with_prob=False),
+        )
+        out = [relax.TensorType([rows, k], "float32"), relax.TensorType([rows, k], index)]
+        return relax.call_tir(gvar, [x], out)
+
+    def _rows(self, x, axis):
+        """(the tensor the kernel reads, its rows, its row length) of the chain's float32
+        input ``x`` reduced over ``axis``, or (None, None, None) where no kernel serves it."""
+        source = x
+        value = self._value(x)
+        if isinstance(value, relax.Call) and value.op.name == "relax.astype" and str(value.args[0].ty.dtype) in _HALF:
+            source = value.args[0]
+        shape = tensor_shape(x)
+        if str(x.ty.dtype) != "float32" or shape is None or len(shape) != 2 or int(axis) not in (1, -1):
+            return None, None, None
+        if not isinstance(shape[1], int):
+            logger.info("a softmax over rows of a symbolic length left as it is")
+            return None, None, None
+        return source, shape[0], shape[1]
+
+    def _value(self, expr):
+        """The value bound to ``expr`` where it is a variable, else ``expr``."""
+        return self.bound.get(expr, expr) if isinstance(expr, relax.Var) else expr
+
+    def _kernel(self, key, build):
+        """The GlobalVar of the kernel of ``key`` (one per workload, its rows symbolic)."""
+        if key not in self.kernels:
+            name = "_".join(str(part) for part in key)
+            func = _schedule(build(tvm.tirx.Var("rows", "int64")), self.target)
+            func = func.without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE})
+            self.kernels[key] = self.builder.add_func(func, name)
+        return self.kernels[key]
+
+
+def _schedule(func, target):
+    sch = tvm.s_tir.Schedule(func)
+    if target.kind.name in ("cuda", "rocm"):
+        x = buffer_params(func)[0]
+        schedule_rows(sch, **plan_rows(int(x.ty.shape[1]), str(x.ty.dtype)))
+    else:
+        fuse_cascaded_reductions(sch, method="rolling")
+        rows = sch.get_loops(sch.get_sblock("max"))[0]
+        sch.parallel(rows)
+    return sch.mod["main"]

@@ -1,0 +1,91 @@
+"""``DispatchRowChains`` (the cascade pipeline's loss and router pass): the forms
+``torch.export`` gives a cross-entropy and an MoE router's top-k become one fused kernel
+call each, the one-block-per-row kernel on CUDA; through the pipeline on the CPU they
+match float64 numpy with static and symbolic row counts; what no kernel serves is left.
+GPU numerics: test_relax_row_kernels_gpu.py."""
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from relax_attention_cases import SM90A
+from relax_row_cases import row_model, row_reference
+from tvm import relax
+
+import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
+from tvm_cascade.relax.row_dispatch import DispatchRowChains
+
+
+def _dispatch(mod, target):
+    with tvm.target.Target(target):
+        return DispatchRowChains()(mod)
+
+
+def _kernels(mod):
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def _ops(mod):
+    return [b.value.op.name for blk in mod["main"].body.blocks for b in blk.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+
+
+def _blocks(func):
+    names = []
+    tvm_ffi.structural_walk(func.body, lambda n: names.append(n.name_hint) if isinstance(n, tvm.s_tir.stmt.SBlock) else None)
+    return names
+
+
+@pytest.mark.parametrize("kind, name, ops", [
+    ("exported_cross_entropy", "cross_entropy_4096_float16_int64", ["relax.call_tir"]),
+    ("router", "moe_routing_4096_2_float16_int64", ["relax.astype", "relax.nn.softmax", "relax.call_tir"]),
+])
+def test_a_loss_and_a_router_become_one_row_kernel_call(kind, name, ops):
+    """On CUDA: one call of the one-block-per-row kernel, reading the float16 logits as
+    they are (the cast goes where nothing else reads it; the router's softmax, an
+    output, stays)."""
+    out = _dispatch(row_model(kind, 64, 4096, "float16"), SM90A)
+    (kernel,) = _kernels(out).values()
+    assert list(_kernels(out)) == [name] and _ops(out) == ops
+    assert bool(kernel.attrs["tirx.is_scheduled"]) and any(b.endswith("_partial") for b in _blocks(kernel))
+    assert str(kernel.params[0].ty.dtype) == "float16"
+
+
+@pytest.mark.parametrize("rows", [37, "symbolic"])
+@pytest.mark.parametrize("kind", ["exported_cross_entropy", "router"])
+def test_fused_on_the_cpu_through_the_cascade_pipeline(kind, rows):
+    """The cascade pipeline on LLVM: the fused kernel (rolled over the row, rows in
+    parallel), 1000 classes (no whole number of tiles), against float64 numpy."""
+    extent = tvm.tirx.Var("tokens", "int64") if rows == "symbolic" else 37
+    mod = row_model(kind, extent, 1000, "float16", top_k=4)
+    prefix = {"exported_cross_entropy": "cross_entropy_1000_", "router": "moe_routing_1000_4_"}[kind]
+    with tvm.target.Target("llvm"):
+        assert [name[:len(prefix)] for name in _kernels(DispatchRowChains()(mod))] == [prefix]
+    executable = tvm.compile(mod, target="llvm", relax_pipeline="cascade")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((37, 1000)) * 4).astype("float16")
+    args = [x] + ([rng.integers(0, 1000, 37).astype("int64")] if kind != "router" else [])
+    got = relax.VirtualMachine(executable, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args))
+    expected = row_reference(kind, x, *args[1:], top_k=4)
+    if kind == "router":
+        for out, ref in zip(got, expected):
+            np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_what_no_kernel_serves_is_left():
+    """Rows of a symbolic length, the smallest k: no kernel, the module as it was."""
+    for mod in (row_model("exported_cross_entropy", 8, tvm.tirx.Var("n", "int64"), "float16"),
+                _smallest_k(row_model("router", 8, 64, "float16"))):
+        tvm.ir.assert_structural_equal(_dispatch(mod, SM90A), mod)
+
+
+def _smallest_k(mod):
+    """``mod`` with its top-k taking the smallest."""
+    def flip(call):
+        if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.topk":
+            attrs = call.attrs
+            return relax.op.topk(call.args[0], int(attrs.k), int(attrs.axis), attrs.ret_type, False, attrs.dtype)
+        return call
+
+    return tvm.IRModule({"main": tvm_ffi.structural_map(mod["main"], (relax.Call, flip))})
