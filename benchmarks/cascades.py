@@ -3,7 +3,8 @@ vocabulary, MoE routing (softmax over the experts, then top-k), as one tvm-casca
 each, beside PyTorch eager, ``torch.compile`` and stock TVM (the unfused Relax graph
 through TVM's default CUDA pipeline), timed side by side on one GPU. "tvm, cascade
 pipeline" is that Relax graph compiled with ``relax_pipeline="cascade"``: what a Relax
-user gets (its softmax and log-softmax as row kernels, the rest as stock TVM).
+user gets (its cross-entropy, log-sum-exp and top-k on tvm-cascade's kernels,
+``relax/row_dispatch.py``).
 
     python -m benchmarks.cascades [--out DIR] [--only NAME ...] [--tune TRIALS]
 

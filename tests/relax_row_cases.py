@@ -7,7 +7,8 @@ from tvm.relax import op as R
 
 def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2):
     """``main(x[rows, n]: dtype)`` (and ``labels[rows]`` for the cross-entropies): the
-    float32 softmax, log-softmax, per-row cross-entropy (``"cross_entropy"`` by
+    float32 softmax, log-softmax, log-sum-exp (``"log_sum_exp"``: max, exp, sum, log by
+    hand), per-row cross-entropy (``"cross_entropy"`` by
     ``nll_loss``; ``"exported_cross_entropy"`` by ``gather_elements``, as
     ``torch.export`` gives ``F.cross_entropy``) or MoE router (``"router"``: the softmax
     and its ``top_k`` probabilities and int64 indices) of ``x``."""
@@ -27,6 +28,10 @@ def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2):
                 logp = bb.emit(R.nn.log_softmax(xf, axis=1))
                 picked = bb.emit(R.gather_elements(logp, bb.emit(R.expand_dims(params[1], axis=[1])), axis=1))
                 y = bb.emit(R.negative(bb.emit(R.squeeze(picked, axis=[1]))))
+            elif kind == "log_sum_exp":
+                m = bb.emit(R.max(xf, axis=-1, keepdims=True))
+                total = bb.emit(R.sum(bb.emit(R.exp(bb.emit(R.subtract(xf, m)))), axis=-1))
+                y = bb.emit(R.add(bb.emit(R.log(total)), bb.emit(R.squeeze(m, axis=[1]))))
             elif kind == "router":
                 prob = bb.emit(R.nn.softmax(xf, axis=-1))
                 top = bb.emit(R.topk(prob, top_k, axis=-1, ret_type="both", largest=True, dtype="int64"))
@@ -51,4 +56,6 @@ def row_reference(kind: str, x, labels=None, top_k: int = 2):
         return [np.exp(logp), np.take_along_axis(np.exp(logp), index, axis=-1), index]
     if kind == "log_softmax":
         return logp
+    if kind == "log_sum_exp":
+        return x.max(axis=-1) + np.log(np.exp(shifted).sum(axis=-1))
     return -np.take_along_axis(logp, labels[:, None], axis=1)[:, 0]

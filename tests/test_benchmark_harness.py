@@ -181,18 +181,36 @@ def test_stock_tvm_relax_graph_on_llvm(cfg, small_window):
 
 @pytest.mark.parametrize("workload", ["cross_entropy", "logsumexp", "moe_routing"])
 def test_cascades_stock_tvm_graph_on_llvm(workload):
-    """The Relax graph of the cascades benchmark's stock-TVM peer computes the workload."""
+    """The Relax graph of the cascades benchmark's stock-TVM peers computes the workload,
+    through the default pipeline and the cascade pipeline, which takes its chain to one
+    fused kernel (``DispatchRowChains``)."""
     import tvm
     from tvm import relax
 
+    import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
     from benchmarks.cascades import relax_graph
     from tvm_cascade.ops import reference as R
+    from tvm_cascade.relax.row_dispatch import DispatchRowChains
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((6, 40)) * 3).astype("float32")
     labels = rng.integers(0, 40, 6).astype("int32")
     args = [x, labels] if workload == "cross_entropy" else [x]
-    vm = relax.VirtualMachine(tvm.compile(relax_graph(workload, 6, 40, 3, "float32"), target="llvm"), tvm.cpu())
+    graph = relax_graph(workload, 6, 40, 3, "float32")
+    with tvm.target.Target("llvm"):
+        dispatched = DispatchRowChains()(graph)
+    assert [gv.name_hint.split("_40")[0] for gv, f in dispatched.functions_items() if isinstance(f, tvm.tirx.PrimFunc)] == [workload]
+    for pipeline in ("default", "cascade"):
+        _check_cascade_graph(workload, x, labels, args, tvm.compile(graph, target="llvm", relax_pipeline=pipeline))
+
+
+def _check_cascade_graph(workload, x, labels, args, executable):
+    import tvm
+    from tvm import relax
+
+    from tvm_cascade.ops import reference as R
+
+    vm = relax.VirtualMachine(executable, tvm.cpu())
     out = vm["main"](*(tvm.runtime.tensor(a) for a in args))
     if workload == "moe_routing":
         prob, top_prob, top_idx = R.moe_routing_ref(x, 3)

@@ -1,6 +1,6 @@
 """``DispatchRowChains`` (the cascade pipeline's loss and router pass): the forms
-``torch.export`` gives a cross-entropy and an MoE router's top-k become one fused kernel
-call each, the one-block-per-row kernel on CUDA; through the pipeline on the CPU they
+``torch.export`` gives a cross-entropy and an MoE router's top-k, and a log-sum-exp
+written by hand, become one fused kernel call each, the one-block-per-row kernel on CUDA; through the pipeline on the CPU they
 match float64 numpy with static and symbolic row counts; what no kernel serves is left.
 GPU numerics: test_relax_row_kernels_gpu.py."""
 import numpy as np
@@ -38,6 +38,7 @@ def _blocks(func):
 @pytest.mark.parametrize("kind, name, ops", [
     ("exported_cross_entropy", "cross_entropy_4096_float16_int64", ["relax.call_tir"]),
     ("router", "moe_routing_4096_2_float16_int64", ["relax.astype", "relax.nn.softmax", "relax.call_tir"]),
+    ("log_sum_exp", "logsumexp_4096_float16", ["relax.call_tir"]),
 ])
 def test_a_loss_and_a_router_become_one_row_kernel_call(kind, name, ops):
     """On CUDA: one call of the one-block-per-row kernel, reading the float16 logits as
@@ -51,19 +52,20 @@ def test_a_loss_and_a_router_become_one_row_kernel_call(kind, name, ops):
 
 
 @pytest.mark.parametrize("rows", [37, "symbolic"])
-@pytest.mark.parametrize("kind", ["exported_cross_entropy", "router"])
+@pytest.mark.parametrize("kind", ["exported_cross_entropy", "router", "log_sum_exp"])
 def test_fused_on_the_cpu_through_the_cascade_pipeline(kind, rows):
     """The cascade pipeline on LLVM: the fused kernel (rolled over the row, rows in
     parallel), 1000 classes (no whole number of tiles), against float64 numpy."""
     extent = tvm.tirx.Var("tokens", "int64") if rows == "symbolic" else 37
     mod = row_model(kind, extent, 1000, "float16", top_k=4)
-    prefix = {"exported_cross_entropy": "cross_entropy_1000_", "router": "moe_routing_1000_4_"}[kind]
+    prefix = {"exported_cross_entropy": "cross_entropy_1000_", "router": "moe_routing_1000_4_",
+              "log_sum_exp": "logsumexp_1000_"}[kind]
     with tvm.target.Target("llvm"):
         assert [name[:len(prefix)] for name in _kernels(DispatchRowChains()(mod))] == [prefix]
     executable = tvm.compile(mod, target="llvm", relax_pipeline="cascade")
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((37, 1000)) * 4).astype("float16")
-    args = [x] + ([rng.integers(0, 1000, 37).astype("int64")] if kind != "router" else [])
+    args = [x] + ([rng.integers(0, 1000, 37).astype("int64")] if "cross_entropy" in kind else [])
     got = relax.VirtualMachine(executable, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args))
     expected = row_reference(kind, x, *args[1:], top_k=4)
     if kind == "router":

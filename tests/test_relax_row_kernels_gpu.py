@@ -1,6 +1,7 @@
 """Relax models' row chains through the ``"cascade"`` pipeline on a CUDA GPU (skipped
 without one): softmax, log-softmax and cross-entropy (row kernels after legalisation),
-torch.export's cross-entropy and an MoE router (``DispatchRowChains``' fused kernels)
+torch.export's cross-entropy, an MoE router and a log-sum-exp (``DispatchRowChains``'
+fused kernels)
 against float64 numpy, rows the chunks divide and rows they do not, a static and a
 runtime number of rows."""
 import numpy as np
@@ -26,7 +27,8 @@ def _logits(rows, n, dtype, rng):
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [4096, 1001])
-@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "cross_entropy", "exported_cross_entropy", "router"])
+@pytest.mark.parametrize("kind", ["softmax", "log_softmax", "cross_entropy", "exported_cross_entropy", "router",
+                                  "log_sum_exp"])
 def test_matches_float64(kind, n, dtype, symbolic):
     rows = 37
     dev = tvm.cuda(0)

@@ -9,7 +9,11 @@ reduction="none")`` and of ``torch.topk(torch.softmax(x.float(), -1), k)``):
   (what follows it, as the frontend's ``where`` for an ignored index, stays);
 * MoE routing's top-k, ``topk(softmax(x), k)`` over the last axis with the largest
   first, becomes one call of :func:`~tvm_cascade.ops.cascades.moe_routing`'s top-k
-  outputs (the softmax stays where something else reads it).
+  outputs (the softmax stays where something else reads it);
+* log-sum-exp as it is written by hand, ``log(sum(exp(x - m))) + squeeze(m)`` with
+  ``m = max(x, keepdims=True)`` (either order of the sum), becomes one call of
+  :func:`~tvm_cascade.ops.cascades.logsumexp` (TVM's default lowering of it fails on
+  CUDA: dlight's GEMV rule asserts).
 
 ``x`` is a 2-d float32 tensor, or the float32 cast of a half one, which the kernel then
 reads as it is; the number of rows may be symbolic, the row length must be static. On
@@ -49,10 +53,11 @@ class DispatchRowChains:
         rewriter = _Rewriter(relax.BlockBuilder(mod), target)
         for gvar, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
-                rewriter.bound = relax.analysis.get_var2val(func)
-                func = rewrite_call(_CROSS_ENTROPY, rewriter.cross_entropy, func)
-                rewriter.bound = relax.analysis.get_var2val(func)
-                rewriter.builder.update_func(gvar, rewrite_call(_TOP_K, rewriter.top_k, func))
+                for pattern, rewrite in ((_CROSS_ENTROPY, rewriter.cross_entropy), (_TOP_K, rewriter.top_k),
+                                         (_LOG_SUM_EXP, rewriter.log_sum_exp)):
+                    rewriter.bound = relax.analysis.get_var2val(func)
+                    func = rewrite_call(pattern, rewrite, func)
+                rewriter.builder.update_func(gvar, func)
         if not rewriter.kernels:
             return mod
         return relax.transform.DeadCodeElimination()(rewriter.builder.get())
@@ -64,6 +69,11 @@ _LOG_SOFTMAX = is_op("relax.nn.log_softmax")(_X)
 _PICKED = is_op("relax.gather_elements")(_LOG_SOFTMAX, is_op("relax.expand_dims")(_LABELS))
 _CROSS_ENTROPY = is_op("relax.negative")(is_op("relax.squeeze")(_PICKED))
 _TOP_K = is_op("relax.topk")(is_op("relax.nn.softmax")(_X))
+_MAX = is_op("relax.max")(_X)
+_SUM = is_op("relax.sum")(is_op("relax.exp")(is_op("relax.subtract")(_X, _MAX)))
+_LOG = is_op("relax.log")(_SUM)
+_SQUEEZED = is_op("relax.squeeze")(_MAX)
+_LOG_SUM_EXP = is_op("relax.add")(_LOG, _SQUEEZED) | is_op("relax.add")(_SQUEEZED, _LOG)
 
 
 class _Rewriter:
@@ -103,6 +113,17 @@ class _Rewriter:
         out = [relax.TensorType([rows, k], "float32"), relax.TensorType([rows, k], index)]
         return relax.call_tir(gvar, [x], out)
 
+    def log_sum_exp(self, matched, matches):
+        maximum, total = self._value(matches[_MAX]), self._value(matches[_SUM])
+        squeeze = self._value(matches[_SQUEEZED])
+        x, rows, n = self._rows(matches[_X], _one_axis(maximum.attrs.axis))
+        if x is None or _one_axis(total.attrs.axis) not in (1, -1) or not bool(maximum.attrs.keepdims):
+            return matched
+        if bool(total.attrs.keepdims) or list(squeeze.attrs.axis or [1]) not in ([1], [-1]):
+            return matched
+        gvar = self._kernel(("logsumexp", n, str(x.ty.dtype)), lambda r: cascades.logsumexp(r, n, str(x.ty.dtype)))
+        return relax.call_tir(gvar, [x], relax.TensorType([rows], "float32"))
+
     def _rows(self, x, axis):
         """(the tensor the kernel reads, its rows, its row length) of the chain's float32
         input ``x`` reduced over ``axis``, or (None, None, None) where no kernel serves it."""
@@ -130,6 +151,11 @@ class _Rewriter:
             func = func.without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE})
             self.kernels[key] = self.builder.add_func(func, name)
         return self.kernels[key]
+
+
+def _one_axis(axes) -> int:
+    """The one axis of a reduction's ``axis`` attribute, or 0 (not the rows' axis)."""
+    return int(axes[0]) if axes is not None and len(axes) == 1 else 0
 
 
 def _schedule(func, target):
