@@ -132,11 +132,14 @@ def test_relax_fused_attention_builds(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_relax_row_kernels_build(arch):
-    """A Relax softmax through the cascade pipeline: its row kernel in the code object."""
+@pytest.mark.parametrize("kind, kernel", [("softmax", "softmax_kernel"),
+                                          ("exported_cross_entropy", "cross_entropy_4096_float16_int64_kernel")])
+def test_relax_row_kernels_build(kind, kernel, arch):
+    """A Relax softmax and a cross-entropy through the cascade pipeline: the row kernel
+    (after legalisation; the dispatched fused one) in the code object."""
     target = tvm.target.Target({"kind": "rocm", "mcpu": arch})
-    executable = tvm.compile(row_model("softmax", 64, 4096, "float16"), target=target, relax_pipeline="cascade")
-    assert "softmax_kernel" in _kernels(executable)
+    executable = tvm.compile(row_model(kind, 64, 4096, "float16"), target=target, relax_pipeline="cascade")
+    assert kernel in _kernels(executable)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
