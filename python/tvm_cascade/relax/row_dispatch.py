@@ -1,8 +1,8 @@
-"""A Relax model's loss and router as one fused kernel each.
+"""A Relax model's loss, log-sum-exp and router as one fused kernel each.
 
-:class:`DispatchRowChains` rewrites, before legalisation, the two forms the frontends
-give these cascades (``torch.export`` of ``F.cross_entropy(x.float(), labels,
-reduction="none")`` and of ``torch.topk(torch.softmax(x.float(), -1), k)``):
+:class:`DispatchRowChains` rewrites, before legalisation, these cascades in the forms
+``torch.export`` gives ``F.cross_entropy(x.float(), labels, reduction="none")`` and
+``torch.topk(torch.softmax(x.float(), -1), k)``, and a log-sum-exp written by hand:
 
 * cross-entropy, ``negative(squeeze(gather_elements(log_softmax(x), expand_dims(labels,
   1), axis=1), 1))``, becomes one call of :func:`~tvm_cascade.ops.cascades.cross_entropy`
@@ -43,8 +43,8 @@ _HALF = ("float16", "bfloat16")
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.DispatchRowChains")
 class DispatchRowChains:
-    """Replace a Relax module's cross-entropy and MoE top-k (module docstring) by calls
-    of fused kernels for the current target."""
+    """Replace a Relax module's cross-entropy, MoE top-k and log-sum-exp (module
+    docstring) by calls of fused kernels for the current target."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
@@ -135,7 +135,7 @@ class _Rewriter:
         if str(x.ty.dtype) != "float32" or shape is None or len(shape) != 2 or int(axis) not in (1, -1):
             return None, None, None
         if not isinstance(shape[1], int):
-            logger.info("a softmax over rows of a symbolic length left as it is")
+            logger.info("a row chain over rows of a symbolic length left as it is")
             return None, None, None
         return source, shape[0], shape[1]
 
