@@ -5,11 +5,12 @@ from tvm import relax
 from tvm.relax import op as R
 
 
-def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2):
+def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2, reduction: str = "none"):
     """``main(x[rows, n]: dtype)`` (and ``labels[rows]`` for the cross-entropies): the
     float32 softmax, log-softmax, log-sum-exp (``"log_sum_exp"``: max, exp, sum, log by
     hand), per-row cross-entropy (``"cross_entropy"`` by
-    ``nll_loss``; ``"exported_cross_entropy"`` by ``gather_elements``, as
+    ``nll_loss`` with ``reduction``, labels of -100 ignored; ``"exported_cross_entropy"``
+    by ``gather_elements``, as
     ``torch.export`` gives ``F.cross_entropy``) or MoE router (``"router"``: the softmax
     and its ``top_k`` probabilities and int64 indices) of ``x``."""
     bb = relax.BlockBuilder()
@@ -38,13 +39,13 @@ def row_model(kind: str, rows, n: int, dtype: str, top_k: int = 2):
                 y = bb.emit(relax.Tuple([prob, bb.emit(relax.TupleGetItem(top, 0)), bb.emit(relax.TupleGetItem(top, 1))]))
             else:
                 logp = bb.emit(R.nn.log_softmax(xf, axis=-1))
-                y = bb.emit(R.nn.nll_loss(logp, params[1], reduction="none"))
+                y = bb.emit(R.nn.nll_loss(logp, params[1], reduction=reduction))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     return bb.get()
 
 
-def row_reference(kind: str, x, labels=None, top_k: int = 2):
+def row_reference(kind: str, x, labels=None, top_k: int = 2, reduction: str = "none"):
     """Float64 numpy of :func:`row_model` (a list of arrays for ``"router"``)."""
     x = x.astype("float64")
     shifted = x - x.max(axis=-1, keepdims=True)
@@ -58,4 +59,6 @@ def row_reference(kind: str, x, labels=None, top_k: int = 2):
         return logp
     if kind == "log_sum_exp":
         return x.max(axis=-1) + np.log(np.exp(shifted).sum(axis=-1))
-    return -np.take_along_axis(logp, labels[:, None], axis=1)[:, 0]
+    kept = labels != -100
+    loss = np.where(kept, -np.take_along_axis(logp, np.where(kept, labels, 0)[:, None], axis=1)[:, 0], 0.0)
+    return {"none": loss, "sum": loss.sum(), "mean": loss.sum() / kept.sum()}[reduction]

@@ -75,6 +75,26 @@ def test_fused_on_the_cpu_through_the_cascade_pipeline(kind, rows):
         np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_loss_of_log_softmax_with_ignored_labels(reduction):
+    """``nll_loss(log_softmax(x), labels)`` with every reduction: the fused kernel (an
+    ignored label read as class 0), the ignored rows' loss zeroed around it; on the CPU
+    through the cascade pipeline against float64 numpy."""
+    mod = row_model("cross_entropy", 37, 1000, "bfloat16", reduction=reduction)
+    assert list(_kernels(_dispatch(mod, SM90A))) == ["cross_entropy_1000_bfloat16_int64"]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 1000)) * 4
+    labels = rng.integers(0, 1000, 37).astype("int64")
+    labels[::5] = -100
+    import ml_dtypes
+
+    x = x.astype(ml_dtypes.bfloat16)
+    executable = tvm.compile(mod, target="llvm", relax_pipeline="cascade")
+    got = relax.VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(labels))
+    expected = row_reference("cross_entropy", x.astype("float64"), labels, reduction=reduction)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_what_no_kernel_serves_is_left():
     """Rows of a symbolic length, the smallest k: no kernel, the module as it was."""
     for mod in (row_model("exported_cross_entropy", 8, tvm.tirx.Var("n", "int64"), "float16"),

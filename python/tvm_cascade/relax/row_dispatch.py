@@ -6,7 +6,9 @@
 
 * cross-entropy, ``negative(squeeze(gather_elements(log_softmax(x), expand_dims(labels,
   1), axis=1), 1))``, becomes one call of :func:`~tvm_cascade.ops.cascades.cross_entropy`
-  (what follows it, as the frontend's ``where`` for an ignored index, stays);
+  (what follows it, as the frontend's ``where`` for an ignored index, stays); so does
+  ``nll_loss(log_softmax(x), labels)`` (no class weights; any reduction), the ignored
+  index read as class 0 and its loss zeroed around the call, as ``nll_loss`` does;
 * MoE routing's top-k, ``topk(softmax(x), k)`` over the last axis with the largest
   first, becomes one call of :func:`~tvm_cascade.ops.cascades.moe_routing`'s top-k
   outputs (the softmax stays where something else reads it);
@@ -53,8 +55,8 @@ class DispatchRowChains:
         rewriter = _Rewriter(relax.BlockBuilder(mod), target)
         for gvar, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
-                for pattern, rewrite in ((_CROSS_ENTROPY, rewriter.cross_entropy), (_TOP_K, rewriter.top_k),
-                                         (_LOG_SUM_EXP, rewriter.log_sum_exp)):
+                for pattern, rewrite in ((_CROSS_ENTROPY, rewriter.cross_entropy), (_NLL_LOSS, rewriter.nll_loss),
+                                         (_TOP_K, rewriter.top_k), (_LOG_SUM_EXP, rewriter.log_sum_exp)):
                     rewriter.bound = relax.analysis.get_var2val(func)
                     func = rewrite_call(pattern, rewrite, func)
                 rewriter.builder.update_func(gvar, func)
@@ -68,6 +70,7 @@ _LABELS = wildcard()
 _LOG_SOFTMAX = is_op("relax.nn.log_softmax")(_X)
 _PICKED = is_op("relax.gather_elements")(_LOG_SOFTMAX, is_op("relax.expand_dims")(_LABELS))
 _CROSS_ENTROPY = is_op("relax.negative")(is_op("relax.squeeze")(_PICKED))
+_NLL_LOSS = is_op("relax.nn.nll_loss")(_LOG_SOFTMAX, _LABELS)
 _TOP_K = is_op("relax.topk")(is_op("relax.nn.softmax")(_X))
 _MAX = is_op("relax.max")(_X)
 _SUM = is_op("relax.sum")(is_op("relax.exp")(is_op("relax.subtract")(_X, _MAX)))
@@ -89,13 +92,30 @@ class _Rewriter:
         x, rows, n = self._rows(matches[_X], log_softmax.attrs.axis)
         if x is None or int(picked.attrs.axis) not in (1, -1) or list(squeeze.attrs.axis or [1]) not in ([1], [-1]):
             return matched
-        label_shape = tensor_shape(labels)
-        if label_shape is None or len(label_shape) != 1 or "int" not in str(labels.ty.dtype):
+        if not _labels_of_rows(labels):
             return matched
-        gvar = self._kernel(
-            ("cross_entropy", n, str(x.ty.dtype), str(labels.ty.dtype)),
-            lambda r: cascades.cross_entropy(r, n, str(x.ty.dtype), str(labels.ty.dtype)),
-        )
+        return self._cross_entropy_call(x, labels, str(labels.ty.dtype), rows, n)
+
+    def nll_loss(self, matched, matches):
+        call = self._value(matched)
+        labels = matches[_LABELS]
+        x, rows, n = self._rows(matches[_X], self._value(matches[_LOG_SOFTMAX]).attrs.axis)
+        reduction = str(call.attrs.reduction)
+        if x is None or not _labels_of_rows(labels) or reduction not in ("none", "mean", "sum"):
+            return matched
+        kept = relax.op.not_equal(labels, relax.const(int(call.attrs.ignore_index), str(labels.ty.dtype)))
+        safe = relax.op.where(kept, labels, relax.const(0, str(labels.ty.dtype)))
+        picked = self._cross_entropy_call(x, safe, str(labels.ty.dtype), rows, n)
+        loss = relax.op.where(kept, picked, relax.const(0.0, "float32"))
+        if reduction == "none":
+            return loss
+        if reduction == "sum":
+            return relax.op.sum(loss)
+        return relax.op.divide(relax.op.sum(loss), relax.op.sum(relax.op.astype(kept, "float32")))
+
+    def _cross_entropy_call(self, x, labels, index, rows, n):
+        dtype = str(x.ty.dtype)
+        gvar = self._kernel(("cross_entropy", n, dtype, index), lambda r: cascades.cross_entropy(r, n, dtype, index))
         return relax.call_tir(gvar, [x, labels], relax.TensorType([rows], "float32"))
 
     def top_k(self, matched, matches):
@@ -151,6 +171,12 @@ class _Rewriter:
             func = func.without_attr("global_symbol").with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE})
             self.kernels[key] = self.builder.add_func(func, name)
         return self.kernels[key]
+
+
+def _labels_of_rows(labels) -> bool:
+    """Whether ``labels`` is a 1-d integer tensor (one class per row)."""
+    shape = tensor_shape(labels)
+    return shape is not None and len(shape) == 1 and "int" in str(labels.ty.dtype)
 
 
 def _one_axis(axes) -> int:
