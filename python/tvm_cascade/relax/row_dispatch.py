@@ -20,8 +20,8 @@
 ``x`` is a 2-d float32 tensor, or the float32 cast of a half one, which the kernel then
 reads as it is; the number of rows may be symbolic, the row length must be static. On
 CUDA and ROCm the kernel is :func:`~tvm_cascade.schedules.rows.schedule_rows`' one block
-per row; elsewhere the chain fused by the rolling update, the rows a parallel loop.
-Anything else is left as it is.
+per row; on CPUs the chain fused by the rolling update, the rows a parallel loop; on
+other GPUs nothing is rewritten. Anything else is left as it is.
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ from .dispatch import OPAQUE
 logger = logging.getLogger("tvm_cascade.relax")
 
 _HALF = ("float16", "bfloat16")
+#: The GPU target kinds whose kernels :func:`~tvm_cascade.schedules.rows.schedule_rows` binds.
+_ROW_GPUS = ("cuda", "rocm")
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.DispatchRowChains")
@@ -50,8 +52,8 @@ class DispatchRowChains:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
-        if target is None:
-            return mod
+        if target is None or ("gpu" in target.keys and target.kind.name not in _ROW_GPUS):
+            return mod  # (other GPUs: no schedule here binds the kernels to threads)
         rewriter = _Rewriter(relax.BlockBuilder(mod), target)
         for gvar, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
@@ -186,7 +188,7 @@ def _one_axis(axes) -> int:
 
 def _schedule(func, target):
     sch = tvm.s_tir.Schedule(func)
-    if target.kind.name in ("cuda", "rocm"):
+    if target.kind.name in _ROW_GPUS:
         x = buffer_params(func)[0]
         schedule_rows(sch, **plan_rows(int(x.ty.shape[1]), str(x.ty.dtype)))
     else:

@@ -1,6 +1,6 @@
 """A Relax model's row chains on the one-block-per-row GPU kernel.
 
-:class:`ScheduleRowChains` runs in the ``"cascade"`` pipeline on CUDA and ROCm targets
+:func:`schedule_row_chains` runs in the ``"cascade"`` pipeline on CUDA and ROCm targets
 between TVM's legalisation (``FuseTIR``) and dlight's default schedules: each PrimFunc
 that holds one cascaded reduction folding each row to values of its own (what
 ``R.nn.softmax`` and ``R.nn.log_softmax`` legalise to, with what the fusion put around
