@@ -10,6 +10,13 @@ with ``repeat_interleave``). Either way the cascade pipeline fuses it into one k
 
     python examples/torch_export.py                 # CPU
     python examples/torch_export.py --target cuda   # GPU: numerics, then both timed
+
+``--dynamic`` exports the sequence length as a dynamic dimension (``torch.export.Dim``,
+up to 4096: TVM plans the mask's memory for the largest length): one compiled module
+serves every length. On a CUDA target the cascade pipeline still runs the attention as
+one kernel (its causal mask, a graph over the length, checked at several lengths); on
+the CPU ``FuseAttention`` cannot lower its group (the GQA broadcast to a symbolic shape)
+and leaves it to the default lowering.
 """
 
 import math
@@ -65,20 +72,22 @@ def main():
     parser = block_arguments(__doc__)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "manual"])
+    parser.add_argument("--dynamic", action="store_true", help="export the sequence length as a dynamic dimension")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Block(args.hidden, args.heads_q, args.heads_kv, args.attention).eval()
     x = torch.randn(1, args.seq, args.hidden)
+    shapes = ({1: torch.export.Dim("seq", min=2, max=4096)},) if args.dynamic else None
     with torch.no_grad():
         expected = model(x).double().numpy()
-        program = torch.export.export(model, (x,))
+        program = torch.export.export(model, (x,), dynamic_shapes=shapes)
     mod = from_exported_program(program, keep_params_as_input=True)
     mod, params = tvm.relax.frontend.detach_params(mod)
     default, cascade, target = compile_both(mod, args.target)
     print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
     weights = [p.numpy() for p in params["main"]]
     outs, times = run_both(default, cascade, target, [x.numpy()] + weights, "main", args.time)
-    label = f"seq {args.seq}, {args.attention}"
+    label = f"seq {args.seq}{' (dynamic)' if args.dynamic else ''}, {args.attention}"
     report(label, [np.asarray(o) for o in outs], expected, 1e-3, times)
 
 

@@ -37,3 +37,11 @@ def test_torch_export_fuses_attention_and_matches_pytorch(attention):
     out = _run("torch_export.py", "--seq", "32", "--attention", attention)
     assert "attention kernels: 1" in out
     assert "|cascade - ref|" in out
+
+
+def test_torch_export_with_a_dynamic_length_matches_pytorch():
+    """``--dynamic``: the exported length is symbolic; both pipelines compile and agree."""
+    pytest.importorskip("torch")
+    out = _run("torch_export.py", "--seq", "32", "--dynamic")
+    assert "seq 32 (dynamic)" in out and "|cascade - ref|" in out
+

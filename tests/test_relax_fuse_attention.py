@@ -1,6 +1,8 @@
 """The Relax side: attention patterns fuse into one kernel through relax_pipeline="cascade"
 on the CPU, numerics match numpy, and modules without attention compile unchanged."""
 
+import logging
+
 import numpy as np
 import pytest
 import tvm
@@ -326,6 +328,18 @@ def test_gpu_pipeline_leaves_what_no_fast_kernel_serves_to_the_default_lowering(
         default = relax.get_default_pipeline(CUDA)(_static_gqa_chain(1024))
     assert _fused(cascade) == []
     assert row_kernels_else_default(cascade, default) == ["softmax"]
+
+
+def test_a_group_tvm_cannot_lower_is_left_and_logged(caplog):
+    """``torch.export``'s SDPA with a dynamic length: its group holds the GQA broadcast to
+    a symbolic shape, which LegalizeOps leaves; the module is returned as it is."""
+    pytest.importorskip("torch")
+    from relax_attention_cases import exported_sdpa
+
+    mod = exported_sdpa(1, 32, 4, 2, 16, dtype="float32", decompose=True, dynamic=True)
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"), LLVM:
+        tvm.ir.assert_structural_equal(FuseAttention()(mod), mod)
+    assert "attention left unfused: TVM could not lower its group to one PrimFunc" in caplog.text
 
 
 def _fused_for_gpu(mod, target):

@@ -10,8 +10,8 @@ update for prefill, split-k for decode shapes). On a GPU target the fused PrimFu
 given thread bindings (:mod:`.gpu_schedule`) and marked ``tirx.is_scheduled``, so that the
 default pipeline's DLight rules leave it alone.
 
-A module without a match is returned as it is, so the rest of a pipeline compiles it
-exactly as without this pass.
+A module without a match, or whose groups TVM cannot lower to one PrimFunc each (logged),
+is returned as it is, so the rest of a pipeline compiles it exactly as without this pass.
 """
 
 import logging
@@ -68,9 +68,14 @@ class FuseAttention:
         groups = [gv.name_hint for gv, f in grouped.functions_items() if is_attention_group(f)]
         if not groups:
             return mod
-        lowered = tvm.transform.Sequential(
-            [relax.transform.LegalizeOps(), relax.transform.FuseTIR()]
-        )(grouped)
+        try:
+            lowered = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.FuseTIR()])(grouped)
+        except tvm.error.InternalError as err:
+            # (e.g. a GQA broadcast to a symbolic shape, which the group receives as a
+            # parameter and LegalizeOps leaves as it is)
+            logger.info("attention left unfused: TVM could not lower its group to one PrimFunc: %s",
+                        str(err).strip().splitlines()[-1])
+            return mod
         if not self.fuse:
             return lowered
         target = tvm.target.Target.current(allow_none=True)
