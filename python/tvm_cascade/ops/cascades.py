@@ -205,6 +205,8 @@ def moe_routing(
     """
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
+    if with_topk and experts >= 1 << 24:
+        raise ValueError(f"experts={experts}: the top-k rounds count experts in float32, exact below 2**24")
     acc = accum_dtype
     logits = te.placeholder((tokens, experts), dtype, name="logits")
     m, e, l = _softmax_stats(logits, tokens, experts, acc)
@@ -215,12 +217,19 @@ def moe_routing(
     return te.create_prim_func([logits, prob, vals, idx] if with_prob else [logits, vals, idx])
 
 
+#: The type of the arg-max rounds' expert index (see :func:`_top_k_rounds`).
+_ROUND_INDEX = "float32"
+
+
 def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
     """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` arg-max rounds over
     the logits less their row's maximum ``m`` (``l``: the softmax's sum)."""
 
     def combine(x, y):  # (index, value): the larger value, on a tie the lower index
-        # TVM's arg-max form, so that its cross-thread reduction recognises it.
+        # TVM's arg-max form, so that its cross-thread reduction recognises it. The index
+        # is carried as a float (exact below 2**24 experts): an integer one is bound, with
+        # the selects that compute it, into the analyzer of TVM's CompactBufferAllocation,
+        # which then took seconds per compile (8.6 s for 8 rounds, 0.2 s as a float).
         keep_x = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
         return tirx.Select(keep_x, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
 
@@ -230,7 +239,7 @@ def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str,
     argmax = te.comm_reducer(combine, identity, name="argmax")
     rounds = []
     for r in range(top_k):
-        rule = _round(logits, m, experts, rounds[-1] if rounds else None, argmax, acc, index_dtype)
+        rule = _round(logits, m, experts, rounds[-1] if rounds else None, argmax, acc)
         rounds.append(te.compute((tokens,), rule, name=f"top{r}"))
 
     def gather(part):
@@ -238,7 +247,7 @@ def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str,
             picked = rounds[-1][part][t]
             for r in range(top_k - 2, -1, -1):
                 picked = tirx.Select(k == r, rounds[r][part][t], picked)
-            return te.exp(picked) / l[t] if part == 1 else picked
+            return te.exp(picked) / l[t] if part == 1 else picked.astype(index_dtype)
 
         return rule
 
@@ -246,15 +255,17 @@ def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str,
     return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in parts)
 
 
-def _round(logits, m, experts: int, prev, argmax, acc: str, index_dtype: str):
-    """The compute rule of one arg-max round, after round ``prev`` (None for the first)."""
+def _round(logits, m, experts: int, prev, argmax, acc: str):
+    """The compute rule of one arg-max round, after round ``prev`` (None for the first);
+    its index is a float32."""
     j = te.reduce_axis((0, experts), name="rj")
 
     def pair(t):
         value = logits[t, j].astype(acc) - m[t]
         if prev is not None:
-            after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], j > prev[0][t]))
+            index = j.var.astype(_ROUND_INDEX)
+            after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], index > prev[0][t]))
             value = tirx.Select(after, value, tirx.min_value(acc))
-        return argmax((j.var.astype(index_dtype), value), axis=j)
+        return argmax((j.var.astype(_ROUND_INDEX), value), axis=j)
 
     return pair
