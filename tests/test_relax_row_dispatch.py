@@ -15,9 +15,16 @@ import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
 from tvm_cascade.relax.row_dispatch import DispatchRowChains
 
 
-def _dispatch(mod, target):
+def _dispatch(mod, target, cpu=False):
     with tvm.target.Target(target):
-        return DispatchRowChains()(mod)
+        return DispatchRowChains(cpu)(mod)
+
+
+def _run_on_cpu(mod, args):
+    """``mod`` with ``DispatchRowChains(cpu=True)``'s kernels, built by the default
+    pipeline and run on the CPU."""
+    executable = tvm.compile(_dispatch(mod, "llvm", cpu=True), target="llvm", relax_pipeline="default")
+    return relax.VirtualMachine(executable, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args))
 
 
 def _kernels(mod):
@@ -53,20 +60,19 @@ def test_a_loss_and_a_router_become_one_row_kernel_call(kind, name, ops):
 
 @pytest.mark.parametrize("rows", [37, "symbolic"])
 @pytest.mark.parametrize("kind", ["exported_cross_entropy", "router", "log_sum_exp"])
-def test_fused_on_the_cpu_through_the_cascade_pipeline(kind, rows):
-    """The cascade pipeline on LLVM: the fused kernel (rolled over the row, rows in
-    parallel), 1000 classes (no whole number of tiles), against float64 numpy."""
+def test_the_rewrite_computes_the_chain(kind, rows):
+    """The rewritten module against float64 numpy, run on the CPU with ``cpu=True``'s
+    kernels (rolled over the row, rows in parallel): 1000 classes (no whole number of
+    tiles), static and symbolic rows."""
     extent = tvm.tirx.Var("tokens", "int64") if rows == "symbolic" else 37
     mod = row_model(kind, extent, 1000, "float16", top_k=4)
     prefix = {"exported_cross_entropy": "cross_entropy_1000_", "router": "moe_routing_1000_4_",
               "log_sum_exp": "logsumexp_1000_"}[kind]
-    with tvm.target.Target("llvm"):
-        assert [name[:len(prefix)] for name in _kernels(DispatchRowChains()(mod))] == [prefix]
-    executable = tvm.compile(mod, target="llvm", relax_pipeline="cascade")
+    assert [name[:len(prefix)] for name in _kernels(_dispatch(mod, "llvm", cpu=True))] == [prefix]
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((37, 1000)) * 4).astype("float16")
     args = [x] + ([rng.integers(0, 1000, 37).astype("int64")] if "cross_entropy" in kind else [])
-    got = relax.VirtualMachine(executable, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args))
+    got = _run_on_cpu(mod, args)
     expected = row_reference(kind, x, *args[1:], top_k=4)
     if kind == "router":
         for out, ref in zip(got, expected):
@@ -78,8 +84,8 @@ def test_fused_on_the_cpu_through_the_cascade_pipeline(kind, rows):
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_nll_loss_of_log_softmax_with_ignored_labels(reduction):
     """``nll_loss(log_softmax(x), labels)`` with every reduction: the fused kernel (an
-    ignored label read as class 0), the ignored rows' loss zeroed around it; on the CPU
-    through the cascade pipeline against float64 numpy."""
+    ignored label read as class 0), the ignored rows' loss zeroed around it; run on the
+    CPU against float64 numpy."""
     mod = row_model("cross_entropy", 37, 1000, "bfloat16", reduction=reduction)
     assert list(_kernels(_dispatch(mod, SM90A))) == ["cross_entropy_1000_bfloat16_int64"]
     rng = np.random.default_rng(1)
@@ -89,18 +95,18 @@ def test_nll_loss_of_log_softmax_with_ignored_labels(reduction):
     import ml_dtypes
 
     x = x.astype(ml_dtypes.bfloat16)
-    executable = tvm.compile(mod, target="llvm", relax_pipeline="cascade")
-    got = relax.VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(labels))
+    got = _run_on_cpu(mod, [x, labels])
     expected = row_reference("cross_entropy", x.astype("float64"), labels, reduction=reduction)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_what_no_kernel_serves_is_left():
     """Rows of a symbolic length, the smallest k, a GPU whose kernels no schedule here
-    binds (Metal): no kernel, the module as it was."""
+    binds (Metal), a CPU unless asked: no kernel, the module as it was."""
     for mod, target in ((row_model("exported_cross_entropy", 8, tvm.tirx.Var("n", "int64"), "float16"), SM90A),
                         (_smallest_k(row_model("router", 8, 64, "float16")), SM90A),
-                        (row_model("log_sum_exp", 8, 64, "float16"), {"kind": "metal"})):
+                        (row_model("log_sum_exp", 8, 64, "float16"), {"kind": "metal"}),
+                        (row_model("log_sum_exp", 8, 64, "float16"), "llvm")):
         tvm.ir.assert_structural_equal(_dispatch(mod, target), mod)
 
 

@@ -3,10 +3,10 @@ attention passes before legalization: on GPUs :class:`.DispatchAttention` (atten
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
-targets :class:`.FuseAttention` (every attention fused into one generic kernel). Then
-:class:`.DispatchRowChains`: a cross-entropy loss (as ``torch.export`` gives it, or
-``nll_loss`` of a log-softmax), a log-sum-exp and an MoE router's top-k become one fused
-kernel each (on CUDA and ROCm one block per row). On CUDA and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's
+targets :class:`.FuseAttention` (every attention fused into one generic kernel). Then,
+on CUDA and ROCm, :class:`.DispatchRowChains`: a cross-entropy loss (as ``torch.export``
+gives it, or ``nll_loss`` of a log-softmax), a log-sum-exp and an MoE router's top-k
+become one fused kernel each, one block per row. On CUDA and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's
 default schedules: a softmax or log-softmax over rows of a static length up to 4096 (an
 MoE router's, an attention's the library left) becomes one block per row.
 
