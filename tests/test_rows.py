@@ -14,7 +14,7 @@ from tvm_cascade import ops
 from tvm_cascade.meta_schedule import ROWS_PER_BLOCK, CascadeFusion
 from tvm_cascade.ops import cascades
 from tvm_cascade.relax.gpu_schedule import UnsupportedOnGpu
-from tvm_cascade.schedules.rows import plan_chunks, plan_rows, row_chains, schedule_rows
+from tvm_cascade.schedules.rows import plan_chain, plan_chunks, plan_rows, row_chains, schedule_rows
 
 TARGET = tvm.target.Target("nvidia/nvidia-h100")
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -34,6 +34,14 @@ def test_plan_chunks(length, tile, chunks):
 def test_plan_rows_fills_blocks_of_short_rows():
     assert plan_rows(64, "float16") == {"chunks": 8, "tile": 8, "rows_per_block": 16}
     assert plan_rows(128256, "bfloat16") == {"chunks": 167, "tile": 64, "rows_per_block": 1}
+
+
+def test_a_chain_is_planned_for_the_type_its_root_reads():
+    """``plan_chain``: the row length of the chain and the element type of the input its
+    root reads (the bf16 logits, not the int32 labels or a float32 output)."""
+    func = cascades.cross_entropy(4, 200, "bfloat16")
+    (chain,) = row_chains(func)
+    assert plan_chain(func, chain) == plan_rows(200, "bfloat16") != plan_rows(200, "float32")
 
 
 def test_row_chains_leave_out_chains_with_spatial_work():

@@ -59,11 +59,11 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import ScheduleError
 from tvm.tirx import PrimFunc
 
-from .analysis.scope import REDUCE, buffer_params, collect_sites
+from .analysis.scope import REDUCE, collect_sites
 from .errors import FusionError
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .rpc_tuning import resolve_runner
-from .schedules.rows import plan_chunks, plan_rows, row_chains, schedule_rows
+from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
 from .trace import JSONDatabase
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
@@ -167,8 +167,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         if candidate.length is None or candidate.root not in {c.root for c in row_chains(only_func(sch))}:
             return False
         length = candidate.length
-        dtype = str(buffer_params(only_func(sch))[0].ty.dtype)
-        plan = plan_rows(length, dtype)
+        plan = plan_chain(only_func(sch), candidate)
         tiles = sorted({plan["tile"]} | {t for t in ROW_TILES if 32 * t <= length})
         # Chunks of whole tiles, none past the row's end with any of the tiles (the
         # combines would skip it, which leaves TVM unable to stage the loads).

@@ -261,11 +261,10 @@ def _round(logits, m, experts: int, prev, argmax, acc: str):
     j = te.reduce_axis((0, experts), name="rj")
 
     def pair(t):
-        value = logits[t, j].astype(acc) - m[t]
+        index, value = j.var.astype(_ROUND_INDEX), logits[t, j].astype(acc) - m[t]
         if prev is not None:
-            index = j.var.astype(_ROUND_INDEX)
             after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], index > prev[0][t]))
             value = tirx.Select(after, value, tirx.min_value(acc))
-        return argmax((j.var.astype(_ROUND_INDEX), value), axis=j)
+        return argmax((index, value), axis=j)
 
     return pair

@@ -6,8 +6,9 @@ arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs.
 pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention),
 under the names of TVM's, in the slots of the ragged prefill, paged prefill, paged
 decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves
-TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library does not serve the cache: MLA, RoPE inside
-attention (``RopeMode.INLINE``), or a configuration no family builds. The sliding-window
+TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library does
+not serve the cache: MLA, RoPE inside attention (``RopeMode.INLINE``), or a
+configuration no family builds. The sliding-window
 prefill and the tree-attention kernels stay TVM's (logged).
 
 Each replacement keeps TVM's kernel as its fallback (``cache_kernel``'s): a cache made

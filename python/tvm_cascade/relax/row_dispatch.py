@@ -34,9 +34,8 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from ..analysis.scope import buffer_params
 from ..ops import cascades
-from ..schedules.rows import plan_rows, schedule_rows
+from ..schedules.rows import plan_chain, row_chains, schedule_rows
 from ..transform import fuse_cascaded_reductions
 from .chain_spec import tensor_shape
 from .dispatch import OPAQUE
@@ -196,8 +195,8 @@ def _one_axis(axes) -> int:
 def _schedule(func, target):
     sch = tvm.s_tir.Schedule(func)
     if target.kind.name in _ROW_GPUS:
-        x = buffer_params(func)[0]
-        schedule_rows(sch, **plan_rows(int(x.ty.shape[1]), str(x.ty.dtype)))
+        (chain,) = row_chains(func)
+        schedule_rows(sch, **plan_chain(func, chain))
     else:
         fuse_cascaded_reductions(sch, method="rolling")
         rows = sch.get_loops(sch.get_sblock("max"))[0]

@@ -6,7 +6,7 @@ that holds one cascaded reduction folding each row to values of its own (what
 ``R.nn.softmax`` and ``R.nn.log_softmax`` legalise to, with what the fusion put around
 them) over rows of at most :data:`LONGEST_ROW` elements is scheduled by
 :func:`~tvm_cascade.schedules.rows.schedule_rows` with
-:func:`~tvm_cascade.schedules.rows.plan_rows`' plan and marked scheduled, so dlight
+:func:`~tvm_cascade.schedules.rows.plan_chain`'s plan and marked scheduled, so dlight
 leaves it. A function the schedule does not serve (a row length known only at run time
 or longer, a refusal of the schedule) is left to dlight, the reason logged on the
 ``tvm_cascade.relax`` logger.
@@ -18,9 +18,8 @@ import logging
 import tvm
 from tvm.s_tir.schedule import ScheduleError
 
-from ..analysis.scope import buffer_params, collect_sites
 from ..errors import FusionError
-from ..schedules.rows import plan_rows, row_chains, schedule_rows
+from ..schedules.rows import plan_chain, row_chains, schedule_rows
 from .gpu_schedule import UnsupportedOnGpu
 
 logger = logging.getLogger("tvm_cascade.relax")
@@ -69,17 +68,8 @@ def row_kernel(func: tvm.tirx.PrimFunc, name: str = "main"):
         return None
     sch = tvm.s_tir.Schedule(func)
     try:
-        schedule_rows(sch, **plan_rows(chain.length, _input_dtype(func, chain.root)))
+        schedule_rows(sch, **plan_chain(func, chain))
     except (UnsupportedOnGpu, FusionError, ScheduleError) as err:
         logger.info("'%s' left to the default schedules: %s", name, str(err).strip().splitlines()[-1])
         return None
     return sch.mod["main"].with_attr(SCHEDULED, True)
-
-
-def _input_dtype(func, root: str) -> str:
-    """The element type the chain's root reads from the function's inputs (the loads the
-    plan sizes)."""
-    params = buffer_params(func)
-    site = next(s for s in collect_sites(func.body.block) if s.name == root)
-    read = [b for b in site.read_buffers() if any(b.same_as(p) for p in params)]
-    return str((read or site.read_buffers())[0].ty.dtype)

@@ -104,6 +104,16 @@ def plan_rows(length: int, dtype: str) -> dict:
     return {"chunks": chunks, "tile": tile, "rows_per_block": max(1, 128 // chunks)}
 
 
+def plan_chain(func, chain) -> dict:
+    """:func:`plan_rows` for ``chain`` (one of :func:`row_chains`, of a static length) of
+    ``func``: rows of its length, of the element type its root reads from the inputs
+    (what the tile loads are sized for)."""
+    params = buffer_params(func)
+    root = next(s for s in collect_sites(func.body.block) if s.name == chain.root)
+    read = [b for b in root.read_buffers() if any(b.same_as(p) for p in params)]
+    return plan_rows(chain.length, str((read or root.read_buffers())[0].ty.dtype))
+
+
 def schedule_rows(sch, chunks=None, tile: int = 32, rows_per_block: int = 1) -> None:
     """Schedule the one PrimFunc in ``sch`` (a chain of :func:`row_chains`, with the
     blocks around it) as one CUDA block per ``rows_per_block`` rows (``threadIdx.y``;
