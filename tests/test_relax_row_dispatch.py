@@ -58,6 +58,17 @@ def test_a_loss_and_a_router_become_one_row_kernel_call(kind, name, ops):
     assert str(kernel.params[0].ty.dtype) == "float16"
 
 
+def test_the_cascade_pipeline_dispatches_a_router_before_tvm_sorts_its_top_k():
+    """Through the whole pipeline on CUDA the router's top-k is the row kernel, not the
+    sort kernel TVM's library dispatch makes of ``topk``."""
+    from tvm_cascade.relax.pipeline import cascade_pipeline
+
+    with tvm.target.Target(SM90A):
+        out = cascade_pipeline()(row_model("router", 64, 256, "float16", top_k=8))
+    names = [gv.name_hint for gv in out.get_global_vars()]
+    assert "moe_routing_256_8_float16_int64" in names and not any("topk" in n or "sort" in n for n in names)
+
+
 @pytest.mark.parametrize("rows", [37, "symbolic"])
 @pytest.mark.parametrize("kind", ["exported_cross_entropy", "router", "log_sum_exp"])
 def test_the_rewrite_computes_the_chain(kind, rows):

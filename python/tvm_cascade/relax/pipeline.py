@@ -1,12 +1,14 @@
-"""The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with the
-attention passes before legalization: on GPUs :class:`.DispatchAttention` (attention on
+"""The ``"cascade"`` Relax pipeline: TVM's default pipeline for the target, with
+:class:`.DispatchRowChains` first (on CUDA and ROCm a cross-entropy loss, as
+``torch.export`` gives it or ``nll_loss`` of a log-softmax, a log-sum-exp and an MoE
+router's top-k become one fused kernel each, one block per row; before TVM's library
+dispatch, which makes sort kernels of ``topk``), then the attention passes, before
+legalization: on GPUs :class:`.DispatchAttention` (attention on
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
-targets :class:`.FuseAttention` (every attention fused into one generic kernel). Then,
-on CUDA and ROCm, :class:`.DispatchRowChains`: a cross-entropy loss (as ``torch.export``
-gives it, or ``nll_loss`` of a log-softmax), a log-sum-exp and an MoE router's top-k
-become one fused kernel each, one block per row. On CUDA and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's
+targets :class:`.FuseAttention` (every attention fused into one generic kernel). On
+CUDA and ROCm, :func:`~.row_kernels.schedule_row_chains` runs before dlight's
 default schedules: a softmax or log-softmax over rows of a static length up to 4096 (an
 MoE router's, an attention's the library left) becomes one block per row.
 
@@ -40,7 +42,8 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
         dispatch = relax.pipeline.library_dispatch_passes(target) if target is not None else []
         on_gpu = target is not None and "gpu" in target.keys
         attention = [DispatchAttention(), KVCacheAttention()] if on_gpu else [FuseAttention(tile, method, chunks)]
-        passes = dispatch + attention + [DispatchRowChains(), _default_pipeline(target)]
+        # Row chains first: the library dispatch turns ``topk`` into TVM's sort kernels.
+        passes = [DispatchRowChains()] + dispatch + attention + [_default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
