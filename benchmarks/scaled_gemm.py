@@ -1,0 +1,174 @@
+"""RMSNorm + GEMM on the GPU: tvm-cascade's one kernel (the norm's row scale moved
+after the sum, its sum of squares folded from the GEMM's tiles of X:
+:mod:`tvm_cascade.schedules.scaled_gemm`) beside PyTorch eager (``F.rms_norm`` then
+``@``), ``torch.compile`` of the same, stock TVM (``R.nn.rms_norm`` then ``R.matmul``
+through TVM's default CUDA pipeline) and cuBLAS's GEMM alone on the normalised input
+(``torch.matmul``: what the fused kernel would take if the norm cost nothing).
+
+    python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...]
+
+X is [M, K] float16, gamma [K], W [K, N]; the output [M, N] float16. Every output is
+checked first against float64 PyTorch (largest error under 1% of the largest output);
+a peer that is wrong or fails shows its reason instead of a time. Times are medians of
+CUDA-event timed calls with the L2 cache flushed before each
+(:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
+``scaled_gemm.json`` and ``scaled_gemm.md``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .attention import run_environment, shapes_parser, skip_without_gpu
+from .cascades import _reason
+from .timing import bench
+
+PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "cuBLAS GEMM alone")
+#: (name, M, K, N)
+SHAPES = (
+    ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),
+    ("rmsnorm+gemm 2048 x 4096 x 14336", 2048, 4096, 14336),
+    ("rmsnorm+gemm 8192 x 4096 x 14336", 8192, 4096, 14336),
+    ("rmsnorm+gemm 2048 x 4096 x 4096", 2048, 4096, 4096),
+)
+EPS = 1e-6
+RELATIVE_ERROR = 1e-2
+
+
+def stock_tvm(m, k, n, target):
+    import tvm
+    from tvm import relax
+    from tvm.relax import op as R
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float16"))
+    gamma = relax.Var("gamma", relax.TensorType((k,), "float16"))
+    w = relax.Var("w", relax.TensorType((k, n), "float16"))
+    with bb.function("main", [x, gamma, w]):
+        with bb.dataflow():
+            normed = bb.emit(R.nn.rms_norm(x, gamma, axes=[-1], epsilon=EPS))
+            out = bb.emit_output(bb.emit(R.matmul(normed, w)))
+        bb.emit_func_output(out)
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=target), tvm.cuda(0))["main"]
+
+
+def run_shape(shape) -> List[Dict]:
+    import torch
+    import torch.nn.functional as F
+    import tvm
+
+    from tvm_cascade.cuda import tensor_cores
+    from tvm_cascade.ops import cascades
+    from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+
+    name, m, k, n = shape
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).half()
+    w = (torch.randn(k, n, device="cuda") / k**0.5).half()
+    x64 = x.double()
+    ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * gamma.double()) @ w.double()
+    normed = F.rms_norm(x, (k,), gamma, EPS)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+
+    def eager(f, *args):
+        def build():
+            box = {}
+
+            def call():
+                box["out"] = f(*args)
+
+            return call, (lambda: box["out"])
+
+        return build
+
+    def ours():
+        sch = schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16"))
+        kernel = tensor_cores.build(sch.mod, target)["main"]
+        tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w, out)]
+        return (lambda: kernel(*tvm_args)), (lambda: out)
+
+    def tvm_vm():
+        vm = stock_tvm(m, k, n, target)
+        tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w)]
+        box = {}
+
+        def call():
+            box["out"] = vm(*tvm_args)
+
+        return call, (lambda: torch.from_dlpack(box["out"]))
+
+    norm_gemm = lambda a, g, b: F.rms_norm(a, (k,), g, EPS) @ b  # noqa: E731
+    builders = {
+        "tvm-cascade": ours, "torch": eager(norm_gemm, x, gamma, w),
+        "torch.compile": eager(torch.compile(norm_gemm), x, gamma, w), "tvm": tvm_vm,
+        "cuBLAS GEMM alone": eager(torch.matmul, normed, w),
+    }
+    results = []
+    for peer in PEERS:
+        row = {"shape": name, "peer": peer}
+        try:
+            call, result = builders[peer]()
+            call()
+            torch.cuda.synchronize()
+            error = (result().double() - ref).abs().max().item() / ref.abs().max().item()
+            row["relative error"] = error
+            if error > RELATIVE_ERROR:
+                row["error"] = f"off by {error:.2e} of the largest output"
+            else:
+                row["ms"] = bench(call)
+                row["TFLOP/s"] = 2 * m * n * k / row["ms"] / 1e9
+        except Exception as err:  # a peer that fails shows why, the others still run
+            row["error"] = _reason(err)
+        results.append(row)
+    by_peer = {r["peer"]: r.get("ms") for r in results}
+    for row in results:
+        for base in ("torch.compile", "cuBLAS GEMM alone"):
+            row[f"vs {base}"] = by_peer[base] / row["ms"] if by_peer.get(base) and row.get("ms") else None
+    return results
+
+
+def progress_line(index: int, total: int, rows: List[Dict]) -> str:
+    cells = [f"{r['peer']} " + (f"{r['ms']:.4f} ms" if r.get("ms") else f"-- ({r.get('error')})") for r in rows]
+    return f"[{index}/{total}] {rows[0]['shape']}: " + "; ".join(cells)
+
+
+def markdown(results: List[Dict]) -> str:
+    lines = [
+        "| shape | " + " | ".join(f"{p} ms" for p in PEERS) + " | tvm-cascade TFLOP/s | vs torch.compile | vs cuBLAS GEMM alone |",
+        "|---|" + "---|" * (len(PEERS) + 3),
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        rows = {r["peer"]: r for r in results if r["shape"] == shape}
+        cells = [f"{rows[p]['ms']:.4f}" if rows[p].get("ms") else "fails" for p in PEERS]
+        ours = rows["tvm-cascade"]
+        extra = [f"{ours['TFLOP/s']:.0f}" if ours.get("ms") else "--"]
+        extra += [f"{ours[c]:.2f}x" if ours.get(c) else "--" for c in ("vs torch.compile", "vs cuBLAS GEMM alone")]
+        lines.append(f"| {shape} | " + " | ".join(cells + extra) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md")
+    args = p.parse_args(argv)
+    if skip_without_gpu("benchmarks.scaled_gemm"):
+        return 0
+    env = run_environment("benchmarks.scaled_gemm", args.out, argv)
+    shapes = [s for s in SHAPES if not args.only or any(o in s[0] for o in args.only)]
+    results: List[Dict] = []
+    for index, shape in enumerate(shapes, 1):
+        rows = run_shape(shape)
+        results += rows
+        print(progress_line(index, len(shapes), rows), flush=True)
+        (args.out / "scaled_gemm.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    table = markdown(results)
+    (args.out / "scaled_gemm.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``tvm_cascade.schedules.scaled_gemm`` on the CPU: the per-row scale moved out of the
+GEMM's sum (``defer_row_scales``: the IR and float64 numerics, the statistic still on
+the unscaled rows), a statistic folded from a tile copy under the GEMM's k loop
+(``fold_from_copy``, numerics on LLVM), what is refused, and the CUDA kernel's source
+(one kernel: tensor cores, asynchronous copies, the statistic inside). GPU numerics:
+test_scaled_gemm_gpu.py."""
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+import tvm_cascade  # noqa: F401
+from tvm_cascade.cuda import tensor_cores
+from tvm_cascade.errors import FusionError
+from tvm_cascade.ops import cascades
+from tvm_cascade.ops import reference as R
+from tvm_cascade.primitives import ir
+from tvm_cascade.schedules.scaled_gemm import defer_row_scales, fold_from_copy, schedule_scaled_gemm
+
+
+def _blocks(func):
+    return {b.name_hint: b for b in ir.blocks_in(func.body.block)}
+
+
+def _read_names(block):
+    return sorted(r.source.name for r in block.reads)
+
+
+def _run(func, inputs, shape):
+    lib = tvm.compile(func, target="llvm")
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in inputs] + [tvm.runtime.tensor(np.zeros(shape, "float32"), dev)]
+    lib(*args)
+    return args[-1].numpy()
+
+
+def _rmsnorm_inputs(m, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype("float32")
+    gamma = (1 + 0.1 * rng.standard_normal(k)).astype("float32")
+    w = rng.standard_normal((k, n)).astype("float32")
+    return [x, gamma, w]
+
+
+def test_rmsnorm_scale_moves_after_the_sum_and_gamma_into_a_copy_of_x():
+    func = defer_row_scales(cascades.rmsnorm_gemm(8, 16, 32))
+    blocks = _blocks(func)
+    assert _read_names(blocks["gemm"]) == ["W", "X_global"]
+    assert _read_names(blocks["X_global"]) == ["X", "gamma"]
+    assert _read_names(blocks["sumsq"]) == ["X"]  # the norm's statistic of X itself, not of X * gamma
+    assert _read_names(blocks["out"]) == ["gemm", "rstd"]
+    inputs = _rmsnorm_inputs(8, 16, 32)
+    np.testing.assert_allclose(_run(func, inputs, (8, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_absmax_scale_moves_after_the_sum():
+    func = defer_row_scales(cascades.absmax_quant_gemm(4, 8, 16))
+    blocks = _blocks(func)
+    assert _read_names(blocks["gemm"]) == ["W", "X"] and "X_global" not in blocks
+    assert _read_names(blocks["out"]) == ["gemm", "scale"]
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((4, 16)).astype("float32"), rng.standard_normal((16, 8)).astype("float32")
+    np.testing.assert_allclose(_run(func, [x, w], (4, 8)), R.absmax_quant_gemm_ref(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemm_without_a_row_scale_is_refused():
+    a, b = te.placeholder((4, 8), name="A"), te.placeholder((8, 4), name="B")
+    k = te.reduce_axis((0, 8), name="k")
+    c = te.compute((4, 4), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    with pytest.raises(FusionError, match="block 'C' has no per-row scale"):
+        defer_row_scales(te.create_prim_func([a, b, c]))
+
+
+def test_statistic_folds_from_the_gemm_tile_copy():
+    """On the CPU: the sum of squares under the GEMM's k loop, read from X's tile copy,
+    gives float64 numpy's result."""
+    func = defer_row_scales(cascades.rmsnorm_gemm(8, 16, 64))
+    sch = tvm.s_tir.Schedule(func)
+    gemm = sch.get_sblock("gemm")
+    i, j, k = sch.get_loops(gemm)
+    ko, _ = sch.split(k, [None, 16])
+    sch.reorder(i, ko, j)
+    sch.compute_at(sch.get_sblock("X_global"), ko)
+    copy = sch.cache_read(sch.get_sblock("X_global"), 0, "global", consumer_blocks=[sch.get_sblock("X_global")])
+    sch.compute_at(copy, ko, index=0)
+    fold_from_copy(sch, sch.get_sblock("sumsq"), copy)
+    gemm_loops = [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock("gemm"))]
+    assert [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock("sumsq"))][:2] == gemm_loops[:2] == ["i", "rk_0"]
+    (read,) = sch.get(sch.get_sblock("sumsq")).reads
+    assert read.source.same_as(sch.get(copy).writes[0].source)
+    inputs = _rmsnorm_inputs(8, 16, 64, seed=2)
+    np.testing.assert_allclose(_run(sch.mod["main"], inputs, (8, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_one_cuda_kernel_on_tensor_cores():
+    sch = schedule_scaled_gemm(cascades.rmsnorm_gemm(128, 256, 128, dtype="float16"))
+    source = tensor_cores.build(sch.mod, {"kind": "cuda", "arch": "sm_90a"}).mod.imports[0].inspect_source()
+    assert source.count("__global__") == 2  # declaration and definition of one kernel
+    assert "mma.sync" in source and "cp.async" in source and "sumsq_shared" in source and "sqrtf" in source
+
+
+def test_rows_that_are_not_whole_warps_are_refused():
+    with pytest.raises(ValueError, match="M = 16 is not a multiple of the tile's 32"):
+        schedule_scaled_gemm(cascades.rmsnorm_gemm(16, 128, 128, dtype="float16"))

@@ -1,0 +1,47 @@
+"""``tvm_cascade.schedules.scaled_gemm`` on a CUDA GPU (skipped without one): RMSNorm +
+GEMM and abs-max-scaled GEMM as one tensor-core kernel against float64 numpy, at each
+block height the default configuration picks."""
+import numpy as np
+import pytest
+import tvm
+import tvm_cascade  # noqa: F401
+
+from tvm_cascade.cuda import tensor_cores
+from tvm_cascade.ops import cascades
+from tvm_cascade.ops import reference as R
+from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+
+pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
+
+
+def _run(func, inputs, shape):
+    sch = schedule_scaled_gemm(func)
+    kernel = tensor_cores.build(sch.mod, tvm.target.Target.from_device(tvm.cuda(0)))["main"]
+    dev = tvm.cuda(0)
+    args = [tvm.runtime.tensor(a, dev) for a in inputs] + [tvm.runtime.tensor(np.zeros(shape, "float16"), dev)]
+    kernel(*args)
+    return args[-1].numpy().astype("float64")
+
+
+def _relative_error(got, ref):
+    return np.abs(got - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.parametrize("m, n, k", [(256, 384, 512), (64, 256, 1024), (32, 128, 4096), (96, 256, 192)])
+def test_rmsnorm_gemm(m, n, k):
+    rng = np.random.default_rng(m + n + k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype("float16")
+    gamma = (1 + 0.1 * rng.standard_normal(k)).astype("float16")
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float16")
+    got = _run(cascades.rmsnorm_gemm(m, n, k, dtype="float16"), [x, gamma, w], (m, n))
+    ref = R.rmsnorm_gemm_ref(x.astype("float64"), gamma.astype("float64"), w.astype("float64"))
+    assert _relative_error(got, ref) < 5e-3
+
+
+def test_absmax_scaled_gemm():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((128, 256)) * 3).astype("float16")
+    w = (rng.standard_normal((256, 256)) / 16).astype("float16")
+    got = _run(cascades.absmax_quant_gemm(128, 256, 256, dtype="float16"), [x, w], (128, 256))
+    ref = R.absmax_quant_gemm_ref(x.astype("float64"), w.astype("float64"))
+    assert _relative_error(got, ref) < 5e-3
