@@ -2,8 +2,10 @@
 after the sum, its sum of squares folded from the GEMM's tiles of X:
 :mod:`tvm_cascade.schedules.scaled_gemm`) beside PyTorch eager (``F.rms_norm`` then
 ``@``), ``torch.compile`` of the same, stock TVM (``R.nn.rms_norm`` then ``R.matmul``
-through TVM's default CUDA pipeline) and cuBLAS's GEMM alone on the normalised input
-(``torch.matmul``: what the fused kernel would take if the norm cost nothing).
+through TVM's default CUDA pipeline; "tvm, cascade pipeline": the same graph through
+``relax_pipeline="cascade"``, which dispatches it to the kernel) and cuBLAS's GEMM alone
+on the normalised input (``torch.matmul``: what the fused kernel would take if the norm
+cost nothing).
 
     python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...]
 
@@ -24,7 +26,7 @@ from .attention import run_environment, shapes_parser, skip_without_gpu
 from .cascades import _reason
 from .timing import bench
 
-PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "cuBLAS GEMM alone")
+PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N)
 SHAPES = (
     ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),
@@ -36,7 +38,7 @@ EPS = 1e-6
 RELATIVE_ERROR = 1e-2
 
 
-def stock_tvm(m, k, n, target):
+def stock_tvm(m, k, n, target, pipeline="default"):
     import tvm
     from tvm import relax
     from tvm.relax import op as R
@@ -50,7 +52,7 @@ def stock_tvm(m, k, n, target):
             normed = bb.emit(R.nn.rms_norm(x, gamma, axes=[-1], epsilon=EPS))
             out = bb.emit_output(bb.emit(R.matmul(normed, w)))
         bb.emit_func_output(out)
-    return relax.VirtualMachine(tvm.compile(bb.get(), target=target), tvm.cuda(0))["main"]
+    return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline=pipeline), tvm.cuda(0))["main"]
 
 
 def run_shape(shape) -> List[Dict]:
@@ -90,20 +92,24 @@ def run_shape(shape) -> List[Dict]:
         tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w, out)]
         return (lambda: kernel(*tvm_args)), (lambda: out)
 
-    def tvm_vm():
-        vm = stock_tvm(m, k, n, target)
-        tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w)]
-        box = {}
+    def tvm_vm(pipeline):
+        def build():
+            vm = stock_tvm(m, k, n, target, pipeline)
+            tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w)]
+            box = {}
 
-        def call():
-            box["out"] = vm(*tvm_args)
+            def call():
+                box["out"] = vm(*tvm_args)
 
-        return call, (lambda: torch.from_dlpack(box["out"]))
+            return call, (lambda: torch.from_dlpack(box["out"]))
+
+        return build
 
     norm_gemm = lambda a, g, b: F.rms_norm(a, (k,), g, EPS) @ b  # noqa: E731
     builders = {
         "tvm-cascade": ours, "torch": eager(norm_gemm, x, gamma, w),
-        "torch.compile": eager(torch.compile(norm_gemm), x, gamma, w), "tvm": tvm_vm,
+        "torch.compile": eager(torch.compile(norm_gemm), x, gamma, w), "tvm": tvm_vm("default"),
+        "tvm, cascade pipeline": tvm_vm("cascade"),
         "cuBLAS GEMM alone": eager(torch.matmul, normed, w),
     }
     results = []

@@ -45,3 +45,23 @@ def test_absmax_scaled_gemm():
     got = _run(cascades.absmax_quant_gemm(128, 256, 256, dtype="float16"), [x, w], (128, 256))
     ref = R.absmax_quant_gemm_ref(x.astype("float64"), w.astype("float64"))
     assert _relative_error(got, ref) < 5e-3
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_relax_norm_and_linear_through_the_cascade_pipeline(transposed):
+    """``relax_pipeline="cascade"`` runs ``matmul(rms_norm(x), w)`` on the kernel
+    (``DispatchScaledGemm``) and matches numpy."""
+    from test_relax_scaled_gemm import norm_then_linear
+    from tvm import relax
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 64, 512)).astype("float16")
+    gamma = (1 + 0.1 * rng.standard_normal(512)).astype("float16")
+    w = (rng.standard_normal((512, 256)) / 16).astype("float16")
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(norm_then_linear((2, 64), 512, 256, transposed), target=target, relax_pipeline="cascade")
+    dev = tvm.cuda(0)
+    vm = relax.VirtualMachine(executable, dev)
+    got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (x, gamma, w.T.copy() if transposed else w))).numpy()
+    ref = R.rmsnorm_gemm_ref(x.reshape(128, 512).astype("float64"), gamma.astype("float64"), w.astype("float64"), eps=1e-5)
+    assert _relative_error(got.reshape(128, 256).astype("float64"), ref) < 5e-3

@@ -128,8 +128,11 @@ def rmsnorm_gemm(
     eps: float = 1e-6,
     dtype: str = "float32",
     accum_dtype: str = "float32",
+    weight_layout: str = "kn",
 ) -> tvm.tirx.PrimFunc:
-    """RMSNorm followed by a GEMM: ``main(X[M, K], gamma[K], W[K, N], out[M, N])``.
+    """RMSNorm followed by a GEMM: ``main(X[M, K], gamma[K], W[K, N], out[M, N])``, or
+    with ``weight_layout="nk"`` ``W[N, K]`` (as ``torch.nn.Linear`` and a Relax
+    ``matmul(x, permute_dims(w))`` hold it).
 
     ``sumsq``: ``ss_i = sum_k X[i,k]^2`` (reduction);
     ``rstd``:  ``r_i = 1 / sqrt(ss_i / K + eps)`` (spatial, per row);
@@ -139,7 +142,10 @@ def rmsnorm_gemm(
     acc = accum_dtype
     X = te.placeholder((M, K), dtype, name="X")
     gamma = te.placeholder((K,), dtype, name="gamma")
-    W = te.placeholder((K, N), dtype, name="W")
+    if weight_layout not in ("kn", "nk"):
+        raise ValueError(f"weight_layout must be 'kn' or 'nk', not {weight_layout!r}")
+    W = te.placeholder((K, N) if weight_layout == "kn" else (N, K), dtype, name="W")
+    weight = (lambda k, j: W[k, j]) if weight_layout == "kn" else (lambda k, j: W[j, k])
     rk = te.reduce_axis((0, K), name="rk")
     ss = te.compute(
         (M,),
@@ -156,7 +162,7 @@ def rmsnorm_gemm(
     y = te.compute(
         (M, N),
         lambda i, j: te.sum(
-            X[i, rk2].astype(acc) * r[i] * gamma[rk2].astype(acc) * W[rk2, j].astype(acc),
+            X[i, rk2].astype(acc) * r[i] * gamma[rk2].astype(acc) * weight(rk2, j).astype(acc),
             axis=rk2,
         ),
         name="gemm",

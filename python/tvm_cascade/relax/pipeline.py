@@ -2,8 +2,9 @@
 :class:`.DispatchRowChains` first (on CUDA and ROCm a cross-entropy loss, as
 ``torch.export`` gives it or ``nll_loss`` of a log-softmax, a log-sum-exp and an MoE
 router's top-k become one fused kernel each, one block per row; before TVM's library
-dispatch, which makes sort kernels of ``topk``), then the attention passes, before
-legalization: on GPUs :class:`.DispatchAttention` (attention on
+dispatch, which makes sort kernels of ``topk``) and :class:`.DispatchScaledGemm` (on
+CUDA an RMSNorm feeding a GEMM becomes one tensor-core kernel), then the attention
+passes, before legalization: on GPUs :class:`.DispatchAttention` (attention on
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and
 :class:`.KVCacheAttention` (TVM's paged KV cache on the library's kernels), on other
@@ -14,7 +15,8 @@ MoE router's, an attention's the library left) becomes one block per row.
 
 ``tvm.compile(mod, target, relax_pipeline="cascade")`` resolves the name through
 ``tvm.relax.get_pipeline`` once ``tvm_cascade`` is imported. A module without attention,
-loss, router or row chains goes through exactly the passes of ``relax_pipeline="default"``.
+loss, router, row chains or RMSNorm + GEMM goes through exactly the passes of
+``relax_pipeline="default"``.
 """
 
 from typing import Optional
@@ -26,6 +28,7 @@ from .dispatch import DispatchAttention
 from .fuse_attention import FuseAttention
 from .kv_cache import KVCacheAttention
 from .row_dispatch import DispatchRowChains
+from .scaled_gemm_dispatch import DispatchScaledGemm
 from .row_kernels import schedule_row_chains
 
 PIPELINE_NAME = "cascade"
@@ -43,7 +46,7 @@ def cascade_pipeline(tile: int = 64, method: str = "auto", chunks: Optional[int]
         on_gpu = target is not None and "gpu" in target.keys
         attention = [DispatchAttention(), KVCacheAttention()] if on_gpu else [FuseAttention(tile, method, chunks)]
         # Row chains first: the library dispatch turns ``topk`` into TVM's sort kernels.
-        passes = [DispatchRowChains()] + dispatch + attention + [_default_pipeline(target)]
+        passes = [DispatchRowChains(), DispatchScaledGemm()] + dispatch + attention + [_default_pipeline(target)]
         return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline

@@ -344,8 +344,12 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     nj, n16 = sch.split(tj, [None, MMA])
     kk, k16 = sch.split(ki, [None, MMA])
     sch.reorder(kk, mi, nj, i16, n16, k16)
+    # B as [N, K] (a linear layer's weight) is mma's "col" operand as it is.
+    b_load = next(l for l in _loads(sch.get(gemm).body) if l.source.same_as(sch.get(gemm).reads[b_index].source))
+    transposed = uses_var(b_load.indices[-1], sch.get(gemm).iter_vars[2].var)
+    b_intrin = intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed else intrin.LDMATRIX_f16_B_DYN_INTRIN
     caches = []
-    for index, load in ((a_index, intrin.LDMATRIX_f16_A_DYN_INTRIN), (b_index, intrin.LDMATRIX_f16_B_DYN_INTRIN)):
+    for index, load in ((a_index, intrin.LDMATRIX_f16_A_DYN_INTRIN), (b_index, b_intrin)):
         cache = sch.cache_read(gemm, index, "warp", consumer_blocks=[gemm])
         sch.compute_at(cache, kk)
         caches.append((cache, load))
@@ -355,7 +359,7 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     for cache, load in caches:
         sch.transform_layout(cache, ("write", 0), _fragment)
         sch.tensorize(_tile(sch, cache), load)
-    sch.tensorize(i16, intrin.MMA_f16f16f32_INTRIN)
+    sch.tensorize(i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed else intrin.MMA_f16f16f32_INTRIN)
     sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
     _bind_fragment_lanes(sch, out)
     # Two stages: three (a third buffer of each tile) and the next 16-deep step's ldmatrix

@@ -1,0 +1,82 @@
+"""``DispatchScaledGemm`` (the cascade pipeline's RMSNorm + GEMM pass) on the CPU: on
+CUDA a norm feeding a matmul, with the weight as ``[K, N]`` or as a linear layer's
+transposed ``[N, K]``, becomes one call of the tensor-core kernel, built and attached as
+an external library; what the kernel does not serve is left; through the whole pipeline
+the module builds. GPU numerics: test_scaled_gemm_gpu.py."""
+import pytest
+import tvm
+import tvm_ffi
+from relax_attention_cases import SM90A
+from tvm import relax
+from tvm.relax import op as R
+
+import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
+from tvm_cascade.relax.scaled_gemm_dispatch import DispatchScaledGemm
+
+
+def norm_then_linear(rows, k, n, transposed, dtype="float16"):
+    """``matmul(rms_norm(x, gamma), w)``, ``w`` as ``permute_dims`` of an ``[n, k]``
+    weight where ``transposed`` (``relax.frontend.nn.Linear``'s form)."""
+    rows = rows if isinstance(rows, tuple) else (rows,)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(rows + (k,), dtype))
+    gamma = relax.Var("gamma", relax.TensorType((k,), dtype))
+    w = relax.Var("w", relax.TensorType((n, k) if transposed else (k, n), dtype))
+    with bb.function("main", [x, gamma, w]):
+        with bb.dataflow():
+            normed = bb.emit(R.nn.rms_norm(x, gamma, axes=[-1], epsilon=1e-5))
+            weight = bb.emit(R.permute_dims(w)) if transposed else w
+            out = bb.emit_output(bb.emit(R.matmul(normed, weight)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _dispatch(mod, target=SM90A):
+    with tvm.target.Target(target):
+        return DispatchScaledGemm()(mod)
+
+
+def _calls(mod):
+    return [b.value for blk in mod["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)]
+
+
+@pytest.mark.parametrize("rows, transposed, layout", [(64, False, "kn"), ((2, 32), True, "nk")])
+def test_norm_and_matmul_become_one_kernel_call(rows, transposed, layout):
+    out = _dispatch(norm_then_linear(rows, 256, 128, transposed))
+    packed = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
+    assert len(packed) == 1 and packed[0].args[0].global_symbol == f"tvm_cascade_rmsnorm_gemm_64_128_256_{layout}"
+    assert not any(getattr(c.op, "name", "") in ("relax.nn.rms_norm", "relax.matmul") for c in _calls(out))
+    (library,) = out.attrs["external_mods"]
+    assert "mma.sync" in library.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("model, target", [
+    (norm_then_linear(48, 256, 128, False), SM90A),  # rows not whole warps of 32
+    (norm_then_linear(64, 256, 128, False, "float32"), SM90A),
+    (norm_then_linear(64, 256, 96, False), SM90A),  # N not whole 128-column tiles
+    (norm_then_linear(64, 256, 128, False), "llvm"),
+])
+def test_what_the_kernel_does_not_serve_is_left(model, target):
+    out = _dispatch(model, target)
+    assert tvm_ffi.structural_equal(out, model)
+
+
+def test_symbolic_rows_are_left():
+    rows = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, 256), "float16"))
+    gamma, w = relax.Var("gamma", relax.TensorType((256,), "float16")), relax.Var("w", relax.TensorType((256, 128), "float16"))
+    with bb.function("main", [x, gamma, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(R.matmul(bb.emit(R.nn.rms_norm(x, gamma, axes=[-1])), w)))
+        bb.emit_func_output(out)
+    model = bb.get()
+    assert tvm_ffi.structural_equal(_dispatch(model), model)
+
+
+def test_the_cascade_pipeline_builds_it():
+    """The executable links the kernel's library (its host code defines the symbol)."""
+    executable = tvm.compile(norm_then_linear((2, 32), 256, 128, True), target=tvm.target.Target(SM90A),
+                             relax_pipeline="cascade")
+    hosts = [m.inspect_source() for m in executable.mod.imports if m.kind == "llvm"]
+    assert sum("tvm_cascade_rmsnorm_gemm_64_128_256_nk" in source for source in hosts) == 1
