@@ -53,6 +53,16 @@ def test_rmsnorm_scale_moves_after_the_sum_and_gamma_into_a_copy_of_x():
     np.testing.assert_allclose(_run(func, inputs, (8, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [48, "symbolic"])
+def test_padded_rows_read_zeros_and_out_keeps_the_real_ones(rows):
+    m = tvm.tirx.Var("m", "int32") if rows == "symbolic" else rows
+    func = defer_row_scales(cascades.rmsnorm_gemm(m, 16, 32, pad_rows=32))
+    assert "X_pad" in _blocks(func)
+    inputs = _rmsnorm_inputs(40 if rows == "symbolic" else rows, 16, 32, seed=3)
+    got = _run(func, inputs, (inputs[0].shape[0], 16))
+    np.testing.assert_allclose(got, R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
+
+
 def test_absmax_scale_moves_after_the_sum():
     func = defer_row_scales(cascades.absmax_quant_gemm(4, 8, 16))
     blocks = _blocks(func)
@@ -100,5 +110,5 @@ def test_one_cuda_kernel_on_tensor_cores():
 
 
 def test_rows_that_are_not_whole_warps_are_refused():
-    with pytest.raises(ValueError, match="M = 16 is not a multiple of the tile's 32"):
+    with pytest.raises(ValueError, match=r"M = 16 is not a multiple of the tile's 32 \(ops.rmsnorm_gemm\(pad_rows=32\) pads M\)"):
         schedule_scaled_gemm(cascades.rmsnorm_gemm(16, 128, 128, dtype="float16"))

@@ -38,6 +38,17 @@ def test_rmsnorm_gemm(m, n, k):
     assert _relative_error(got, ref) < 5e-3
 
 
+@pytest.mark.parametrize("m, pad", [(48, 32), (200, 128)])
+def test_rmsnorm_gemm_with_padded_rows(m, pad):
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, 512)).astype("float16")
+    gamma = (1 + 0.1 * rng.standard_normal(512)).astype("float16")
+    w = (rng.standard_normal((512, 256)) / 16).astype("float16")
+    got = _run(cascades.rmsnorm_gemm(m, 256, 512, dtype="float16", pad_rows=pad), [x, gamma, w], (m, 256))
+    ref = R.rmsnorm_gemm_ref(x.astype("float64"), gamma.astype("float64"), w.astype("float64"))
+    assert _relative_error(got, ref) < 5e-3
+
+
 def test_absmax_scaled_gemm():
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((128, 256)) * 3).astype("float16")
@@ -65,3 +76,24 @@ def test_relax_norm_and_linear_through_the_cascade_pipeline(transposed):
     got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (x, gamma, w.T.copy() if transposed else w))).numpy()
     ref = R.rmsnorm_gemm_ref(x.reshape(128, 512).astype("float64"), gamma.astype("float64"), w.astype("float64"), eps=1e-5)
     assert _relative_error(got.reshape(128, 256).astype("float64"), ref) < 5e-3
+
+
+def test_relax_prompt_of_any_length_on_one_kernel():
+    """A symbolic token count: one executable, run at lengths that are and are not whole
+    128-row tiles, matches numpy."""
+    from test_relax_scaled_gemm import norm_then_linear
+    from tvm import relax
+
+    tokens = tvm.tirx.Var("tokens", "int64")
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(norm_then_linear((1, tokens), 512, 256, True), target=target, relax_pipeline="cascade")
+    dev = tvm.cuda(0)
+    vm = relax.VirtualMachine(executable, dev)
+    rng = np.random.default_rng(5)
+    gamma = (1 + 0.1 * rng.standard_normal(512)).astype("float16")
+    w = (rng.standard_normal((512, 256)) / 16).astype("float16")
+    for length in (77, 256, 300):
+        x = rng.standard_normal((1, length, 512)).astype("float16")
+        got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (x, gamma, w.T.copy()))).numpy()
+        ref = R.rmsnorm_gemm_ref(x[0].astype("float64"), gamma.astype("float64"), w.astype("float64"), eps=1e-5)
+        assert _relative_error(got[0].astype("float64"), ref) < 5e-3

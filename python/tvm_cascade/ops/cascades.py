@@ -22,6 +22,8 @@ TIR update statements are ``X[idx] = X[idx] + expr`` or
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tvm
 from tvm import te, tirx
 
@@ -122,22 +124,27 @@ def absmax_quant_gemm(
 
 
 def rmsnorm_gemm(
-    M: int,
+    M,
     N: int,
     K: int,
     eps: float = 1e-6,
     dtype: str = "float32",
     accum_dtype: str = "float32",
     weight_layout: str = "kn",
+    pad_rows: Optional[int] = None,
 ) -> tvm.tirx.PrimFunc:
     """RMSNorm followed by a GEMM: ``main(X[M, K], gamma[K], W[K, N], out[M, N])``, or
     with ``weight_layout="nk"`` ``W[N, K]`` (as ``torch.nn.Linear`` and a Relax
-    ``matmul(x, permute_dims(w))`` hold it).
+    ``matmul(x, permute_dims(w))`` hold it). ``M`` may be a variable.
 
     ``sumsq``: ``ss_i = sum_k X[i,k]^2`` (reduction);
     ``rstd``:  ``r_i = 1 / sqrt(ss_i / K + eps)`` (spatial, per row);
     ``gemm``:  ``y[i,n] = sum_k X[i,k] * r_i * gamma[k] * W[k,n]`` (reduction);
     ``out``:   ``out[i,n] = cast(y[i,n])`` (so ``y`` is an intermediate).
+
+    ``pad_rows`` computes over ``M`` rounded up to a multiple of it (for schedules with
+    whole tiles only): block ``X_pad`` reads ``X`` with zeros past its end, and ``out``
+    keeps the first ``M`` rows.
     """
     acc = accum_dtype
     X = te.placeholder((M, K), dtype, name="X")
@@ -146,21 +153,30 @@ def rmsnorm_gemm(
         raise ValueError(f"weight_layout must be 'kn' or 'nk', not {weight_layout!r}")
     W = te.placeholder((K, N) if weight_layout == "kn" else (N, K), dtype, name="W")
     weight = (lambda k, j: W[k, j]) if weight_layout == "kn" else (lambda k, j: W[j, k])
+    rows = M
+    if pad_rows is not None:
+        rows = tvm.sym.Analyzer().simplify(tirx.floordiv(M + pad_rows - 1, pad_rows) * pad_rows)
+        if not (isinstance(rows, tirx.IntImm) and isinstance(M, int) and rows.value == M):
+            X = te.compute(
+                (rows, K),
+                lambda i, k: tirx.if_then_else(i < M, X[tirx.min(i, M - 1), k], tirx.const(0, dtype)),
+                name="X_pad",
+            )
     rk = te.reduce_axis((0, K), name="rk")
     ss = te.compute(
-        (M,),
+        (rows,),
         lambda i: te.sum(X[i, rk].astype(acc) * X[i, rk].astype(acc), axis=rk),
         name="sumsq",
     )
     r = te.compute(
-        (M,),
+        (rows,),
         lambda i: tirx.const(1.0, acc)
         / te.sqrt(ss[i] / tirx.const(float(K), acc) + tirx.const(eps, acc)),
         name="rstd",
     )
     rk2 = te.reduce_axis((0, K), name="rk")
     y = te.compute(
-        (M, N),
+        (rows, N),
         lambda i, j: te.sum(
             X[i, rk2].astype(acc) * r[i] * gamma[rk2].astype(acc) * weight(rk2, j).astype(acc),
             axis=rk2,
@@ -168,7 +184,8 @@ def rmsnorm_gemm(
         name="gemm",
     )
     out = te.compute((M, N), lambda i, j: y[i, j].astype(dtype), name="out")
-    return te.create_prim_func([X, gamma, W, out])
+    inputs = [X.op.input_tensors[0] if X.op.name == "X_pad" else X, gamma, W]
+    return te.create_prim_func(inputs + [out])
 
 
 def moe_routing(

@@ -3,8 +3,11 @@ tvm-cascade kernel (:mod:`tvm_cascade.schedules.scaled_gemm`) on CUDA.
 
 Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` or as
 ``permute_dims(w)`` of a ``[N, K]`` weight (what ``relax.frontend.nn.Linear`` emits),
-float16 throughout, ``x`` of any rank whose rows (all axes but the last) are a static
-multiple of 32, N of 128 and K of 64. The call becomes ``call_dps_packed`` of the kernel,
+float16 throughout, N a multiple of 128 and K of 64, ``x`` of any rank whose rows (all
+axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): rows
+that do not fill the kernel's tiles are padded with zeros inside the kernel (one kernel
+serves every length). Fewer than 32 static rows (decode) are left: a GEMV's work, not
+a tensor-core tile's. The call becomes ``call_dps_packed`` of the kernel,
 built when the pass runs (its warp fragments need tvm-cascade's lowering, not the
 default TIR pipeline's) and attached to the module as an external library, as TVM's
 BYOC backends attach theirs; the norm itself goes where nothing else reads it. What
@@ -13,7 +16,6 @@ does not fit is left to the default lowering and logged.
 from __future__ import annotations
 
 import logging
-import math
 
 import tvm
 from tvm import relax
@@ -21,6 +23,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ..cuda import tensor_cores
 from ..ops import cascades
+from ..schedules.prefill import WARP
 from ..schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
 from .chain_spec import tensor_shape
 
@@ -72,10 +75,10 @@ def _rewrite(matched, matches, bound, target, kernels):
         logger.info("rms_norm -> matmul left to the default lowering: %s", reason)
         return matched
     shape = tensor_shape(x)
-    m, k = math.prod(shape[:-1]), shape[-1]
+    m, k = _rows(shape), shape[-1]
     n = tensor_shape(w)[0 if transposed else 1]
     eps, layout = float(norm.attrs.epsilon), "nk" if transposed else "kn"
-    key = (m, n, k, eps, layout)
+    key = (m if isinstance(m, int) else None, n, k, eps, layout)
     if key not in kernels:
         kernels[key] = _kernel(key, target)
     symbol = kernels[key][0]
@@ -100,28 +103,43 @@ def _refusal(norm, x, gamma, w, transposed):
     """Why the kernel does not serve this norm and GEMM, or None."""
     axes = [int(a) for a in norm.attrs.axes]
     shapes = [tensor_shape(t) for t in (x, gamma, w)]
-    if any(s is None or not all(isinstance(d, int) for d in s) for s in shapes):
-        return "shapes must be static"
+    if any(s is None for s in shapes) or not all(isinstance(d, int) for d in shapes[0][-1:] + shapes[1] + shapes[2]):
+        return "K, N and the weights' shapes must be static"
     (xs, gs, ws) = shapes
     if any(str(t.ty.dtype) != "float16" for t in (x, gamma, w)):
         return "float16 only (the kernel's mma.sync operands)"
     if axes not in ([-1], [len(xs) - 1]) or len(gs) != 1 or len(ws) != 2:
         return "the norm must be over the last axis, the weight 2-d"
-    m, k = math.prod(xs[:-1]), xs[-1]
+    m, k = _rows(xs), xs[-1]
     n, wk = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     if wk != k or gs[0] != k:
         return "the weight's and gamma's K differ from x's"
-    config = ScaledGemmConfig.for_rows(m)
-    for what, extent, tile in (("rows", m, config.rows), ("N", n, config.cols), ("K", k, config.depth)):
+    if isinstance(m, int) and m < WARP:
+        return f"{m} rows: fewer than a warp's tile of {WARP}"
+    config = ScaledGemmConfig()
+    for what, extent, tile in (("N", n, config.cols), ("K", k, config.depth)):
         if extent % tile:
             return f"{what} = {extent} is not a multiple of {tile}"
     return None
 
 
+def _rows(shape):
+    """The rows of ``x``: the product of its leading axes (an int, or a PrimExpr where
+    one is symbolic)."""
+    rows = 1
+    for extent in shape[:-1]:
+        rows = rows * extent
+    return rows
+
+
 def _kernel(key, target):
-    """(symbol, runtime module) of the kernel for ``key``."""
+    """(symbol, runtime module) of the kernel for ``key`` (rows None: any number)."""
     m, n, k, eps, layout = key
-    symbol = f"tvm_cascade_rmsnorm_gemm_{m}_{n}_{k}_{layout}"
-    func = schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps, "float16", weight_layout=layout)).mod["main"]
+    symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}"
+    rows = tvm.tirx.Var("m", "int32") if m is None else m
+    tile = ScaledGemmConfig().rows
+    pad = None if m is not None and m % WARP == 0 else (tile if m is None or m >= tile else WARP)
+    func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, pad_rows=pad)
+    func = schedule_scaled_gemm(func).mod["main"]
     mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
     return symbol, tensor_cores.build(mod, target).mod

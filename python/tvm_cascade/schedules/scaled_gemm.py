@@ -246,6 +246,27 @@ def _readers_after(items, holder, buffer):
     return kept + moved + items[at + 1:]
 
 
+def _over_padded_rows(sch, block_rv, rows) -> None:
+    """Make the output block ``block_rv`` (a root nest over ``[M, N]``) run over ``rows``
+    (M padded to whole tiles), storing only its first M rows: a block over fewer rows
+    than the GEMM's tiles would get, from reverse-compute-at, a predicate that bounds the
+    thread-block loop by itself, which TVM's affine-binding checks do not see through."""
+    realize = _realize_of(sch, block_rv)
+    block = realize.block
+    row = block.iter_vars[0]
+    if tvm_ffi.structural_equal(row.dom.extent, rows):
+        return
+    top = sch.get(sch.get_loops(block_rv)[0])
+    if not (len(sch.get_loops(block_rv)) == 2 and top.loop_var.same_as(realize.iter_values[0])):
+        raise FusionError(f"block '{block.name_hint}' must be a nest over its rows, then columns")
+    padded = tvm.tirx.IterVar(tvm.ir.Range.from_min_extent(0, rows), row.var, row.iter_type)
+    new_block = ir.copy_block(block, iter_vars=[padded] + list(block.iter_vars[1:]))
+    inside = realize.iter_values[0] < row.dom.extent
+    inner = ir.copy_loop(top.body, body=ir.realize(realize.iter_values, inside, new_block))
+    new_top = ir.copy_loop(top, extent=rows, body=inner)
+    sch.state.replace(sch.get_sref(sch.get_loops(block_rv)[0]), new_top, {block: new_block})
+
+
 def _realize_of(sch, block_rv):
     block = sch.get(block_rv)
     found = ir.nodes(sch.get(sch.get_loops(block_rv)[0]), tvm.s_tir.stmt.SBlockRealize)
@@ -262,9 +283,12 @@ class ScaledGemmConfig:
 
     @staticmethod
     def for_rows(m: int) -> "ScaledGemmConfig":
-        """128-row blocks where ``m`` is a multiple of 128, else the largest of 64 and 32
-        rows that divides it (else 32: :func:`schedule_scaled_gemm` refuses ``m``)."""
-        return ScaledGemmConfig(rows=next((r for r in (128, 64, 32) if m % r == 0), WARP))
+        """128-row blocks where ``m`` is a multiple of 128 or a variable, else the largest
+        of 64 and 32 rows that divides it (else 32: :func:`schedule_scaled_gemm` refuses
+        ``m``)."""
+        if not isinstance(m, int) and not isinstance(m, tvm.tirx.IntImm):
+            return ScaledGemmConfig()
+        return ScaledGemmConfig(rows=next((r for r in (128, 64, 32) if int(m) % r == 0), WARP))
 
 
 def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm.s_tir.Schedule:
@@ -274,13 +298,17 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     ``ValueError`` where M, N or K is not a whole number of the config's tiles."""
     func = defer_row_scales(func)
     gemm_block, _ = _find_gemm(func)
-    m, n, k_extent = (int(v.dom.extent) for v in gemm_block.iter_vars)
+    m, n, k_extent = (v.dom.extent for v in gemm_block.iter_vars)
     config = config or ScaledGemmConfig.for_rows(m)
     if config.rows % WARP:
         raise ValueError(f"schedule_scaled_gemm: {config.rows} rows a block are not whole warps of {WARP} rows")
+    analyzer = tvm.sym.Analyzer()
     for what, extent, tile in (("M", m, config.rows), ("N", n, config.cols), ("K", k_extent, config.depth)):
-        if extent % tile:
-            raise ValueError(f"schedule_scaled_gemm: {what} = {extent} is not a multiple of the tile's {tile}")
+        if not analyzer.can_prove(tvm.tirx.floormod(extent, tile) == 0):
+            raise ValueError(
+                f"schedule_scaled_gemm: {what} = {extent} is not a multiple of the tile's {tile} "
+                f"(ops.rmsnorm_gemm(pad_rows={config.rows}) pads M)"
+            )
     operands = [r.source for r in gemm_block.reads if len(r.region) == 2 and not r.source.same_as(gemm_block.writes[0].source)]
     if any(str(b.dtype) != "float16" for b in operands):
         raise ValueError("schedule_scaled_gemm: the GEMM's operands must be float16 (the mma.sync operands)")
@@ -328,6 +356,8 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     running = sch.cache_write(stat_rv, 0, "local")
     sch.reverse_compute_at(running, warp)
     sch.bind(sch.get_loops(running)[-1], "threadIdx.x")
+    if "X_pad" in (b.name_hint for b in blocks):
+        sch.compute_inline(sch.get_sblock("X_pad"))  # zeros past M, read by X's copy
     for copy in copies:
         _copy_in_words(sch, copy, copy, warps)
     if a_scaled is not None:
@@ -335,6 +365,7 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     for block in rows_of:
         sch.compute_inline(sch.get_sblock(block.name_hint))
     (out,) = _readers(sch, func, gemm_block)
+    _over_padded_rows(sch, out, m)
     sch.reverse_compute_at(out, warp)
 
     # The warp's GEMM on tensor cores: operands through ldmatrix, fp32 accumulators in
