@@ -63,7 +63,7 @@ def test_what_the_kernel_does_not_serve_is_left(model, target):
 
 def test_any_number_of_rows_is_one_kernel_that_pads_them():
     """A symbolic token count (a prompt) and a static count that is no whole tile both
-    get the kernel, which reads zeros past the last row."""
+    get the kernel, which pads the rows to whole tiles."""
     tokens = tvm.tirx.Var("tokens", "int64")
     for rows, symbol in (((1, tokens), "tvm_cascade_rmsnorm_gemm_m_128_256_nk"), (48, "tvm_cascade_rmsnorm_gemm_48_128_256_nk")):
         out = _dispatch(norm_then_linear(rows, 256, 128, True))

@@ -54,7 +54,7 @@ def test_rmsnorm_scale_moves_after_the_sum_and_gamma_into_a_copy_of_x():
 
 
 @pytest.mark.parametrize("rows", [48, "symbolic"])
-def test_padded_rows_read_zeros_and_out_keeps_the_real_ones(rows):
+def test_padded_rows_are_computed_and_out_keeps_the_real_ones(rows):
     m = tvm.tirx.Var("m", "int32") if rows == "symbolic" else rows
     func = defer_row_scales(cascades.rmsnorm_gemm(m, 16, 32, pad_rows=32))
     assert "X_pad" in _blocks(func)

@@ -143,8 +143,9 @@ def rmsnorm_gemm(
     ``out``:   ``out[i,n] = cast(y[i,n])`` (so ``y`` is an intermediate).
 
     ``pad_rows`` computes over ``M`` rounded up to a multiple of it (for schedules with
-    whole tiles only): block ``X_pad`` reads ``X`` with zeros past its end, and ``out``
-    keeps the first ``M`` rows.
+    whole tiles only): block ``X_pad`` reads ``X``'s last row again past its end (a
+    plain copy, which a GPU schedule issues asynchronously; those rows' results are
+    never stored), and ``out`` keeps the first ``M`` rows.
     """
     acc = accum_dtype
     X = te.placeholder((M, K), dtype, name="X")
@@ -159,7 +160,7 @@ def rmsnorm_gemm(
         if not (isinstance(rows, tirx.IntImm) and isinstance(M, int) and rows.value == M):
             X = te.compute(
                 (rows, K),
-                lambda i, k: tirx.if_then_else(i < M, X[tirx.min(i, M - 1), k], tirx.const(0, dtype)),
+                lambda i, k: X[tirx.min(i, M - 1), k],
                 name="X_pad",
             )
     rk = te.reduce_axis((0, K), name="rk")

@@ -5,8 +5,8 @@ Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` o
 ``permute_dims(w)`` of a ``[N, K]`` weight (what ``relax.frontend.nn.Linear`` emits),
 float16 throughout, N a multiple of 128 and K of 64, ``x`` of any rank whose rows (all
 axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): rows
-that do not fill the kernel's tiles are padded with zeros inside the kernel (one kernel
-serves every length). Fewer than 32 static rows (decode) are left: a GEMV's work, not
+that do not fill the kernel's tiles are padded inside the kernel (one kernel serves
+every length). Fewer than 32 static rows (decode) are left: a GEMV's work, not
 a tensor-core tile's. The call becomes ``call_dps_packed`` of the kernel,
 built when the pass runs (its warp fragments need tvm-cascade's lowering, not the
 default TIR pipeline's) and attached to the module as an external library, as TVM's

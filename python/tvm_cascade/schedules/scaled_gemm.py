@@ -357,7 +357,7 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     sch.reverse_compute_at(running, warp)
     sch.bind(sch.get_loops(running)[-1], "threadIdx.x")
     if "X_pad" in (b.name_hint for b in blocks):
-        sch.compute_inline(sch.get_sblock("X_pad"))  # zeros past M, read by X's copy
+        sch.compute_inline(sch.get_sblock("X_pad"))  # into X's copy: it reads the last row again past M
     for copy in copies:
         _copy_in_words(sch, copy, copy, warps)
     if a_scaled is not None:
