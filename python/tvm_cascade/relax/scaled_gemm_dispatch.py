@@ -23,7 +23,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ..cuda import tensor_cores
 from ..ops import cascades
-from ..schedules.prefill import WARP
+from ..schedules.mma_tiles import WARP
 from ..schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
 from .chain_spec import tensor_shape
 

@@ -67,13 +67,10 @@ from ..cuda.async_prologue import async_prologue_copies
 from ..cuda.padding import inline_padding
 from ..cuda.tensor_cores import cuda_intrinsics
 from . import warp_specialized
+from .mma_tiles import MMA, SHARED, VECTOR, WARP, bind_fragment_lanes, copy_in_words, fragment, tile
 
 
-WARP = 32
-MMA = 16  # the m16n16k16 tile the TVM mma intrinsics cover
 QUAD = 4  # lanes of an mma fragment that share a row
-VECTOR = 8  # fp16 elements in a 128-bit copy
-SHARED = "shared.dyn"
 #: An annotation TVM does not know: it keeps a loop of one iteration a loop.
 KEEP_LOOP = "tvm_cascade.keep_loop"
 #: The ptxas ``--register-usage-level`` a schedule chose: an annotation of the kernel's
@@ -443,8 +440,8 @@ def apply_prefill_schedule(
         # 0.357 / 4.28 / 8.14, kept 0.328 / 3.94 / 7.56; without a bias keeping the
         # scores is 0-2% slower: softcap b8 s1024 0.494 / 0.505, global 0.469 / 0.475).
         sch.set_scope(score, 0, "warp")
-        sch.transform_layout(score, ("write", 0), _fragment)
-        _bind_fragment_lanes(sch, score)
+        sch.transform_layout(score, ("write", 0), fragment)
+        bind_fragment_lanes(sch, score)
     else:
         sch.compute_inline(score)
     bx = sch.fuse(b, h, i0)
@@ -493,8 +490,8 @@ def apply_prefill_schedule(
         # their own, which the pipeline orders apart: :func:`.software_pipeline.overlap_annotations`.)
         sch.compute_at(sch.get_sblock("pv_tile"), passes)
     sch.set_scope(pv, 0, "warp")
-    sch.transform_layout(pv, ("write", 0), wgmma.accumulator if use_wgmma else _fragment)
-    _bind_fragment_lanes(sch, pv)
+    sch.transform_layout(pv, ("write", 0), wgmma.accumulator if use_wgmma else fragment)
+    bind_fragment_lanes(sch, pv)
     # FlashAttention's order: the tile's P·V accumulates onto the repaired output (no
     # second set of accumulators, no zero fill), and the fold is a copy.
     sch.decompose_reduction(pv, j0)
@@ -514,8 +511,8 @@ def apply_prefill_schedule(
     # straight from the fragments, the 16-bit stores of eight rows at a time took
     # 10-17% of a 1024-key kernel (H200, b8 s1024: global 0.530 -> 0.473 ms, causal
     # 0.359 -> 0.304, window 0.251 -> 0.193).
-    _bind_fragment_lanes(sch, out, column_pairs=True)
-    _copy_in_words(sch, out_copy, out)
+    bind_fragment_lanes(sch, out, column_pairs=True)
+    copy_in_words(sch, out_copy, out)
     # The key loops stay loops even over one tile (64 keys or fewer, or the last tile of
     # padded keys that unmask_inner_tiles splits off): without its loop, TVM's storage
     # planner puts that tile's fp16 buffers in the place of fp32 ones, which the ldmatrix
@@ -549,8 +546,8 @@ def _exps(sch):
     operand = sch.cache_read(pv_tile, 0, "warp", consumer_blocks=[pv_tile])
     sch.compute_inline(sch.get_sblock("exp"))
     sch.unsafe_set_dtype(operand, 0, "float16")
-    sch.transform_layout(operand, ("write", 0), _fragment)
-    _bind_fragment_lanes(sch, operand)
+    sch.transform_layout(operand, ("write", 0), fragment)
+    bind_fragment_lanes(sch, operand)
 
 
 def _lane_partials(sch, name):
@@ -661,34 +658,6 @@ def _shape(sch):
     return [int(sch.get(l).extent) for l in sch.get_loops(sch.get_sblock("max"))]
 
 
-def _fragment(*index):
-    """Buffer index -> (its leading indices, 16 x 16 tile, lane, element) of the
-    ldmatrix/mma fragment layout over the last two axes."""
-    *outer, r, c = index
-    layout = cuda_intrinsics().shared_16x16_to_ldmatrix_32x8_layout
-    return (*outer, r // MMA, c // MMA, *layout(r % MMA, c % MMA))
-
-
-def _bind_fragment_lanes(sch, block, column_pairs=False):
-    """Loops (rows, cols) of ``block``, which reads or writes a 16 x 16-tiled fragment
-    at its own ``(row, col)``: each lane takes the elements its fragment holds (lane
-    ``4 * (row % 8) + (col % 8) // 2``, two rows and two column pairs per tile); with
-    ``column_pairs`` each pair is one vector access."""
-    rows, cols = sch.get_loops(block)[-2:]
-    row_tile, row_half, row = sch.split(rows, [None, 2, 8])
-    col_tile, col_half, col_pair, col = sch.split(cols, [None, 2, 4, 2])
-    unrolled = [row_tile, col_tile, row_half, col_half]
-    if column_pairs:
-        sch.reorder(*unrolled, row, col_pair, col)
-        sch.vectorize(col)
-    else:
-        sch.reorder(*unrolled, col, row, col_pair)
-        unrolled.append(col)
-    sch.bind(sch.fuse(row, col_pair), "threadIdx.x")
-    for loop in unrolled:
-        sch.annotate(loop, tensor_cores.UNROLL, 1)
-
-
 def _gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
     """Tensor-core GEMM of one warp's ``block`` (loops rows x cols x depth last): A
     copied to dynamic shared memory at ``a_at`` (None: A already is a warp fragment in
@@ -719,15 +688,15 @@ def _gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
     if seed is not None:
         seed(init)
     sch.set_scope(block, 0, "warp")
-    sch.transform_layout(block, ("write", 0), _fragment)
+    sch.transform_layout(block, ("write", 0), fragment)
     for cache, load in caches:
-        sch.transform_layout(cache, ("write", 0), _fragment)
-        sch.tensorize(_tile(sch, cache), load)
+        sch.transform_layout(cache, ("write", 0), fragment)
+        sch.tensorize(tile(sch, cache), load)
     sch.tensorize(
         i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed_b else intrin.MMA_f16f16f32_INTRIN
     )
     if seed is not None:
-        _bind_fragment_lanes(sch, init)
+        bind_fragment_lanes(sch, init)
         for loop in sch.get_loops(init)[-9:-7]:
             sch.annotate(loop, tensor_cores.UNROLL, 1)
     else:
@@ -756,7 +725,7 @@ def _wgmma_gemm(sch, block, a_at, j0, warps, transposed_b, seed=None):
     columns = int(sch.get(n).extent)
     sch.tensorize(i16, wgmma.scores_intrin(columns) if transposed_b else wgmma.output_intrin(columns))
     sch.annotate(ko, wgmma.BATCH, 1)
-    _bind_fragment_lanes(sch, init)
+    bind_fragment_lanes(sch, init)
 
 
 def _operand_to_core_matrices(sch, block, index, at, warps, layout):
@@ -776,15 +745,6 @@ def _operand_to_core_matrices(sch, block, index, at, warps, layout):
     sch.vectorize(col)
 
 
-def _tile(sch, block):
-    """The loop over one 16 x 16 tile of ``block``'s last two loops."""
-    r, c = sch.get_loops(block)[-2:]
-    ro, ri = sch.split(r, [None, MMA])
-    co, ci = sch.split(c, [None, MMA])
-    sch.reorder(ro, co, ri, ci)
-    return ri
-
-
 def _operand_to_shared(sch, block, index, at, warps):
     """Copy operand ``index`` of ``block`` to shared memory at loop ``at`` with 128-bit
     copies by all threads."""
@@ -793,20 +753,4 @@ def _operand_to_shared(sch, block, index, at, warps):
     # buffer lives beside the fp32 ones, never in place of one (the storage planner would
     # otherwise alias them across types, which the ldmatrix address lowering rejects).
     sch.compute_at(cache, at, index=0)
-    _copy_in_words(sch, cache, cache, warps)
-
-
-def _copy_in_words(sch, copy, writer, warps=None):
-    """Block ``copy`` (loops rows x cols last) in 128-bit words by the lanes of ``warps``
-    warps (None: of the warp whose loop already holds it), the rows of the shared buffer
-    that block ``writer`` writes padded by one word: the eight row addresses of an
-    ldmatrix, or the eight rows of a fragment's lanes, hit distinct banks."""
-    fused = sch.fuse(*sch.get_loops(copy)[-2:])
-    if warps is None:
-        _, tx, vec = sch.split(fused, [None, WARP, VECTOR])
-    else:
-        _, ty, tx, vec = sch.split(fused, [None, warps, WARP, VECTOR])
-        sch.bind(ty, "threadIdx.y")
-    sch.bind(tx, "threadIdx.x")
-    sch.vectorize(vec)
-    sch.storage_align(writer, 0, axis=-2, factor=MMA, offset=VECTOR)
+    copy_in_words(sch, cache, cache, warps)

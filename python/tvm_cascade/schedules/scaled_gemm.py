@@ -49,7 +49,7 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..cuda import software_pipeline
 from ..cuda.tensor_cores import cuda_intrinsics
-from .prefill import MMA, SHARED, WARP, _bind_fragment_lanes, _copy_in_words, _fragment, _tile
+from .mma_tiles import MMA, SHARED, WARP, bind_fragment_lanes, copy_in_words, fragment, tile
 
 _SPATIAL, _REDUCE = 0, 2
 
@@ -163,7 +163,6 @@ def defer_row_scales(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
         return node
 
     return func.with_body(tvm_ffi.structural_map(func.body, (SBlock, edit)))
-
 
 
 def fold_from_copy(sch, stat, copy, rows=None) -> None:
@@ -303,10 +302,10 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     if config.rows % WARP:
         raise ValueError(f"schedule_scaled_gemm: {config.rows} rows a block are not whole warps of {WARP} rows")
     analyzer = tvm.sym.Analyzer()
-    for what, extent, tile in (("M", m, config.rows), ("N", n, config.cols), ("K", k_extent, config.depth)):
-        if not analyzer.can_prove(tvm.tirx.floormod(extent, tile) == 0):
+    for what, extent, size in (("M", m, config.rows), ("N", n, config.cols), ("K", k_extent, config.depth)):
+        if not analyzer.can_prove(tvm.tirx.floormod(extent, size) == 0):
             raise ValueError(
-                f"schedule_scaled_gemm: {what} = {extent} is not a multiple of the tile's {tile} "
+                f"schedule_scaled_gemm: {what} = {extent} is not a multiple of the tile's {size} "
                 f"(ops.rmsnorm_gemm(pad_rows={config.rows}) pads M)"
             )
     operands = [r.source for r in gemm_block.reads if len(r.region) == 2 and not r.source.same_as(gemm_block.writes[0].source)]
@@ -359,9 +358,9 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     if "X_pad" in (b.name_hint for b in blocks):
         sch.compute_inline(sch.get_sblock("X_pad"))  # into X's copy: it reads the last row again past M
     for copy in copies:
-        _copy_in_words(sch, copy, copy, warps)
+        copy_in_words(sch, copy, copy, warps)
     if a_scaled is not None:
-        _copy_in_words(sch, a_scaled, a_scaled, warps)
+        copy_in_words(sch, a_scaled, a_scaled, warps)
     for block in rows_of:
         sch.compute_inline(sch.get_sblock(block.name_hint))
     (out,) = _readers(sch, func, gemm_block)
@@ -386,13 +385,13 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
         caches.append((cache, load))
     init = sch.decompose_reduction(gemm, ko)
     sch.set_scope(gemm, 0, "warp")
-    sch.transform_layout(gemm, ("write", 0), _fragment)
+    sch.transform_layout(gemm, ("write", 0), fragment)
     for cache, load in caches:
-        sch.transform_layout(cache, ("write", 0), _fragment)
-        sch.tensorize(_tile(sch, cache), load)
+        sch.transform_layout(cache, ("write", 0), fragment)
+        sch.tensorize(tile(sch, cache), load)
     sch.tensorize(i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed else intrin.MMA_f16f16f32_INTRIN)
     sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
-    _bind_fragment_lanes(sch, out)
+    bind_fragment_lanes(sch, out)
     # Two stages: three (a third buffer of each tile) and the next 16-deep step's ldmatrix
     # issued before this step's mma (a second set of fragments) measured slower.
     count = len(_statements(sch, ko))
