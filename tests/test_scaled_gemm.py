@@ -112,3 +112,13 @@ def test_one_cuda_kernel_on_tensor_cores():
 def test_rows_that_are_not_whole_warps_are_refused():
     with pytest.raises(ValueError, match=r"M = 16 is not a multiple of the tile's 32 \(ops.rmsnorm_gemm\(pad_rows=32\) pads M\)"):
         schedule_scaled_gemm(cascades.rmsnorm_gemm(16, 128, 128, dtype="float16"))
+
+
+def test_a_scale_with_no_statistic_in_the_kernel_is_refused():
+    """A row scale given as an input defers, but the kernel folds one statistic."""
+    x, s, w = te.placeholder((32, 64), "float16", "X"), te.placeholder((32,), "float32", "s"), te.placeholder((64, 128), "float16", "W")
+    k = te.reduce_axis((0, 64), name="k")
+    y = te.compute((32, 128), lambda i, j: te.sum(x[i, k].astype("float32") * s[i] * w[k, j].astype("float32"), axis=k), name="gemm")
+    out = te.compute((32, 128), lambda i, j: y[i, j].astype("float16"), name="out")
+    with pytest.raises(FusionError, match="one row statistic besides 'gemm' expected, found none"):
+        schedule_scaled_gemm(te.create_prim_func([x, s, w, out]))

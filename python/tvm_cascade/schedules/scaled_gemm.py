@@ -314,7 +314,11 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     blocks = ir.blocks_in(func.body.block)
     sch = tvm.s_tir.Schedule(func)
     gemm = sch.get_sblock(gemm_block.name_hint)
-    (stat,) = [b for b in blocks if b.init is not None and not b.same_as(gemm_block)]
+    stats = [b for b in blocks if b.init is not None and not b.same_as(gemm_block)]
+    if len(stats) != 1:
+        names = ", ".join(f"'{b.name_hint}'" for b in stats)
+        raise FusionError(f"schedule_scaled_gemm: one row statistic besides '{gemm_block.name_hint}' expected, found {names or 'none'}")
+    (stat,) = stats
     rows_of = [b for b in blocks if b.init is None and len(b.iter_vars) == 1]
     warps = config.rows // WARP
 
