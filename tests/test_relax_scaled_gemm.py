@@ -80,3 +80,35 @@ def test_the_cascade_pipeline_builds_it():
                              relax_pipeline="cascade")
     hosts = [m.inspect_source() for m in executable.mod.imports if m.kind == "llvm"]
     assert sum("tvm_cascade_rmsnorm_gemm_64_128_256_nk" in source for source in hosts) == 1
+
+
+@pytest.mark.parametrize("norm", ["hand-written", "torch.nn"])
+def test_torch_exported_norm_and_linear_become_one_kernel_call(norm):
+    """TVM's torch frontend gives RMSNorm as float32 square-mean and rsqrt (gamma before
+    or after the cast back) and the linear layer a float32 output: one call of the
+    kernel with a float32 output."""
+    import torch
+    from torch.export import export
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class NormLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(256, dtype=torch.float16))
+            self.norm = torch.nn.RMSNorm(256, eps=1e-5, dtype=torch.float16)
+            self.proj = torch.nn.Linear(256, 128, bias=False, dtype=torch.float16)
+
+        def forward(self, x):
+            if norm == "torch.nn":
+                return self.proj(self.norm(x))
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return self.proj(self.weight * h.to(torch.float16))
+
+    model = from_exported_program(export(NormLinear(), (torch.randn(2, 64, 256, dtype=torch.float16),)),
+                                  keep_params_as_input=True)
+    out = _dispatch(model)
+    (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
+    assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_128_128_256_nk_f32"
+    assert str(packed.ty.dtype) == "float32"
+    assert not any(getattr(c.op, "name", "") in ("relax.rsqrt", "relax.matmul") for c in _calls(out))

@@ -97,3 +97,36 @@ def test_relax_prompt_of_any_length_on_one_kernel():
         got = vm["main"](*(tvm.runtime.tensor(a, dev) for a in (x, gamma, w.T.copy()))).numpy()
         ref = R.rmsnorm_gemm_ref(x[0].astype("float64"), gamma.astype("float64"), w.astype("float64"), eps=1e-5)
         assert _relative_error(got[0].astype("float64"), ref) < 5e-3
+
+
+def test_torch_exported_norm_and_linear_through_the_cascade_pipeline():
+    """``torch.export`` of a hand-written RMSNorm and a linear layer (a float32 output,
+    as TVM's torch frontend gives it) on the kernel matches numpy."""
+    import torch
+    from torch.export import export
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    class NormLinear(torch.nn.Module):
+        def __init__(self, gamma, weight):
+            super().__init__()
+            self.gamma = torch.nn.Parameter(torch.from_numpy(gamma))
+            self.proj = torch.nn.Linear(512, 256, bias=False, dtype=torch.float16)
+            self.proj.weight.data = torch.from_numpy(weight)
+
+        def forward(self, x):
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return self.proj(self.gamma * h.to(torch.float16))
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 64, 512)).astype("float16")
+    gamma = (1 + 0.1 * rng.standard_normal(512)).astype("float16")
+    w = (rng.standard_normal((512, 256)) / 16).astype("float16")
+    model = from_exported_program(export(NormLinear(gamma, w.T.copy()), (torch.from_numpy(x),)))
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    dev = tvm.cuda(0)
+    vm = relax.VirtualMachine(tvm.compile(model, target=target, relax_pipeline="cascade"), dev)
+    got = vm["main"](tvm.runtime.tensor(x, dev))[0].numpy()
+    ref = R.rmsnorm_gemm_ref(x.reshape(128, 512).astype("float64"), gamma.astype("float64"), w.astype("float64"), eps=1e-5)
+    assert got.dtype == np.float32 and _relative_error(got.reshape(128, 256).astype("float64"), ref) < 5e-3

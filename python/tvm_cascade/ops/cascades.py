@@ -132,6 +132,7 @@ def rmsnorm_gemm(
     accum_dtype: str = "float32",
     weight_layout: str = "kn",
     pad_rows: Optional[int] = None,
+    out_dtype: Optional[str] = None,
 ) -> tvm.tirx.PrimFunc:
     """RMSNorm followed by a GEMM: ``main(X[M, K], gamma[K], W[K, N], out[M, N])``, or
     with ``weight_layout="nk"`` ``W[N, K]`` (as ``torch.nn.Linear`` and a Relax
@@ -145,7 +146,8 @@ def rmsnorm_gemm(
     ``pad_rows`` computes over ``M`` rounded up to a multiple of it (for schedules with
     whole tiles only): block ``X_pad`` reads ``X``'s last row again past its end (a
     plain copy, which a GPU schedule issues asynchronously; those rows' results are
-    never stored), and ``out`` keeps the first ``M`` rows.
+    never stored), and ``out`` keeps the first ``M`` rows. ``out_dtype`` (default
+    ``dtype``) is ``out``'s.
     """
     acc = accum_dtype
     X = te.placeholder((M, K), dtype, name="X")
@@ -184,7 +186,7 @@ def rmsnorm_gemm(
         ),
         name="gemm",
     )
-    out = te.compute((M, N), lambda i, j: y[i, j].astype(dtype), name="out")
+    out = te.compute((M, N), lambda i, j: y[i, j].astype(out_dtype or dtype), name="out")
     inputs = [X.op.input_tensors[0] if X.op.name == "X_pad" else X, gamma, W]
     return te.create_prim_func(inputs + [out])
 

@@ -3,7 +3,11 @@ tvm-cascade kernel (:mod:`tvm_cascade.schedules.scaled_gemm`) on CUDA.
 
 Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` or as
 ``permute_dims(w)`` of a ``[N, K]`` weight (what ``relax.frontend.nn.Linear`` emits),
-float16 throughout, N a multiple of 128 and K of 64, ``x`` of any rank whose rows (all
+the norm also as the ops TVM's torch frontend gives a hand-written or ``torch.nn``
+RMSNorm (float32 square-mean and ``rsqrt``, gamma before or after the cast back) and
+the norm's output reshaped to rows, float16 inputs, a float16 or float32 output (a
+``torch.export``ed linear layer's ``out_dtype``), N a multiple of 128 and K of 64, ``x``
+of any rank whose rows (all
 axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): rows
 that do not fill the kernel's tiles are padded inside the kernel (one kernel serves
 every length). Fewer than 32 static rows (decode) are left: a GEMV's work, not
@@ -29,9 +33,7 @@ from .chain_spec import tensor_shape
 
 logger = logging.getLogger("tvm_cascade.relax")
 
-_X, _GAMMA = wildcard(), wildcard()
-_NORM = is_op("relax.nn.rms_norm")(_X, _GAMMA)
-_PATTERN = is_op("relax.matmul")(_NORM, wildcard())
+_PATTERN = is_op("relax.matmul")(wildcard(), wildcard())
 _EXTERNAL = "external_mods"
 
 
@@ -65,26 +67,118 @@ class DispatchScaledGemm:
         return relax.transform.DeadCodeElimination()(mod)
 
 
-def _rewrite(matched, matches, bound, target, kernels):
+def _rewrite(matched, _matches, bound, target, kernels):
     call = bound.get(matched, matched) if isinstance(matched, relax.Var) else matched
-    norm = bound.get(call.args[0], call.args[0])
-    x, gamma = matches[_X], matches[_GAMMA]
+    norm = _norm(call.args[0], bound)
+    if norm is None:
+        return matched
+    x, gamma, eps = norm
     w, transposed = _weight(call.args[1], bound)
-    reason = _refusal(norm, x, gamma, w, transposed)
+    out_dtype = str(call.ty.dtype)
+    reason = _refusal(x, gamma, w, transposed, out_dtype)
     if reason is not None:
         logger.info("rms_norm -> matmul left to the default lowering: %s", reason)
         return matched
     shape = tensor_shape(x)
     m, k = _rows(shape), shape[-1]
     n = tensor_shape(w)[0 if transposed else 1]
-    eps, layout = float(norm.attrs.epsilon), "nk" if transposed else "kn"
-    key = (m if isinstance(m, int) else None, n, k, eps, layout)
+    layout = "nk" if transposed else "kn"
+    key = (m if isinstance(m, int) else None, n, k, eps, layout, out_dtype)
     if key not in kernels:
         kernels[key] = _kernel(key, target)
     symbol = kernels[key][0]
     rows = relax.op.reshape(x, [m, k]) if len(shape) != 2 else x
-    out = relax.call_dps_packed(relax.ExternFunc(symbol), [rows, gamma, w], relax.TensorType([m, n], "float16"))
-    return relax.op.reshape(out, [*shape[:-1], n]) if len(shape) != 2 else out
+    out = relax.call_dps_packed(relax.ExternFunc(symbol), [rows, gamma, w], relax.TensorType([m, n], out_dtype))
+    wanted = tensor_shape(call)
+    return relax.op.reshape(out, wanted) if len(wanted) != 2 else out
+
+
+def _value(expr, bound):
+    return bound.get(expr, expr) if isinstance(expr, relax.Var) else expr
+
+
+def _call(expr, bound, op):
+    """The call of ``op`` bound to ``expr``, or None."""
+    value = _value(expr, bound)
+    return value if isinstance(value, relax.Call) and getattr(value.op, "name", "") == op else None
+
+
+def _norm(lhs, bound):
+    """``(x, gamma, eps)`` of the RMSNorm over the last axis that ``lhs`` is, possibly
+    reshaped to rows: ``R.nn.rms_norm`` (``relax.frontend.nn``), or the ops TVM's torch
+    frontend gives a hand-written or ``torch.nn`` RMSNorm (``x`` cast to float32, its
+    square's mean over the last axis plus eps, ``rsqrt``, the product cast back, gamma
+    multiplied before or after that cast); None otherwise."""
+    reshape = _call(lhs, bound, "relax.reshape")
+    if reshape is not None:
+        lhs = reshape.args[0]
+    norm = _call(lhs, bound, "relax.nn.rms_norm")
+    if norm is not None:
+        x = norm.args[0]
+        rank = len(tensor_shape(x) or ())
+        if [int(a) % max(rank, 1) for a in norm.attrs.axes] != [rank - 1]:
+            return None
+        return x, norm.args[1], float(norm.attrs.epsilon)
+    return _decomposed_norm(lhs, bound)
+
+
+def _decomposed_norm(h, bound):
+    scaled = _call(h, bound, "relax.multiply")
+    cast = _call(h, bound, "relax.astype")
+    if scaled is not None:  # gamma * (x * rsqrt(...)).astype(fp16)
+        for gamma, normed in (scaled.args, scaled.args[::-1]):
+            inner = _call(normed, bound, "relax.astype")
+            found = _normalised(inner.args[0], bound) if inner is not None else None
+            if found is not None and _is_vector(gamma):
+                return found[0], gamma, found[1]
+        return None
+    if cast is not None:  # ((x * rsqrt(...)) * gamma.astype(fp32)).astype(fp16)
+        product = _call(cast.args[0], bound, "relax.multiply")
+        for normed, gamma in (product.args, product.args[::-1]) if product is not None else ():
+            up = _call(gamma, bound, "relax.astype")
+            found = _normalised(normed, bound)
+            if found is not None and up is not None and _is_vector(up.args[0]):
+                return found[0], up.args[0], found[1]
+    return None
+
+
+def _normalised(expr, bound):
+    """``(x, eps)`` where ``expr`` is ``astype(x, f32) * rsqrt(mean(astype(x, f32)^2,
+    last axis, keepdims) + eps)``, else None."""
+    product = _call(expr, bound, "relax.multiply")
+    if product is None:
+        return None
+    for xf, factor in (product.args, product.args[::-1]):
+        rsqrt = _call(factor, bound, "relax.rsqrt")
+        plus = _call(rsqrt.args[0], bound, "relax.add") if rsqrt is not None else None
+        if plus is None or _call(xf, bound, "relax.astype") is None:
+            continue
+        for mean, eps in (plus.args, plus.args[::-1]):
+            mean = _call(mean, bound, "relax.mean")
+            if mean is None or _scalar(eps) is None or not bool(mean.attrs.keepdims):
+                continue
+            square = _call(mean.args[0], bound, "relax.power")
+            rank = len(tensor_shape(xf) or ())
+            if square is None or not square.args[0].same_as(xf):
+                continue
+            if not _scalar(square.args[1], 2.0) or [int(a) % max(rank, 1) for a in mean.attrs.axis] != [rank - 1]:
+                continue
+            return _call(xf, bound, "relax.astype").args[0], _scalar(eps)
+    return None
+
+
+def _scalar(expr, equal=None):
+    """The value of a scalar constant ``expr`` (equal to ``equal`` if given), else None."""
+    data = expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "numpy") else None
+    if data is None or data.size != 1:
+        return None
+    value = float(data.reshape(()))
+    return value if equal is None or value == equal else None
+
+
+def _is_vector(expr):
+    shape = tensor_shape(expr)
+    return shape is not None and len(shape) == 1
 
 
 def _weight(arg, bound):
@@ -99,17 +193,16 @@ def _weight(arg, bound):
     return arg, False
 
 
-def _refusal(norm, x, gamma, w, transposed):
+def _refusal(x, gamma, w, transposed, out_dtype):
     """Why the kernel does not serve this norm and GEMM, or None."""
-    axes = [int(a) for a in norm.attrs.axes]
     shapes = [tensor_shape(t) for t in (x, gamma, w)]
     if any(s is None for s in shapes) or not all(isinstance(d, int) for d in shapes[0][-1:] + shapes[1] + shapes[2]):
         return "K, N and the weights' shapes must be static"
     (xs, gs, ws) = shapes
-    if any(str(t.ty.dtype) != "float16" for t in (x, gamma, w)):
-        return "float16 only (the kernel's mma.sync operands)"
-    if axes not in ([-1], [len(xs) - 1]) or len(gs) != 1 or len(ws) != 2:
-        return "the norm must be over the last axis, the weight 2-d"
+    if any(str(t.ty.dtype) != "float16" for t in (x, gamma, w)) or out_dtype not in ("float16", "float32"):
+        return "float16 inputs only (the kernel's mma.sync operands), a float16 or float32 output"
+    if len(gs) != 1 or len(ws) != 2:
+        return "gamma must be 1-d, the weight 2-d"
     m, k = _rows(xs), xs[-1]
     n, wk = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     if wk != k or gs[0] != k:
@@ -134,12 +227,12 @@ def _rows(shape):
 
 def _kernel(key, target):
     """(symbol, runtime module) of the kernel for ``key`` (rows None: any number)."""
-    m, n, k, eps, layout = key
-    symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}"
+    m, n, k, eps, layout, out_dtype = key
+    symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}" + ("_f32" if out_dtype == "float32" else "")
     rows = tvm.tirx.Var("m", "int32") if m is None else m
     tile = ScaledGemmConfig().rows
     pad = None if m is not None and m % WARP == 0 else (tile if m is None or m >= tile else WARP)
-    func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, pad_rows=pad)
+    func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, pad_rows=pad, out_dtype=out_dtype)
     func = schedule_scaled_gemm(func).mod["main"]
     mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
     return symbol, tensor_cores.build(mod, target).mod
