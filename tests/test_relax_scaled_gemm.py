@@ -82,12 +82,48 @@ def test_the_cascade_pipeline_builds_it():
     assert sum("tvm_cascade_rmsnorm_gemm_64_128_256_nk" in source for source in hosts) == 1
 
 
+def decomposed_norm_then_linear(gamma_after_cast):
+    """The Relax TVM's torch frontend gives ``linear(rms_norm(x))`` (a hand-written
+    RMSNorm: gamma times the cast-back product; ``torch.nn.RMSNorm``: the product times
+    gamma cast to float32, then cast back), rows reshaped to 2-d, a float32 output."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 64, 256), "float16"))
+    gamma = relax.Var("gamma", relax.TensorType((256,), "float16"))
+    w = relax.Var("w", relax.TensorType((128, 256), "float16"))
+    with bb.function("main", [x, gamma, w]):
+        with bb.dataflow():
+            xf = bb.emit(R.astype(x, "float32"))
+            mean = bb.emit(R.mean(bb.emit(R.power(xf, relax.const(2.0, "float32"))), axis=[-1], keepdims=True))
+            normed = bb.emit(R.multiply(xf, bb.emit(R.rsqrt(bb.emit(R.add(mean, relax.const(1e-5, "float32")))))))
+            if gamma_after_cast:
+                h = bb.emit(R.multiply(gamma, bb.emit(R.astype(normed, "float16"))))
+            else:
+                h = bb.emit(R.astype(bb.emit(R.multiply(normed, bb.emit(R.astype(gamma, "float32")))), "float16"))
+            rows = bb.emit(R.reshape(h, [128, 256]))
+            out = bb.emit(R.matmul(rows, bb.emit(R.permute_dims(w, [1, 0])), out_dtype="float32"))
+            out = bb.emit_output(bb.emit(R.reshape(out, [2, 64, 128])))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _one_float32_kernel_call(out):
+    (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
+    assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_128_128_256_nk_f32"
+    assert str(packed.ty.dtype) == "float32"
+    assert not any(getattr(c.op, "name", "") in ("relax.rsqrt", "relax.matmul") for c in _calls(out))
+
+
+@pytest.mark.parametrize("gamma_after_cast", [True, False])
+def test_the_torch_frontends_norm_and_linear_become_one_kernel_call(gamma_after_cast):
+    """The decomposed RMSNorm feeding a float32-output linear layer: one call of the
+    kernel with a float32 output."""
+    _one_float32_kernel_call(_dispatch(decomposed_norm_then_linear(gamma_after_cast)))
+
+
 @pytest.mark.parametrize("norm", ["hand-written", "torch.nn"])
 def test_torch_exported_norm_and_linear_become_one_kernel_call(norm):
-    """TVM's torch frontend gives RMSNorm as float32 square-mean and rsqrt (gamma before
-    or after the cast back) and the linear layer a float32 output: one call of the
-    kernel with a float32 output."""
-    import torch
+    """The same from ``torch.export`` through TVM's torch frontend."""
+    torch = pytest.importorskip("torch")
     from torch.export import export
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -107,8 +143,4 @@ def test_torch_exported_norm_and_linear_become_one_kernel_call(norm):
 
     model = from_exported_program(export(NormLinear(), (torch.randn(2, 64, 256, dtype=torch.float16),)),
                                   keep_params_as_input=True)
-    out = _dispatch(model)
-    (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
-    assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_128_128_256_nk_f32"
-    assert str(packed.ty.dtype) == "float32"
-    assert not any(getattr(c.op, "name", "") in ("relax.rsqrt", "relax.matmul") for c in _calls(out))
+    _one_float32_kernel_call(_dispatch(model))
