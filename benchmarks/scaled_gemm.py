@@ -23,7 +23,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from .attention import run_environment, shapes_parser, skip_without_gpu
-from .cascades import _reason
+from .cascades import _reason, progress_line
 from .timing import bench
 
 PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
@@ -136,11 +136,6 @@ def run_shape(shape) -> List[Dict]:
         for base in ("torch.compile", "cuBLAS GEMM alone"):
             row[f"vs {base}"] = by_peer[base] / row["ms"] if by_peer.get(base) and row.get("ms") else None
     return results
-
-
-def progress_line(index: int, total: int, rows: List[Dict]) -> str:
-    cells = [f"{r['peer']} " + (f"{r['ms']:.4f} ms" if r.get("ms") else f"-- ({r.get('error')})") for r in rows]
-    return f"[{index}/{total}] {rows[0]['shape']}: " + "; ".join(cells)
 
 
 def markdown(results: List[Dict]) -> str:

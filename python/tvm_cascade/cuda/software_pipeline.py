@@ -57,7 +57,8 @@ def _positions(order):
 
 def pipeline_annotations(loop):
     """TVM's annotations that pipeline ``loop`` (a ``For``) whose first two statements
-    copy the next tile's K and V asynchronously while the rest computes this one."""
+    copy the next tiles (the prefill's K and V, a GEMM's operands) asynchronously while
+    the rest computes this one."""
     count = len(pipeline_statements(loop))
     return {STAGES: [0, 0] + [1] * (count - 2), ORDER: list(range(count)), ASYNC_STAGES: [0]}
 

@@ -68,7 +68,7 @@ class DispatchScaledGemm:
 
 
 def _rewrite(matched, _matches, bound, target, kernels):
-    call = bound.get(matched, matched) if isinstance(matched, relax.Var) else matched
+    call = _value(matched, bound)
     norm = _norm(call.args[0], bound)
     if norm is None:
         return matched
@@ -184,8 +184,8 @@ def _is_vector(expr):
 def _weight(arg, bound):
     """(the weight tensor, whether it is ``[N, K]``): the operand of a 2-d transpose
     ``permute_dims(w)`` (axes reversed), else the matmul's operand itself as ``[K, N]``."""
-    value = bound.get(arg, arg) if isinstance(arg, relax.Var) else arg
-    if isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.permute_dims":
+    value = _call(arg, bound, "relax.permute_dims")
+    if value is not None:
         shape = tensor_shape(value.args[0])
         axes = value.attrs.axes
         if shape is not None and len(shape) == 2 and (axes is None or [int(a) for a in axes] == [1, 0]):

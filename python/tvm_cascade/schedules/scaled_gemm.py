@@ -44,7 +44,7 @@ from tvm.ir import expr as ir_expr
 from tvm.s_tir.stmt import SBlock
 
 from ..analysis.chain import substitute
-from ..analysis.scope import dtype_of, uses_var
+from ..analysis.scope import buffer_accesses, dtype_of, uses_var
 from ..errors import FusionError
 from ..primitives import ir
 from ..cuda import software_pipeline
@@ -70,6 +70,17 @@ def _product(factors):
 
 def _loads(expr):
     return ir.nodes(expr, ir_expr.TensorLoad)
+
+
+def _buffers(node):
+    """Every buffer ``node`` loads or stores (what :func:`.ir.with_regions` resolves)."""
+    return {buffer for buffer, _ in buffer_accesses(node)}
+
+
+def _readers(func, block):
+    """The blocks of ``func`` other than ``block`` that read what ``block`` writes."""
+    acc = block.writes[0].source
+    return [b for b in ir.blocks_in(func.body.block) if not b.same_as(block) and any(r.source.same_as(acc) for r in b.reads)]
 
 
 def _find_gemm(func):
@@ -120,7 +131,7 @@ def defer_row_scales(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     if not roles["row"]:
         raise FusionError(f"defer_row_scales: block '{block.name_hint}' has no per-row scale to move out of its sum")
     acc = block.writes[0].source
-    readers = [b for b in ir.blocks_in(func.body.block) if b is not block and any(r.source.same_as(acc) for r in b.reads)]
+    readers = _readers(func, block)
     for reader in readers:
         if reader.init is not None:
             raise FusionError(
@@ -137,7 +148,7 @@ def defer_row_scales(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
         func = sch.mod["main"]
         block, roles = _find_gemm(func)
     i, j, k = (v.var for v in block.iter_vars)
-    buffers = {load.source for load in _loads(func.body)} | {s.buffer for s in ir.nodes(func.body, tvm.tirx.BufferStore)}
+    buffers = _buffers(func.body)
 
     def edit(node):
         if node.name_hint == block.name_hint:
@@ -226,7 +237,7 @@ def fold_from_copy(sch, stat, copy, rows=None) -> None:
     body = ir.seq(_readers_after(items, holder_top, stat_block.writes[0].source))
     body = tvm_ffi.structural_map(body, (tvm.tirx.For, edit))
     new_root = ir.copy_block(root, body=body)
-    buffers = {l.source for l in _loads(new_root)} | {s.buffer for s in ir.nodes(new_root, tvm.tirx.BufferStore)}
+    buffers = _buffers(new_root)
     new_root = tvm_ffi.structural_map(new_root, (SBlock, lambda b: ir.with_regions(b, buffers) if b.same_as(block) else b))
     ir.replace_root(sch, root_sref, new_root, {})
 
@@ -367,7 +378,7 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
         copy_in_words(sch, a_scaled, a_scaled, warps)
     for block in rows_of:
         sch.compute_inline(sch.get_sblock(block.name_hint))
-    (out,) = _readers(sch, func, gemm_block)
+    (out,) = [sch.get_sblock(b.name_hint) for b in _readers(func, gemm_block)]
     _over_padded_rows(sch, out, m)
     sch.reverse_compute_at(out, warp)
 
@@ -398,17 +409,8 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     bind_fragment_lanes(sch, out)
     # Two stages: three (a third buffer of each tile) and the next 16-deep step's ldmatrix
     # issued before this step's mma (a second set of fragments) measured slower.
-    count = len(_statements(sch, ko))
-    sch.annotate(ko, software_pipeline.STAGES, [0, 0] + [1] * (count - 2))
-    sch.annotate(ko, software_pipeline.ORDER, list(range(count)))
-    sch.annotate(ko, software_pipeline.ASYNC_STAGES, [0])
+    for key, value in software_pipeline.pipeline_annotations(sch.get(ko)).items():
+        sch.annotate(ko, key, value)
     return sch
 
 
-def _readers(sch, func, block):
-    acc = block.writes[0].source
-    return [sch.get_sblock(b.name_hint) for b in ir.blocks_in(func.body.block) if any(r.source.same_as(acc) for r in b.reads)]
-
-
-def _statements(sch, loop):
-    return ir.statements(sch.get(loop).body)
