@@ -127,6 +127,26 @@ def test_gpu_proposals_are_bound_and_compile_for_cuda():
             assert f"__launch_bounds__({4 * GPU_LANES[decision]})" in source
 
 
+def test_every_mutator_applies_to_a_gpu_row_space_with_one_chunk_count():
+    """MoE routing over 256 experts on CUDA leaves one chunk count to its row fusion. The
+    space takes that count as a constant: as a one-option categorical decision,
+    MetaSchedule's thread-binding mutator (which re-samples among the *other* options)
+    stopped the whole search with ``Check failed: (!weights.empty())``."""
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    func = cascades.moe_routing(32, 256, 2, "float16")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=cascade_space(), task_name="moe")
+    spaces = context.generate_design_space()
+    assert any("SplitKUpdate" in _fusions(s) for s in spaces)
+    mutators = list(context.space_generator.mutator_probs)
+    for mutator in mutators:
+        mutator._initialize_with_tune_context(context)
+    for space in spaces:
+        samples = [i for i in space.trace.insts if i.kind.name == "SampleCategorical"]
+        assert all(len(inst.attrs[0]) > 1 for inst in samples)
+        for mutator in mutators:
+            mutator.apply(space.trace)
+
+
 def test_tune_tir_finds_a_fused_kernel_and_reloads_it(tmp_path):
     """``ms.tune_tir`` on the unfused attention with the fused proposals only: the best
     record is a fusion, it reloads from the JSON database and computes what numpy does."""

@@ -64,7 +64,7 @@ from .errors import FusionError
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .rpc_tuning import resolve_runner
 from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
-from .trace import JSONDatabase
+from .trace import JSONDatabase, sample_uniform
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
 
@@ -128,7 +128,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         except FusionError as err:
             logger.debug("blocks stay in place around '%s': %s", candidate.root, err)
         key = key_loop(sch, candidate.root)
-        sampled = sch.sample_categorical(list(choices), [1 / len(choices)] * len(choices))
+        sampled = sample_uniform(sch, choices)
         loop = sch.split(key, [None, sampled] if how == "rolling" else [sampled, None], preserve_unit_iters=True)[0]
         primitive = sch.rolling_update if how == "rolling" else sch.split_k_update
         if how == "split_k":
@@ -149,7 +149,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         # weight's: here they are activations, whose layout transform the builder drops.
         drop_layout_hints(sch)
         if self.on_gpu:
-            lanes = sch.sample_categorical(list(GPU_LANES), [1 / len(GPU_LANES)] * len(GPU_LANES))
+            lanes = sample_uniform(sch, GPU_LANES)
             schedule_fused_for_gpu(sch, [FusedChain(candidate.root, tuple(fused), how, loop)], lanes)
             names = [s.name for s in collect_sites(only_func(sch).body.block)]
         else:
@@ -175,7 +175,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             c for c in {plan_chunks(length, t) for t in tiles} | set(ROW_THREADS)
             if all((c - 1) * -(-length // (c * t)) * t < length for t in tiles)
         )
-        sampled = [sch.sample_categorical(list(c), [1 / len(c)] * len(c)) for c in (chunks, tiles, ROWS_PER_BLOCK)]
+        sampled = [sample_uniform(sch, c) for c in (chunks, tiles, ROWS_PER_BLOCK)]
         schedule_rows(sch, *sampled)
         for site in collect_sites(only_func(sch).body.block):
             sch.annotate(sch.get_sblock(site.name), *SKIP)

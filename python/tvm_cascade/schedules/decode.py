@@ -64,6 +64,7 @@ import tvm
 from ..analysis.scope import buffer_params
 from ..cuda import mma16x8
 from ..cuda.padding import inline_padding, padded_inputs
+from ..trace import sample_uniform
 
 VECTOR = 8  # fp16/bf16 elements in a 128-bit load
 #: Key lengths the schedule takes: multiples of this (``ops.attention(pad_to=(1, PAD_KEYS))``
@@ -344,7 +345,7 @@ def decode_design_space(heads_q, heads_kv, head_dim, config=DecodeConfig()):
             raise ValueError(f"no chunk count splits {seq_kv} keys for this design space")
 
         def sample(options):
-            return sch.sample_categorical(options, [1.0 / len(options)] * len(options))
+            return sample_uniform(sch, options)
 
         apply_decode_schedule(
             sch,

@@ -64,6 +64,7 @@ from ..primitives import ir
 from ..primitives.tiles import linear_conjuncts, linear_slope, mask_condition
 from ..cuda import merged_tiles, software_pipeline, tensor_cores, wgmma
 from ..cuda.async_prologue import async_prologue_copies
+from ..trace import sample_uniform
 from ..cuda.padding import inline_padding
 from ..cuda.tensor_cores import cuda_intrinsics
 from . import warp_specialized
@@ -364,7 +365,7 @@ def prefill_design_space(rows=PrefillConfig().rows):
             raise ValueError(f"no key tile of {KEY_TILES} divides {seq_kv} keys")
 
         def sample(options):
-            return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
+            return sample_uniform(sch, options)
 
         heads = default_heads(sch.mod["main"], rows)
         loop = apply_prefill_schedule(

@@ -74,6 +74,7 @@ from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand
+from ..trace import sample_uniform
 
 #: Query rows per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -883,12 +884,9 @@ def design_space(variant):
     ``sample_categorical`` decisions."""
 
     def space(sch):
-        def sample(options):
-            return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options))
-
         clusters = _cluster_choices(sch.mod["main"], variant)
-        stages, form = sample(STAGE_CHOICES), sample(range(len(FORMS)))
-        cluster = sample(clusters) if len(clusters) > 1 else None
+        stages, form = sample_uniform(sch, STAGE_CHOICES), sample_uniform(sch, range(len(FORMS)))
+        cluster = sample_uniform(sch, clusters) if len(clusters) > 1 else None
         _annotate(sch, fuse_key_tiles(sch), variant, stages, form, cluster=cluster)
 
     return space

@@ -9,6 +9,7 @@
 * :func:`apply_json_to_schedule` / :func:`load_trace_json` / :func:`trace_from_json` /
   :func:`trace_to_json` -- JSON traces mixing native and cascade instructions.
 * :class:`JSONDatabase` -- MetaSchedule database in TVM's JSONDatabase file format.
+* :func:`sample_uniform` -- the design spaces' categorical decisions.
 """
 
 from .kinds import (
@@ -33,6 +34,7 @@ from .json_io import (
     translate_json_inputs,
 )
 from .database import JSONDatabase
+from .sampling import sample_uniform
 
 __all__ = [
     "APPLY_INSTRUCTION_FUNC",
@@ -49,6 +51,7 @@ __all__ = [
     "lookup_kind",
     "normalize_json_integers",
     "register_kind",
+    "sample_uniform",
     "to_plain_json",
     "trace_from_json",
     "trace_to_json",

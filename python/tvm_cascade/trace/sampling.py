@@ -1,0 +1,17 @@
+"""Sampling decisions of the project's design spaces."""
+from typing import Sequence
+
+from tvm.s_tir import Schedule
+
+
+def sample_uniform(sch: Schedule, options: Sequence[int]):
+    """A ``sample_categorical`` over ``options`` with equal probabilities, or the option
+    itself when there is one: MetaSchedule's mutators (thread binding, unroll) re-sample
+    a categorical decision among its *other* options and fail the whole search on one
+    with none (``Check failed: (!weights.empty())``)."""
+    options = list(options)
+    if not options:
+        raise ValueError("nothing to sample from")
+    if len(options) == 1:
+        return options[0]
+    return sch.sample_categorical(options, [1.0 / len(options)] * len(options))
