@@ -109,6 +109,20 @@ def test_one_cuda_kernel_on_tensor_cores():
     assert "mma.sync" in source and "cp.async" in source and "sumsq_shared" in source and "sqrtf" in source
 
 
+def test_x_tile_is_static_shared_memory_where_the_kernel_opts_into_more_than_48_kb():
+    """128-row blocks: X's tile in static shared memory, apart from the merged dynamic
+    buffers, so the scaled copy's words need no barrier each (7 barriers, 22 with the
+    tile dynamic). 64-row blocks stay under 48 KB of dynamic memory, where TVM's
+    launcher would not lift the limit for static and dynamic memory together."""
+    def source(m, pad):
+        sch = schedule_scaled_gemm(cascades.rmsnorm_gemm(m, 384, 512, dtype="float16", pad_rows=pad))
+        return tensor_cores.build(sch.mod, {"kind": "cuda", "arch": "sm_90a"}).mod.imports[0].inspect_source()
+
+    wide, narrow = source(256, None), source(48, 32)
+    assert "__shared__ alignas(64) half X_shared_ptr[" in wide and wide.count("__syncthreads") == 7
+    assert "half X_pad_shared_ptr[" not in narrow and "half X_shared_ptr[" not in narrow
+
+
 def test_rows_that_are_not_whole_warps_are_refused():
     with pytest.raises(ValueError, match=r"M = 16 is not a multiple of the tile's 32 \(ops.rmsnorm_gemm\(pad_rows=32\) pads M\)"):
         schedule_scaled_gemm(cascades.rmsnorm_gemm(16, 128, 128, dtype="float16"))
