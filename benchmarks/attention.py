@@ -12,6 +12,7 @@ Without a CUDA GPU the command prints that it is skipping and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import subprocess
@@ -229,6 +230,39 @@ def shapes_parser(module: str, doc: str, outputs: str, only: bool = True) -> arg
     if only:
         p.add_argument("--only", nargs="*", help="the shapes whose names contain one of these")
     return p
+
+
+def named(shapes: Sequence, only: Optional[Sequence[str]]) -> list:
+    """The ``shapes`` (each named first) whose names contain one of ``only`` (all
+    without it)."""
+    return [s for s in shapes if not only or any(o in s[0] for o in only)]
+
+
+def shape_progress(index: int, total: int, rows: List[Dict]) -> str:
+    """The progress line of a benchmark over named shapes: each peer's time or why not."""
+    cells = []
+    for row in rows:
+        ms = f"{row['ms']:.4f} ms" if row.get("ms") else f"-- ({row.get('error')})"
+        cells.append(f"{row['peer']} {ms}")
+    return f"[{index}/{total}] {rows[0]['shape']}: " + "; ".join(cells)
+
+
+def run_shapes(module: str, out: Path, argv: Sequence[str], shapes: Sequence, measure, **document) -> Optional[List[Dict]]:
+    """Run benchmark ``module`` (its arguments ``argv``) over ``shapes``: each one's rows
+    from ``measure(shape)``, a progress line each, and ``<out>/<name>.json`` (the
+    environment, ``document``'s entries and the rows so far) rewritten after each.
+    Returns the rows; None without a CUDA GPU (said so)."""
+    if skip_without_gpu(module):
+        return None
+    env = run_environment(module, out, argv)
+    path = out / f"{module.rsplit('.', 1)[-1]}.json"
+    results: List[Dict] = []
+    for index, shape in enumerate(shapes, 1):
+        rows = measure(shape)
+        results += rows
+        print(shape_progress(index, len(shapes), rows), flush=True)
+        path.write_text(json.dumps({"environment": env, **document, "results": results}, indent=1))
+    return results
 
 
 def run_environment(module: str, out: Path, argv: Sequence[str]) -> Dict:

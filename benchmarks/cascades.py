@@ -24,12 +24,11 @@ and (with matplotlib) ``cascades.png``.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import run_environment, shapes_parser, skip_without_gpu
+from .attention import named, run_shapes, shapes_parser
 from .report import grouped_bars
 from .timing import bench
 
@@ -313,14 +312,6 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     return results
 
 
-def progress_line(index: int, total: int, rows: List[Dict]) -> str:
-    cells = []
-    for row in rows:
-        ms = f"{row['ms']:.4f} ms" if row.get("ms") else f"-- ({row.get('error')})"
-        cells.append(f"{row['peer']} {ms}")
-    return f"[{index}/{total}] {rows[0]['shape']}: " + "; ".join(cells)
-
-
 def _peers(results: List[Dict]) -> List[str]:
     return list(dict.fromkeys(r["peer"] for r in results))
 
@@ -366,17 +357,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = shapes_parser("benchmarks.cascades", __doc__, "cascades.json, .md and .png")
     p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune each shape with MetaSchedule")
     args = p.parse_args(argv)
-    if skip_without_gpu("benchmarks.cascades"):
+    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning")  # noqa: E731
+    results = run_shapes("benchmarks.cascades", args.out, argv, named(SHAPES, args.only), measure, tolerance=TOLERANCE)
+    if results is None:
         return 0
-    env = run_environment("benchmarks.cascades", args.out, argv)
-    shapes = [s for s in SHAPES if not args.only or any(o in s[0] for o in args.only)]
-    results: List[Dict] = []
-    for index, shape in enumerate(shapes, 1):
-        rows = run_shape(shape, args.tune, args.out / "tuning")
-        results += rows
-        print(progress_line(index, len(shapes), rows), flush=True)
-        document = {"environment": env, "tolerance": TOLERANCE, "results": results}
-        (args.out / "cascades.json").write_text(json.dumps(document, indent=1))
     table = markdown(results)
     (args.out / "cascades.md").write_text(table)
     print(table)

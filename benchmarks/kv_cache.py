@@ -13,12 +13,11 @@ flushed before each (:func:`benchmarks.timing.bench`). Prints a table, writes
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from typing import Optional, Sequence
 
-from .attention import run_environment, shapes_parser, skip_without_gpu
+from .attention import named, run_shapes, shapes_parser
 from .timing import bench
 
 PAGE = 16
@@ -191,17 +190,8 @@ def run_shape(shape) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = shapes_parser("benchmarks.kv_cache", __doc__, "kv_cache.json")
-    args = p.parse_args(argv)
-    if skip_without_gpu("benchmarks.kv_cache"):
-        return 0
-    env = run_environment("benchmarks.kv_cache", args.out, argv)
-    results = []
-    for shape in SHAPES:
-        if args.only and not any(s in shape[0] for s in args.only):
-            continue
-        results += run_shape(shape)
-        (args.out / "kv_cache.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    args = shapes_parser("benchmarks.kv_cache", __doc__, "kv_cache.json").parse_args(argv)
+    run_shapes("benchmarks.kv_cache", args.out, argv, named(SHAPES, args.only), run_shape)
     return 0
 
 

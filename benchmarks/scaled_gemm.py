@@ -18,12 +18,11 @@ CUDA-event timed calls with the L2 cache flushed before each
 """
 from __future__ import annotations
 
-import json
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .attention import run_environment, shapes_parser, skip_without_gpu
-from .cascades import _reason, progress_line
+from .attention import named, run_shapes, shapes_parser
+from .cascades import _reason
 from .timing import bench
 
 PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
@@ -155,18 +154,10 @@ def markdown(results: List[Dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md")
-    args = p.parse_args(argv)
-    if skip_without_gpu("benchmarks.scaled_gemm"):
+    args = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md").parse_args(argv)
+    results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), run_shape)
+    if results is None:
         return 0
-    env = run_environment("benchmarks.scaled_gemm", args.out, argv)
-    shapes = [s for s in SHAPES if not args.only or any(o in s[0] for o in args.only)]
-    results: List[Dict] = []
-    for index, shape in enumerate(shapes, 1):
-        rows = run_shape(shape)
-        results += rows
-        print(progress_line(index, len(shapes), rows), flush=True)
-        (args.out / "scaled_gemm.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
     table = markdown(results)
     (args.out / "scaled_gemm.md").write_text(table)
     print(table)

@@ -362,6 +362,29 @@ def test_plot(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0
 
 
+def test_shape_runner_rewrites_its_json_after_each_shape(tmp_path, monkeypatch, capsys):
+    """``run_shapes`` (the cascades, scaled-GEMM and KV-cache benchmarks' loop): the
+    chosen shapes' rows, a progress line each, the JSON with the environment and the
+    document's entries; nothing without a GPU."""
+    pytest.importorskip("torch")
+    from benchmarks import attention
+
+    def measure(shape):
+        return [{"shape": shape[0], "peer": "p", "ms": shape[1] / 4}, {"shape": shape[0], "peer": "q", "error": "wrong"}]
+
+    shapes = attention.named([("wide 4", 4), ("narrow 2", 2)], ["narrow"])
+    monkeypatch.setattr(attention, "skip_without_gpu", lambda module: True)
+    assert attention.run_shapes("benchmarks.demo", tmp_path, [], shapes, measure) is None
+    assert not (tmp_path / "demo.json").exists()
+    monkeypatch.setattr(attention, "skip_without_gpu", lambda module: False)
+    rows = attention.run_shapes("benchmarks.demo", tmp_path, ["--only", "narrow"], shapes, measure, tolerance=0.5)
+    assert rows == measure(("narrow 2", 2))
+    document = json.loads((tmp_path / "demo.json").read_text())
+    assert document["results"] == rows and document["tolerance"] == 0.5
+    assert document["environment"]["command"] == "python -m benchmarks.demo --only narrow"
+    assert capsys.readouterr().out.strip() == "[1/1] narrow 2: p 0.5000 ms; q -- (wrong)"
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -380,6 +403,8 @@ def test_plot(tmp_path):
         ["benchmarks.models", "--only", "mha-b1-kv2048"],
         ["benchmarks.attention", "--suite", "models", "--only", "mha-b1-kv2048"],
         ["benchmarks.cascades", "--only", "moe"],
+        ["benchmarks.scaled_gemm", "--only", "16 x"],
+        ["benchmarks.kv_cache"],
     ],
 )
 def test_cli_without_gpu_skips(command):
