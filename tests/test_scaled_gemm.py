@@ -1,12 +1,14 @@
 """``tvm_cascade.schedules.scaled_gemm`` on the CPU: the per-row scale moved out of the
-GEMM's sum (``defer_row_scales``: the IR and float64 numerics, the statistic still on
-the unscaled rows), a statistic folded from a tile copy under the GEMM's k loop
-(``fold_from_copy``, numerics on LLVM), what is refused, and the CUDA kernel's source
-(one kernel: tensor cores, asynchronous copies, the statistic inside). GPU numerics:
-test_scaled_gemm_gpu.py."""
+GEMM's sum (``Schedule.defer_row_scales``: the IR and float64 numerics, the statistic
+still on the unscaled rows), a statistic folded from a tile copy under the GEMM's k loop
+(``Schedule.fold_from_copy``, numerics on LLVM), the output over padded rows
+(``Schedule.over_padded_rows``), what is refused, the schedule's trace replayed from
+JSON, and the CUDA kernel's source (one kernel: tensor cores, asynchronous copies, the
+statistic inside). GPU numerics: test_scaled_gemm_gpu.py."""
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import te
 
 import tvm_cascade  # noqa: F401
@@ -15,7 +17,14 @@ from tvm_cascade.errors import FusionError
 from tvm_cascade.ops import cascades
 from tvm_cascade.ops import reference as R
 from tvm_cascade.primitives import ir
-from tvm_cascade.schedules.scaled_gemm import defer_row_scales, fold_from_copy, schedule_scaled_gemm
+from tvm_cascade import trace as cascade_trace
+from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+
+
+def _deferred(func):
+    sch = tvm.s_tir.Schedule(func)
+    sch.defer_row_scales(sch.get_sblock("gemm"))
+    return sch.mod["main"]
 
 
 def _blocks(func):
@@ -43,7 +52,7 @@ def _rmsnorm_inputs(m, n, k, seed=0):
 
 
 def test_rmsnorm_scale_moves_after_the_sum_and_gamma_into_a_copy_of_x():
-    func = defer_row_scales(cascades.rmsnorm_gemm(8, 16, 32))
+    func = _deferred(cascades.rmsnorm_gemm(8, 16, 32))
     blocks = _blocks(func)
     assert _read_names(blocks["gemm"]) == ["W", "X_global"]
     assert _read_names(blocks["X_global"]) == ["X", "gamma"]
@@ -56,15 +65,49 @@ def test_rmsnorm_scale_moves_after_the_sum_and_gamma_into_a_copy_of_x():
 @pytest.mark.parametrize("rows", [48, "symbolic"])
 def test_padded_rows_are_computed_and_out_keeps_the_real_ones(rows):
     m = tvm.tirx.Var("m", "int32") if rows == "symbolic" else rows
-    func = defer_row_scales(cascades.rmsnorm_gemm(m, 16, 32, pad_rows=32))
+    func = _deferred(cascades.rmsnorm_gemm(m, 16, 32, pad_rows=32))
     assert "X_pad" in _blocks(func)
     inputs = _rmsnorm_inputs(40 if rows == "symbolic" else rows, 16, 32, seed=3)
     got = _run(func, inputs, (inputs[0].shape[0], 16))
     np.testing.assert_allclose(got, R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
 
 
+def test_output_runs_over_the_padded_rows_and_stores_its_own():
+    func = _deferred(cascades.rmsnorm_gemm(48, 16, 32, pad_rows=32))
+    sch = tvm.s_tir.Schedule(func)
+    sch.over_padded_rows(sch.get_sblock("out"))
+    out = sch.get(sch.get_sblock("out"))
+    assert int(out.iter_vars[0].dom.extent) == 64
+    realize = next(r for r in ir.nodes(sch.mod["main"].body, tvm.s_tir.stmt.SBlockRealize) if r.block.same_as(out))
+    assert str(realize.predicate) == "i < 48"
+    inputs = _rmsnorm_inputs(48, 16, 32, seed=4)
+    np.testing.assert_allclose(_run(sch.mod["main"], inputs, (48, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_over_padded_rows_needs_one_row_count_among_what_the_block_reads():
+    a, b = te.placeholder((64, 4), name="A"), te.placeholder((48, 4), name="B")
+    c = te.compute((48, 4), lambda i, j: a[i, j] + b[i, j], name="C")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, b, c]))
+    with pytest.raises(FusionError, match=r"block 'C' must read buffers of one row count at its row, not \['64', '48'\]"):
+        sch.over_padded_rows(sch.get_sblock("C"))
+
+
+def test_the_schedule_replays_from_its_json_trace():
+    """Every step of the scaled-GEMM schedule is a traced instruction, the three
+    row-scale primitives among them: the trace's JSON replays to the same module, a
+    symbolic row count included."""
+    m = tvm.tirx.Var("m", "int32")
+    func = cascades.rmsnorm_gemm(m, 256, 512, dtype="float16", pad_rows=128, weight_layout="nk")
+    sch = schedule_scaled_gemm(func)
+    kinds = [inst.kind.name for inst in sch.trace.insts]
+    assert {"DeferRowScales", "FoldFromCopy", "OverPaddedRows"} <= set(kinds)
+    replayed = tvm.s_tir.Schedule(func)
+    cascade_trace.apply_json_to_schedule(sch.trace.as_json(), replayed)
+    assert tvm_ffi.structural_equal(replayed.mod, sch.mod)
+
+
 def test_absmax_scale_moves_after_the_sum():
-    func = defer_row_scales(cascades.absmax_quant_gemm(4, 8, 16))
+    func = _deferred(cascades.absmax_quant_gemm(4, 8, 16))
     blocks = _blocks(func)
     assert _read_names(blocks["gemm"]) == ["W", "X"] and "X_global" not in blocks
     assert _read_names(blocks["out"]) == ["gemm", "scale"]
@@ -77,14 +120,23 @@ def test_a_gemm_without_a_row_scale_is_refused():
     a, b = te.placeholder((4, 8), name="A"), te.placeholder((8, 4), name="B")
     k = te.reduce_axis((0, 8), name="k")
     c = te.compute((4, 4), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, b, c]))
+    before = sch.mod
     with pytest.raises(FusionError, match="block 'C' has no per-row scale"):
-        defer_row_scales(te.create_prim_func([a, b, c]))
+        sch.defer_row_scales(sch.get_sblock("C"))
+    assert tvm_ffi.structural_equal(sch.mod, before)
+
+
+def test_defer_row_scales_names_a_block_that_is_not_the_gemm():
+    sch = tvm.s_tir.Schedule(cascades.rmsnorm_gemm(8, 16, 32))
+    with pytest.raises(FusionError, match="block 'sumsq' does not compute C\\[i, j\\] \\+= A\\[i, k\\]"):
+        sch.defer_row_scales(sch.get_sblock("sumsq"))
 
 
 def test_statistic_folds_from_the_gemm_tile_copy():
     """On the CPU: the sum of squares under the GEMM's k loop, read from X's tile copy,
     gives float64 numpy's result."""
-    func = defer_row_scales(cascades.rmsnorm_gemm(8, 16, 64))
+    func = _deferred(cascades.rmsnorm_gemm(8, 16, 64))
     sch = tvm.s_tir.Schedule(func)
     gemm = sch.get_sblock("gemm")
     i, j, k = sch.get_loops(gemm)
@@ -93,7 +145,7 @@ def test_statistic_folds_from_the_gemm_tile_copy():
     sch.compute_at(sch.get_sblock("X_global"), ko)
     copy = sch.cache_read(sch.get_sblock("X_global"), 0, "global", consumer_blocks=[sch.get_sblock("X_global")])
     sch.compute_at(copy, ko, index=0)
-    fold_from_copy(sch, sch.get_sblock("sumsq"), copy)
+    sch.fold_from_copy(sch.get_sblock("sumsq"), copy)
     gemm_loops = [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock("gemm"))]
     assert [sch.get(l).loop_var.name for l in sch.get_loops(sch.get_sblock("sumsq"))][:2] == gemm_loops[:2] == ["i", "rk_0"]
     (read,) = sch.get(sch.get_sblock("sumsq")).reads

@@ -8,6 +8,7 @@ from . import in_place as _in_place
 from . import replicas as _replicas
 from . import hoist as _hoist
 from . import tiles as _tiles
+from . import row_scales as _row_scales
 from .loop_inference import fusion_loop, trace_kept_on_failure
 
 
@@ -351,3 +352,6 @@ def install() -> None:
     Schedule.unmask_inner_tiles = _tiles.unmask_inner_tiles
     Schedule.replicate = _replicas.replicate
     Schedule.accumulate_in_place = _in_place.accumulate_in_place
+    Schedule.defer_row_scales = _row_scales.defer_row_scales
+    Schedule.fold_from_copy = _row_scales.fold_from_copy
+    Schedule.over_padded_rows = _row_scales.over_padded_rows
