@@ -18,7 +18,7 @@ from tvm_cascade.ops import cascades
 from tvm_cascade.ops import reference as R
 from tvm_cascade.primitives import ir
 from tvm_cascade import trace as cascade_trace
-from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+from tvm_cascade.schedules.scaled_gemm import apply_scaled_gemm_schedule, schedule_scaled_gemm
 
 
 def _deferred(func):
@@ -178,6 +178,14 @@ def test_x_tile_is_static_shared_memory_where_the_kernel_opts_into_more_than_48_
 def test_rows_that_are_not_whole_warps_are_refused():
     with pytest.raises(ValueError, match=r"M = 16 is not a multiple of the tile's 32 \(ops.rmsnorm_gemm\(pad_rows=32\) pads M\)"):
         schedule_scaled_gemm(cascades.rmsnorm_gemm(16, 128, 128, dtype="float16"))
+
+
+def test_a_refused_schedule_leaves_the_schedule_as_it_was():
+    sch = tvm.s_tir.Schedule(cascades.rmsnorm_gemm(128, 128, 96, dtype="float16"))
+    before = sch.mod
+    with pytest.raises(ValueError, match="K = 96 is not a multiple of the tile's 64"):
+        apply_scaled_gemm_schedule(sch)
+    assert tvm_ffi.structural_equal(sch.mod, before) and not sch.trace.insts
 
 
 def test_a_scale_with_no_statistic_in_the_kernel_is_refused():

@@ -88,16 +88,24 @@ class ScaledGemmConfig:
 
 def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm.s_tir.Schedule:
     """The one-kernel GPU schedule (module docstring) of ``ops.rmsnorm_gemm`` or
-    ``ops.absmax_quant_gemm`` with float16 inputs; ``config`` defaults to
-    :meth:`ScaledGemmConfig.for_rows`. Build it with :func:`.tensor_cores.build`. Raises
-    ``ValueError`` where M, N or K is not a whole number of the config's tiles."""
+    ``ops.absmax_quant_gemm`` with float16 inputs (:func:`apply_scaled_gemm_schedule`
+    on a new schedule of ``func``). Build it with :func:`.tensor_cores.build`."""
+    sch = tvm.s_tir.Schedule(func)
+    apply_scaled_gemm_schedule(sch, config)
+    return sch
+
+
+def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledGemmConfig] = None) -> None:
+    """Schedule ``sch``, a schedule of ``ops.rmsnorm_gemm`` or ``ops.absmax_quant_gemm``
+    with float16 inputs as it was made, into the one-kernel GPU schedule (module
+    docstring); ``config`` defaults to :meth:`ScaledGemmConfig.for_rows`. Every step is
+    a traced instruction. Raises, with ``sch`` unchanged, ``ValueError`` where M, N or K
+    is not a whole number of the config's tiles or the operands are not float16, and
+    :class:`FusionError` where the function is not such a GEMM with one row statistic."""
+    func = sch.mod["main"]
     gemm_block, _ = find_gemm(func)
     if gemm_block is None:
         raise FusionError("schedule_scaled_gemm: no block computes C[i, j] += A[i, k] * B[k, j] * (row and k factors)")
-    sch = tvm.s_tir.Schedule(func)
-    sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
-    func = sch.mod["main"]
-    gemm_block, _ = find_gemm(func)
     m, n, k_extent = (v.dom.extent for v in gemm_block.iter_vars)
     config = config or ScaledGemmConfig.for_rows(m)
     if config.rows % WARP:
@@ -112,13 +120,16 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     operands = [r.source for r in gemm_block.reads if len(r.region) == 2 and not r.source.same_as(gemm_block.writes[0].source)]
     if any(str(b.dtype) != "float16" for b in operands):
         raise ValueError("schedule_scaled_gemm: the GEMM's operands must be float16 (the mma.sync operands)")
-    blocks = ir.blocks_in(func.body.block)
-    gemm = sch.get_sblock(gemm_block.name_hint)
-    stats = [b for b in blocks if b.init is not None and not b.same_as(gemm_block)]
+    stats = [b for b in ir.blocks_in(func.body.block) if b.init is not None and not b.same_as(gemm_block)]
     if len(stats) != 1:
         names = ", ".join(f"'{b.name_hint}'" for b in stats)
         raise FusionError(f"schedule_scaled_gemm: one row statistic besides '{gemm_block.name_hint}' expected, found {names or 'none'}")
     (stat,) = stats
+    sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
+    func = sch.mod["main"]
+    gemm_block, _ = find_gemm(func)
+    blocks = ir.blocks_in(func.body.block)
+    gemm = sch.get_sblock(gemm_block.name_hint)
     rows_of = [b for b in blocks if b.init is None and len(b.iter_vars) == 1]
     warps = config.rows // WARP
 
@@ -200,6 +211,3 @@ def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm
     # issued before this step's mma (a second set of fragments) measured slower.
     for key, value in software_pipeline.pipeline_annotations(sch.get(ko)).items():
         sch.annotate(ko, key, value)
-    return sch
-
-
