@@ -1,7 +1,7 @@
 """ROCm code generation (no AMD GPU here: builds only): the generic fused kernels of the
-transform and Relax paths, the non-attention cascades (also as one block per row), and
-the CUDA-core split-k decode schedule build code objects for MI300 (gfx942) and MI200
-(gfx90a).
+transform and Relax paths, the non-attention cascades (also as one block per row, and
+RMSNorm + GEMM as one kernel on the matrix cores), and the CUDA-core split-k decode
+schedule build code objects for MI300 (gfx942) and MI200 (gfx90a).
 
 TVM links an AMDGPU code object with ``ld.lld-<its LLVM major>``, else ``ld.lld``, and
 the ROCm device bitcode under ``$ROCM_PATH/amdgcn/bitcode``. Debian's ``lld`` (14) is
@@ -60,15 +60,20 @@ def rocm_toolchain(tmp_path_factory):
         yield
 
 
-def _kernels(executable):
-    """The kernels of the AMDGPU code object built into ``executable``."""
+def _asm(executable):
+    """The assembly of the AMDGPU code object built into ``executable``."""
     modules = [executable.mod]
     while modules:
         module = modules.pop()
         if module.kind == "hip":
-            return [line.split()[-1] for line in module.inspect_source("asm").splitlines() if ".amdhsa_kernel " in line]
+            return module.inspect_source("asm")
         modules += list(module.imports)
     raise AssertionError("no AMDGPU module")
+
+
+def _kernels(executable):
+    """The kernels of the AMDGPU code object built into ``executable``."""
+    return [line.split()[-1] for line in _asm(executable).splitlines() if ".amdhsa_kernel " in line]
 
 
 def _fused(func, method):
@@ -151,6 +156,23 @@ def test_split_k_decode_schedule_builds(heads, arch):
     sch = schedule_decode(func, *heads, 128, multiprocessors=104)
     kernels = _kernels(tvm.compile(sch.mod, target=tvm.target.Target({"kind": "rocm", "mcpu": arch})))
     assert len(kernels) >= 2
+
+
+@pytest.mark.parametrize("arch, layout", [("gfx942", "nk"), ("gfx90a", "kn")])
+def test_scaled_gemm_builds_on_matrix_cores(arch, layout):
+    """RMSNorm + GEMM as one kernel with its GEMM on MFMA (``ScaledGemmConfig(mfma=True)``:
+    wavefronts of 64 whole rows, TVM's ROCm intrinsics, W as [K, N] or [N, K]): one
+    kernel, a tile's 128 MFMA instructions, and no lane shuffles (each lane reads the
+    accumulators it holds in the epilogue)."""
+    from tvm_cascade.cuda import tensor_cores
+    from tvm_cascade.schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
+
+    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16", weight_layout=layout)
+    sch = schedule_scaled_gemm(func, ScaledGemmConfig(mfma=True))
+    executable = tensor_cores.build(sch.mod, tvm.target.Target({"kind": "rocm", "mcpu": arch}))
+    assert _kernels(executable) == ["main_kernel"]
+    asm = _asm(executable)
+    assert asm.count("v_mfma_f32_16x16x16") == 128 and "ds_bpermute" not in asm
 
 
 def test_cuda_only_kernels_are_refused_for_rocm():

@@ -29,8 +29,10 @@ def build(mod, target, register_usage_level=None, min_blocks=None):
     given, is ptxas's ``--register-usage-level`` for the kernels (TVM passes 10, or
     ``TVM_CUDA_PTXAS_REG_LEVEL``, which a user's setting keeps precedence over).
     ``min_blocks``, if given, is the thread blocks per multiprocessor the kernels are
-    compiled to fit (``__launch_bounds__(threads, min_blocks)``). A module with
-    tensor-core fragments for a target other than CUDA raises ``ValueError``.
+    compiled to fit (``__launch_bounds__(threads, min_blocks)``). A module whose
+    fragments PTX instructions read or write (``mma.sync``, ``ldmatrix``) for a target
+    other than CUDA raises ``ValueError``; one on AMD's matrix cores (MFMA, through TVM's
+    ROCm intrinsics: :mod:`tvm_cascade.rocm.mfma`) builds for ROCm the same way.
 
     TVM 0.27's ``LowerWarpMemory`` lowers only the first warp buffer of a statement
     sequence per run (it rewrites the rest of the sequence for that buffer and stops);
@@ -50,7 +52,7 @@ def build(mod, target, register_usage_level=None, min_blocks=None):
     (:mod:`.dependent_launch`).
     """
     target = tvm.target.Target(target)
-    if target.kind.name != "cuda" and _has_warp_buffers(mod):
+    if target.kind.name != "cuda" and _has_warp_buffers(mod) and _uses_ptx(mod):
         raise ValueError(
             f"the module's tensor-core fragments are PTX (mma.sync, ldmatrix): CUDA targets only, "
             f"not {target.kind.name}; schedule it without tensor cores for this target"
@@ -127,6 +129,20 @@ def _has_warp_buffers(mod):
     def visit(node):
         if isinstance(node, SBlock):
             found.extend(b for b in node.alloc_buffers if b.scope() == "warp")
+
+    for func in mod.functions.values():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(func.body, visit)
+    return bool(found)
+
+
+def _uses_ptx(mod) -> bool:
+    """Whether a function of ``mod`` calls a PTX instruction (``tirx.ptx_*``)."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, tvm.ir.expr.Call) and getattr(node.op, "name", "").startswith("tirx.ptx"):
+            found.append(node)
 
     for func in mod.functions.values():
         if isinstance(func, tvm.tirx.PrimFunc):

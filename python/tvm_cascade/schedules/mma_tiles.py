@@ -48,16 +48,17 @@ def tile(sch, block):
     return ri
 
 
-def copy_in_words(sch, copy, writer, warps=None):
-    """Block ``copy`` (loops rows x cols last) in 128-bit words by the lanes of ``warps``
-    warps (None: of the warp whose loop already holds it), the rows of the shared buffer
-    that block ``writer`` writes padded by one word: the eight row addresses of an
-    ldmatrix, or the eight rows of a fragment's lanes, hit distinct banks."""
+def copy_in_words(sch, copy, writer, warps=None, lanes=WARP):
+    """Block ``copy`` (loops rows x cols last) in 128-bit words by the ``lanes`` lanes of
+    ``warps`` warps (None: of the warp whose loop already holds it), the rows of the
+    shared buffer that block ``writer`` writes padded by one word: the eight row
+    addresses of an ldmatrix, or the eight rows of a fragment's lanes, hit distinct
+    banks."""
     fused = sch.fuse(*sch.get_loops(copy)[-2:])
     if warps is None:
-        _, tx, vec = sch.split(fused, [None, WARP, VECTOR])
+        _, tx, vec = sch.split(fused, [None, lanes, VECTOR])
     else:
-        _, ty, tx, vec = sch.split(fused, [None, warps, WARP, VECTOR])
+        _, ty, tx, vec = sch.split(fused, [None, warps, lanes, VECTOR])
         sch.bind(ty, "threadIdx.y")
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(vec)

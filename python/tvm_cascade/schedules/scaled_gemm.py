@@ -11,6 +11,8 @@ same tiles of X, so one pass over k computes both: the statistic from X's tile i
 memory, the GEMM on tensor cores; the scale is one multiply in the epilogue. A factor
 constant along the rows (``γ_k``) goes into a scaled copy of the A operand, made from
 X's tile in shared memory (the copies from global memory stay plain, asynchronous).
+With ``ScaledGemmConfig(mfma=True)`` the same kernel runs on AMD's matrix cores
+(wavefronts of 64 lanes, TVM's MFMA intrinsics: :mod:`tvm_cascade.rocm.mfma`).
 
 Before (``ops.rmsnorm_gemm``)::
 
@@ -45,8 +47,9 @@ from ..analysis.scope import uses_var
 from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.row_scales import find_gemm, readers
-from ..cuda import software_pipeline
+from ..cuda import software_pipeline, tensor_cores
 from ..cuda.tensor_cores import cuda_intrinsics
+from ..rocm import mfma
 from .mma_tiles import MMA, SHARED, VECTOR, WARP, bind_fragment_lanes, copy_in_words, fragment, tile
 
 #: Shared memory a CUDA kernel may use without opting in. TVM's CUDA launcher opts in
@@ -63,6 +66,8 @@ def _raw_tile_scope(config):
     takes any two accesses to it for a conflict: with X's tile among them the scaled
     copy got a barrier after each of its words (22 barriers in the kernel, 7 with the
     tile static; H200, 2048 x 4096 x 14336: 1.146 -> 1.083 ms)."""
+    if config.mfma:
+        return "shared"  # (all static: a ROCm kernel has no dynamic shared memory here)
     row_bytes = 2 * (config.depth + VECTOR)
     dynamic = 2 * config.cols * row_bytes + config.rows * row_bytes
     return "shared" if dynamic >= _SHARED_WITHOUT_OPT_IN else SHARED
@@ -75,6 +80,10 @@ class ScaledGemmConfig:
     rows: int = 128  # rows of X per thread block, 32 per warp (a row per lane)
     cols: int = 128  # columns of W per thread block (and per warp)
     depth: int = 64  # k per tile
+    #: AMD's matrix cores (ROCm, gfx90a and later) in place of ``mma.sync``: wavefronts
+    #: of 64 lanes, each 64 whole rows of the block; static shared memory, no
+    #: asynchronous copies. Build with ``tvm.compile`` for a ROCm target.
+    mfma: bool = False
 
     @staticmethod
     def for_rows(m: int) -> "ScaledGemmConfig":
@@ -108,8 +117,9 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
         raise FusionError("schedule_scaled_gemm: no block computes C[i, j] += A[i, k] * B[k, j] * (row and k factors)")
     m, n, k_extent = (v.dom.extent for v in gemm_block.iter_vars)
     config = config or ScaledGemmConfig.for_rows(m)
-    if config.rows % WARP:
-        raise ValueError(f"schedule_scaled_gemm: {config.rows} rows a block are not whole warps of {WARP} rows")
+    lanes = mfma.LANES if config.mfma else WARP
+    if config.rows % lanes:
+        raise ValueError(f"schedule_scaled_gemm: {config.rows} rows a block are not whole warps of {lanes} rows")
     analyzer = tvm.sym.Analyzer()
     for what, extent, size in (("M", m, config.rows), ("N", n, config.cols), ("K", k_extent, config.depth)):
         if not analyzer.can_prove(tvm.tirx.floormod(extent, size) == 0):
@@ -131,10 +141,11 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
     blocks = ir.blocks_in(func.body.block)
     gemm = sch.get_sblock(gemm_block.name_hint)
     rows_of = [b for b in blocks if b.init is None and len(b.iter_vars) == 1]
-    warps = config.rows // WARP
+    warps = config.rows // lanes
+    shared = "shared" if config.mfma else SHARED
 
     i, j, k = sch.get_loops(gemm)
-    bi, warp, ti = sch.split(i, [None, warps, WARP])
+    bi, warp, ti = sch.split(i, [None, warps, lanes])
     bj, tj = sch.split(j, [None, config.cols])
     ko, ki = sch.split(k, [None, config.depth])
     sch.reorder(bi, bj, warp, ko, ti, tj, ki)
@@ -147,20 +158,20 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
     # tile before computes; A scaled by the factors constant along the rows from its copy.
     a_index, b_index = 0, 1
     a_source = sch.get(gemm).reads[a_index].source
-    copies = [sch.cache_read(gemm, b_index, SHARED, consumer_blocks=[gemm])]
+    copies = [sch.cache_read(gemm, b_index, shared, consumer_blocks=[gemm])]
     if a_source.name.endswith("_global"):
         a_scaled = sch.get_sblock(a_source.name)
-        sch.set_scope(a_scaled, 0, SHARED)
+        sch.set_scope(a_scaled, 0, shared)
         sch.compute_at(a_scaled, ko)
         a_copy = sch.cache_read(a_scaled, 0, _raw_tile_scope(config), consumer_blocks=[a_scaled])
     else:
-        a_scaled, a_copy = None, sch.cache_read(gemm, a_index, SHARED, consumer_blocks=[gemm])
+        a_scaled, a_copy = None, sch.cache_read(gemm, a_index, shared, consumer_blocks=[gemm])
     copies.insert(0, a_copy)
     for copy in copies:  # the loop's first statements, B's copy first: A's is folded after it
         sch.compute_at(copy, ko, index=0)
 
     # Each warp folds its rows of each tile of X from shared memory, a row per lane.
-    sch.fold_from_copy(sch.get_sblock(stat.name_hint), a_copy, warp, WARP)
+    sch.fold_from_copy(sch.get_sblock(stat.name_hint), a_copy, warp, lanes)
     # Each lane's running value in a register (through shared memory, every element
     # would be a dependent load and store), stored once after the k loop for the lanes
     # that read the row in the epilogue.
@@ -172,40 +183,51 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
     sch.bind(sch.get_loops(running)[-1], "threadIdx.x")
     if "X_pad" in (b.name_hint for b in blocks):
         sch.compute_inline(sch.get_sblock("X_pad"))  # into X's copy: it reads the last row again past M
-    for copy in copies:
-        copy_in_words(sch, copy, copy, warps)
-    if a_scaled is not None:
-        copy_in_words(sch, a_scaled, a_scaled, warps)
+    for copy in copies + ([a_scaled] if a_scaled is not None else []):
+        copy_in_words(sch, copy, copy, warps, lanes)
     for block in rows_of:
         sch.compute_inline(sch.get_sblock(block.name_hint))
     (out,) = [sch.get_sblock(b.name_hint) for b in readers(func, gemm_block)]
     sch.over_padded_rows(out)
     sch.reverse_compute_at(out, warp)
 
-    # The warp's GEMM on tensor cores: operands through ldmatrix, fp32 accumulators in
-    # registers from the first tile to the epilogue.
-    intrin = cuda_intrinsics()
+    # The warp's GEMM on tensor cores: operands from shared memory into register
+    # fragments, fp32 accumulators in registers from the first tile to the epilogue. B as
+    # [N, K] (a linear layer's weight) is loaded as it is.
+    b_load = next(l for l in ir.nodes(sch.get(gemm).body, ir_expr.TensorLoad) if l.source.same_as(sch.get(gemm).reads[b_index].source))
+    transposed = uses_var(b_load.indices[-1], sch.get(gemm).iter_vars[2].var)
+    if config.mfma:
+        load_a, load_b, product, fill = mfma.intrinsics(transposed)
+        layouts = (mfma.a_fragment, mfma.a_fragment if transposed else mfma.b_fragment, mfma.accumulator)
+    else:
+        intrin = cuda_intrinsics()
+        load_a, load_b, product, fill = (
+            intrin.LDMATRIX_f16_A_DYN_INTRIN,
+            intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed else intrin.LDMATRIX_f16_B_DYN_INTRIN,
+            intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed else intrin.MMA_f16f16f32_INTRIN,
+            intrin.MMA_fill_16x16_f32_INTRIN,
+        )
+        layouts = (fragment, fragment, fragment)
     mi, i16 = sch.split(ti, [None, MMA])
     nj, n16 = sch.split(tj, [None, MMA])
     kk, k16 = sch.split(ki, [None, MMA])
     sch.reorder(kk, mi, nj, i16, n16, k16)
-    # B as [N, K] (a linear layer's weight) is mma's "col" operand as it is.
-    b_load = next(l for l in ir.nodes(sch.get(gemm).body, ir_expr.TensorLoad) if l.source.same_as(sch.get(gemm).reads[b_index].source))
-    transposed = uses_var(b_load.indices[-1], sch.get(gemm).iter_vars[2].var)
-    b_intrin = intrin.LDMATRIX_f16_B_TRANS_DYN_INTRIN if transposed else intrin.LDMATRIX_f16_B_DYN_INTRIN
     caches = []
-    for index, load in ((a_index, intrin.LDMATRIX_f16_A_DYN_INTRIN), (b_index, b_intrin)):
+    for index, load, layout in ((a_index, load_a, layouts[0]), (b_index, load_b, layouts[1])):
         cache = sch.cache_read(gemm, index, "warp", consumer_blocks=[gemm])
         sch.compute_at(cache, kk)
-        caches.append((cache, load))
+        caches.append((cache, load, layout))
     init = sch.decompose_reduction(gemm, ko)
     sch.set_scope(gemm, 0, "warp")
-    sch.transform_layout(gemm, ("write", 0), fragment)
-    for cache, load in caches:
-        sch.transform_layout(cache, ("write", 0), fragment)
+    sch.transform_layout(gemm, ("write", 0), layouts[2])
+    for cache, load, layout in caches:
+        sch.transform_layout(cache, ("write", 0), layout)
         sch.tensorize(tile(sch, cache), load)
-    sch.tensorize(i16, intrin.MMA_f16f16f32_TRANS_B_INTRIN if transposed else intrin.MMA_f16f16f32_INTRIN)
-    sch.tensorize(sch.get_loops(init)[-2], intrin.MMA_fill_16x16_f32_INTRIN)
+    sch.tensorize(i16, product)
+    sch.tensorize(sch.get_loops(init)[-2], fill)
+    if config.mfma:
+        mfma.bind_accumulator_lanes(sch, out, lambda loop: sch.annotate(loop, tensor_cores.UNROLL, 1))
+        return
     bind_fragment_lanes(sch, out)
     # Two stages: three (a third buffer of each tile) and the next 16-deep step's ldmatrix
     # issued before this step's mma (a second set of fragments) measured slower.

@@ -1,0 +1,1 @@
+"""ROCm code generation helpers (AMDGPU: 64-lane wavefronts, MFMA)."""
