@@ -60,9 +60,9 @@ def rocm_toolchain(tmp_path_factory):
         yield
 
 
-def _asm(executable):
-    """The assembly of the AMDGPU code object built into ``executable``."""
-    modules = [executable.mod]
+def _asm(module):
+    """The assembly of the AMDGPU code object in runtime module ``module`` or its imports."""
+    modules = [module]
     while modules:
         module = modules.pop()
         if module.kind == "hip":
@@ -73,7 +73,7 @@ def _asm(executable):
 
 def _kernels(executable):
     """The kernels of the AMDGPU code object built into ``executable``."""
-    return [line.split()[-1] for line in _asm(executable).splitlines() if ".amdhsa_kernel " in line]
+    return [line.split()[-1] for line in _asm(executable.mod).splitlines() if ".amdhsa_kernel " in line]
 
 
 def _fused(func, method):
@@ -171,8 +171,30 @@ def test_scaled_gemm_builds_on_matrix_cores(arch, layout):
     sch = schedule_scaled_gemm(func, ScaledGemmConfig(mfma=True))
     executable = tensor_cores.build(sch.mod, tvm.target.Target({"kind": "rocm", "mcpu": arch}))
     assert _kernels(executable) == ["main_kernel"]
-    asm = _asm(executable)
+    asm = _asm(executable.mod)
     assert asm.count("v_mfma_f32_16x16x16") == 128 and "ds_bpermute" not in asm
+
+
+def test_relax_norm_and_linear_build_on_the_matrix_core_kernel():
+    """``relax_pipeline="cascade"`` for ROCm puts ``matmul(rms_norm(x), permute_dims(w))``
+    on the MFMA kernel (64-row tiles, a symbolic token count padded to 128) and builds."""
+    from test_relax_scaled_gemm import norm_then_linear
+    from tvm import relax
+    from tvm_cascade.relax.scaled_gemm_dispatch import DispatchScaledGemm
+
+    target = tvm.target.Target({"kind": "rocm", "mcpu": "gfx942"})
+    tokens = tvm.tirx.Var("tokens", "int64")
+    for rows, symbol in (((2, 32), "tvm_cascade_rmsnorm_gemm_64_128_256_nk"), ((1, tokens), "tvm_cascade_rmsnorm_gemm_m_128_256_nk")):
+        with target:
+            out = DispatchScaledGemm()(norm_then_linear(rows, 256, 128, True))
+        (packed,) = [
+            b.value for blk in out["main"].body.blocks for b in blk.bindings
+            if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_dps_packed"
+        ]
+        assert packed.args[0].global_symbol == symbol
+        (library,) = out.attrs["external_mods"]
+        assert "v_mfma" in _asm(library)
+    assert tvm.compile(norm_then_linear((2, 32), 256, 128, True), target=target, relax_pipeline="cascade")
 
 
 def test_cuda_only_kernels_are_refused_for_rocm():

@@ -3,7 +3,7 @@
 ``torch.export`` gives it or ``nll_loss`` of a log-softmax, a log-sum-exp and an MoE
 router's top-k become one fused kernel each, one block per row; before TVM's library
 dispatch, which makes sort kernels of ``topk``) and :class:`.DispatchScaledGemm` (on
-CUDA an RMSNorm feeding a GEMM becomes one tensor-core kernel), then the attention
+CUDA and ROCm an RMSNorm feeding a GEMM becomes one tensor-core kernel), then the attention
 passes, before legalization: on GPUs :class:`.DispatchAttention` (attention on
 the kernel library's kernels; what they do not serve is left to the default lowering,
 so that the pipeline is never slower than the default one there) and

@@ -1,5 +1,6 @@
 """``DispatchScaledGemm``: an RMSNorm feeding a GEMM, as Relax writes it, on one
-tvm-cascade kernel (:mod:`tvm_cascade.schedules.scaled_gemm`) on CUDA.
+tvm-cascade kernel (:mod:`tvm_cascade.schedules.scaled_gemm`) on CUDA, and on ROCm on
+the matrix cores (a wavefront's 64 rows where this says a warp's 32).
 
 Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` or as
 ``permute_dims(w)`` of a ``[N, K]`` weight (what ``relax.frontend.nn.Linear`` emits),
@@ -28,6 +29,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from ..cuda import tensor_cores
 from ..ops import cascades
 from ..schedules.mma_tiles import WARP
+from ..rocm import mfma as matrix_cores
 from ..schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
 from .chain_spec import tensor_shape
 
@@ -39,11 +41,12 @@ _EXTERNAL = "external_mods"
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_cascade.DispatchScaledGemm")
 class DispatchScaledGemm:
-    """The rewrite of the module docstring, on CUDA targets (others: the module as it is)."""
+    """The rewrite of the module docstring, on CUDA and ROCm targets (others: the module
+    as it is)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = tvm.target.Target.current(allow_none=True)
-        if target is None or target.kind.name != "cuda":
+        if target is None or target.kind.name not in ("cuda", "rocm"):
             return mod
         kernels = {}  # (m, n, k, eps, layout) -> (symbol, runtime module)
         updates = {}
@@ -75,7 +78,7 @@ def _rewrite(matched, _matches, bound, target, kernels):
     x, gamma, eps = norm
     w, transposed = _weight(call.args[1], bound)
     out_dtype = str(call.ty.dtype)
-    reason = _refusal(x, gamma, w, transposed, out_dtype)
+    reason = _refusal(x, gamma, w, transposed, out_dtype, _lanes(target))
     if reason is not None:
         logger.info("rms_norm -> matmul left to the default lowering: %s", reason)
         return matched
@@ -193,7 +196,12 @@ def _weight(arg, bound):
     return arg, False
 
 
-def _refusal(x, gamma, w, transposed, out_dtype):
+def _lanes(target):
+    """The rows of a warp's (CUDA) or wavefront's (ROCm) tile."""
+    return matrix_cores.LANES if target.kind.name == "rocm" else WARP
+
+
+def _refusal(x, gamma, w, transposed, out_dtype, lanes):
     """Why the kernel does not serve this norm and GEMM, or None."""
     shapes = [tensor_shape(t) for t in (x, gamma, w)]
     if any(s is None for s in shapes) or not all(isinstance(d, int) for d in shapes[0][-1:] + shapes[1] + shapes[2]):
@@ -207,8 +215,8 @@ def _refusal(x, gamma, w, transposed, out_dtype):
     n, wk = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     if wk != k or gs[0] != k:
         return "the weight's and gamma's K differ from x's"
-    if isinstance(m, int) and m < WARP:
-        return f"{m} rows: fewer than a warp's tile of {WARP}"
+    if isinstance(m, int) and m < lanes:
+        return f"{m} rows: fewer than a warp's tile of {lanes}"
     config = ScaledGemmConfig()
     for what, extent, tile in (("N", n, config.cols), ("K", k, config.depth)):
         if extent % tile:
@@ -230,9 +238,11 @@ def _kernel(key, target):
     m, n, k, eps, layout, out_dtype = key
     symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}" + ("_f32" if out_dtype == "float32" else "")
     rows = tvm.tirx.Var("m", "int32") if m is None else m
-    tile = ScaledGemmConfig().rows
-    pad = None if m is not None and m % WARP == 0 else (tile if m is None or m >= tile else WARP)
+    tile, lanes = ScaledGemmConfig().rows, _lanes(target)
+    pad = None if m is not None and m % lanes == 0 else (tile if m is None or m >= tile else lanes)
     func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, pad_rows=pad, out_dtype=out_dtype)
-    func = schedule_scaled_gemm(func).mod["main"]
+    padded = -(-m // pad) * pad if m is not None and pad is not None else rows
+    config = ScaledGemmConfig.for_rows(padded, mfma=target.kind.name == "rocm")
+    func = schedule_scaled_gemm(func, config).mod["main"]
     mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
     return symbol, tensor_cores.build(mod, target).mod

@@ -49,7 +49,7 @@ from ..primitives import ir
 from ..primitives.row_scales import find_gemm, readers
 from ..cuda import software_pipeline, tensor_cores
 from ..cuda.tensor_cores import cuda_intrinsics
-from ..rocm import mfma
+from ..rocm import mfma as matrix_cores
 from .mma_tiles import MMA, SHARED, VECTOR, WARP, bind_fragment_lanes, copy_in_words, fragment, tile
 
 #: Shared memory a CUDA kernel may use without opting in. TVM's CUDA launcher opts in
@@ -86,13 +86,15 @@ class ScaledGemmConfig:
     mfma: bool = False
 
     @staticmethod
-    def for_rows(m: int) -> "ScaledGemmConfig":
+    def for_rows(m: int, mfma: bool = False) -> "ScaledGemmConfig":
         """128-row blocks where ``m`` is a multiple of 128 or a variable, else the largest
-        of 64 and 32 rows that divides it (else 32: :func:`schedule_scaled_gemm` refuses
-        ``m``)."""
+        of 64 and 32 rows (64 with ``mfma``: a wavefront's) that divides it (else a
+        warp's or wavefront's: :func:`schedule_scaled_gemm` refuses ``m``)."""
         if not isinstance(m, int) and not isinstance(m, tvm.tirx.IntImm):
-            return ScaledGemmConfig()
-        return ScaledGemmConfig(rows=next((r for r in (128, 64, 32) if int(m) % r == 0), WARP))
+            return ScaledGemmConfig(mfma=mfma)
+        lanes = matrix_cores.LANES if mfma else WARP
+        rows = next((r for r in (128, 64, 32) if r % lanes == 0 and int(m) % r == 0), lanes)
+        return ScaledGemmConfig(rows=rows, mfma=mfma)
 
 
 def schedule_scaled_gemm(func, config: Optional[ScaledGemmConfig] = None) -> tvm.s_tir.Schedule:
@@ -117,7 +119,7 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
         raise FusionError("schedule_scaled_gemm: no block computes C[i, j] += A[i, k] * B[k, j] * (row and k factors)")
     m, n, k_extent = (v.dom.extent for v in gemm_block.iter_vars)
     config = config or ScaledGemmConfig.for_rows(m)
-    lanes = mfma.LANES if config.mfma else WARP
+    lanes = matrix_cores.LANES if config.mfma else WARP
     if config.rows % lanes:
         raise ValueError(f"schedule_scaled_gemm: {config.rows} rows a block are not whole warps of {lanes} rows")
     analyzer = tvm.sym.Analyzer()
@@ -197,8 +199,12 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
     b_load = next(l for l in ir.nodes(sch.get(gemm).body, ir_expr.TensorLoad) if l.source.same_as(sch.get(gemm).reads[b_index].source))
     transposed = uses_var(b_load.indices[-1], sch.get(gemm).iter_vars[2].var)
     if config.mfma:
-        load_a, load_b, product, fill = mfma.intrinsics(transposed)
-        layouts = (mfma.a_fragment, mfma.a_fragment if transposed else mfma.b_fragment, mfma.accumulator)
+        load_a, load_b, product, fill = matrix_cores.intrinsics(transposed)
+        layouts = (
+            matrix_cores.a_fragment,
+            matrix_cores.a_fragment if transposed else matrix_cores.b_fragment,
+            matrix_cores.accumulator,
+        )
     else:
         intrin = cuda_intrinsics()
         load_a, load_b, product, fill = (
@@ -226,7 +232,7 @@ def apply_scaled_gemm_schedule(sch: tvm.s_tir.Schedule, config: Optional[ScaledG
     sch.tensorize(i16, product)
     sch.tensorize(sch.get_loops(init)[-2], fill)
     if config.mfma:
-        mfma.bind_accumulator_lanes(sch, out, lambda loop: sch.annotate(loop, tensor_cores.UNROLL, 1))
+        matrix_cores.bind_accumulator_lanes(sch, out, lambda loop: sch.annotate(loop, tensor_cores.UNROLL, 1))
         return
     bind_fragment_lanes(sch, out)
     # Two stages: three (a third buffer of each tile) and the next 16-deep step's ldmatrix
