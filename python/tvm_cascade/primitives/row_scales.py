@@ -299,11 +299,6 @@ def find_gemm(func):
 def _deferred(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
     """``func`` with its GEMM's per-row scale applied after the sum (:func:`defer_row_scales`)."""
     block, roles = find_gemm(func)
-    if block is None:
-        raise FusionError(
-            "defer_row_scales: no block computes C[i, j] += A[i, k] * B[k, j] with other factors "
-            "indexed by i alone or k alone"
-        )
     if not roles["row"]:
         raise FusionError(f"defer_row_scales: block '{block.name_hint}' has no per-row scale to move out of its sum")
     acc = block.writes[0].source

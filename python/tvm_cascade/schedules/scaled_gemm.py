@@ -76,14 +76,14 @@ def _raw_tile_scope(config):
 
 @dataclass(frozen=True)
 class ScaledGemmConfig:
-    """Tile sizes of :func:`schedule_scaled_gemm`."""
+    """Tile sizes and matrix instructions of :func:`schedule_scaled_gemm`."""
 
-    rows: int = 128  # rows of X per thread block, 32 per warp (a row per lane)
+    rows: int = 128  # rows of X per thread block, 32 per warp (64 per wavefront): a row per lane
     cols: int = 128  # columns of W per thread block (and per warp)
     depth: int = 64  # k per tile
     #: AMD's matrix cores (ROCm, gfx90a and later) in place of ``mma.sync``: wavefronts
     #: of 64 lanes, each 64 whole rows of the block; static shared memory, no
-    #: asynchronous copies. Build with ``tvm.compile`` for a ROCm target.
+    #: asynchronous copies. Build with :func:`.tensor_cores.build` for a ROCm target.
     mfma: bool = False
 
     @staticmethod
