@@ -158,17 +158,27 @@ def test_split_k_decode_schedule_builds(heads, arch):
     assert len(kernels) >= 2
 
 
-@pytest.mark.parametrize("arch, layout", [("gfx942", "nk"), ("gfx90a", "kn")])
-def test_scaled_gemm_builds_on_matrix_cores(arch, layout):
-    """RMSNorm + GEMM as one kernel with its GEMM on MFMA (``ScaledGemmConfig(mfma=True)``:
-    wavefronts of 64 whole rows, TVM's ROCm intrinsics, W as [K, N] or [N, K]): one
-    kernel, a tile's 128 MFMA instructions, and no lane shuffles (each lane reads the
-    accumulators it holds in the epilogue)."""
+SCALED_GEMMS = {
+    "rmsnorm-nk": lambda: cascades.rmsnorm_gemm(256, 256, 256, dtype="float16", weight_layout="nk"),
+    "rmsnorm-kn": lambda: cascades.rmsnorm_gemm(256, 256, 256, dtype="float16"),
+    "rmsnorm-tokens": lambda: cascades.rmsnorm_gemm(
+        tvm.tirx.Var("m", "int32"), 256, 256, dtype="float16", pad_rows=128, out_dtype="float32"
+    ),
+    "absmax": lambda: cascades.absmax_quant_gemm(128, 256, 256, dtype="float16"),
+}
+
+
+@pytest.mark.parametrize("arch, kind", [("gfx942", "rmsnorm-nk"), ("gfx90a", "rmsnorm-kn"), ("gfx942", "rmsnorm-tokens"), ("gfx942", "absmax")])
+def test_scaled_gemm_builds_on_matrix_cores(arch, kind):
+    """RMSNorm + GEMM (W as [N, K] or [K, N]; any number of rows, padded; a float32
+    output) and the abs-max-scaled GEMM as one kernel with the GEMM on MFMA
+    (``ScaledGemmConfig(mfma=True)``: wavefronts of 64 whole rows, TVM's ROCm
+    intrinsics): one kernel, a tile's 128 MFMA instructions, and no lane shuffles (each
+    lane reads the accumulators it holds in the epilogue)."""
     from tvm_cascade.cuda import tensor_cores
     from tvm_cascade.schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
 
-    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16", weight_layout=layout)
-    sch = schedule_scaled_gemm(func, ScaledGemmConfig(mfma=True))
+    sch = schedule_scaled_gemm(SCALED_GEMMS[kind](), ScaledGemmConfig(mfma=True))
     executable = tensor_cores.build(sch.mod, tvm.target.Target({"kind": "rocm", "mcpu": arch}))
     assert _kernels(executable) == ["main_kernel"]
     asm = _asm(executable.mod)
