@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from .attention import run_environment, shapes_parser, skip_without_gpu
+from .attention import named, run_environment, shapes_parser, skip_without_gpu
 from .timing import bench
 
 PIPELINES = ("default", "cascade")
@@ -368,8 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = tvm.target.Target.from_device(tvm.cuda(0)) if on_gpu else tvm.target.Target("llvm")
     env = run_environment("benchmarks.kv_cache_layer", args.out, argv)
     env["target"] = str(target)
-    shapes = [s for s in (SMALL_SHAPES if args.small else SHAPES)
-              if not args.only or any(o in s[0] for o in args.only)]
+    shapes = named(SMALL_SHAPES if args.small else SHAPES, args.only)
     configs = list(dict.fromkeys(s[4:] for s in shapes))
     results = []
     for config in configs:

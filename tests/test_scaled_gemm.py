@@ -154,6 +154,17 @@ def test_statistic_folds_from_the_gemm_tile_copy():
     np.testing.assert_allclose(_run(sch.mod["main"], inputs, (8, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
 
 
+def test_fold_from_copy_needs_rows_for_its_row_loop():
+    sch = tvm.s_tir.Schedule(_deferred(cascades.rmsnorm_gemm(8, 16, 64)))
+    gemm = sch.get_sblock("gemm")
+    i, _, k = sch.get_loops(gemm)
+    ko, _ = sch.split(k, [None, 16])
+    copy = sch.cache_read(gemm, 0, "global", consumer_blocks=[gemm])
+    sch.compute_at(copy, ko, index=0)
+    with pytest.raises(ValueError, match="slices of 0 rows; row_loop needs slice_rows > 0"):
+        sch.fold_from_copy(sch.get_sblock("sumsq"), copy, i, 0)
+
+
 def test_one_cuda_kernel_on_tensor_cores():
     sch = schedule_scaled_gemm(cascades.rmsnorm_gemm(128, 256, 128, dtype="float16"))
     source = tensor_cores.build(sch.mod, {"kind": "cuda", "arch": "sm_90a"}).mod.imports[0].inspect_source()

@@ -174,6 +174,8 @@ def fold_from_copy(self: Schedule, stat, copy, row_loop=None, slice_rows: int = 
     Raises :class:`tvm_cascade.FusionError` naming ``stat`` if it does not read one
     element of the copied tensor per iteration, at its own iterators.
     """
+    if row_loop is not None and slice_rows <= 0:
+        raise ValueError(f"fold_from_copy: slices of {slice_rows} rows; row_loop needs slice_rows > 0")
     _fold(self, stat, copy, (row_loop, slice_rows) if row_loop is not None else None)
     append_instruction(self, "FoldFromCopy", [stat, copy, row_loop], [slice_rows])
 
@@ -424,7 +426,7 @@ def _pad(sch, block_rv, rows) -> None:
         return
     top = sch.get(sch.get_loops(block_rv)[0])
     if not (len(sch.get_loops(block_rv)) == 2 and top.loop_var.same_as(realize.iter_values[0])):
-        raise FusionError(f"block '{block.name_hint}' must be a nest over its rows, then columns")
+        raise FusionError(f"over_padded_rows: block '{block.name_hint}' must be a nest over its rows, then columns")
     padded = tvm.tirx.IterVar(tvm.ir.Range.from_min_extent(0, rows), row.var, row.iter_type)
     new_block = ir.copy_block(block, iter_vars=[padded] + list(block.iter_vars[1:]))
     inside = realize.iter_values[0] < row.dom.extent
@@ -433,11 +435,8 @@ def _pad(sch, block_rv, rows) -> None:
     sch.state.replace(sch.get_sref(sch.get_loops(block_rv)[0]), new_top, {block: new_block})
 
 
-
-def _realize_of(sch, block_rv):
-    block = sch.get(block_rv)
-    found = ir.nodes(sch.get(sch.get_loops(block_rv)[0]), tvm.s_tir.stmt.SBlockRealize)
-    return next(r for r in found if r.block.same_as(block))
+#: ``(sch, block_rv) -> SBlockRealize``: TVM's own lookup of a block's realize.
+_realize_of = tvm.get_global_func("s_tir.schedule.GetSBlockRealize")
 
 
 register_kind("DeferRowScales", "defer_row_scales", ("block",))
