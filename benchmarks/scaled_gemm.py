@@ -1,6 +1,8 @@
 """RMSNorm + GEMM on the GPU: tvm-cascade's one kernel (the norm's row scale moved
 after the sum, its sum of squares folded from the GEMM's tiles of X:
-:mod:`tvm_cascade.schedules.scaled_gemm`) beside PyTorch eager (``F.rms_norm`` then
+:mod:`tvm_cascade.schedules.scaled_gemm`; the warp-specialised TMA and wgmma kernel on
+an H100 or H200, :mod:`tvm_cascade.schedules.warp_specialized_gemm`, and beside it the
+mma.sync kernel other GPUs run) beside PyTorch eager (``F.rms_norm`` then
 ``@``), ``torch.compile`` of the same, stock TVM (``R.nn.rms_norm`` then ``R.matmul``
 through TVM's default CUDA pipeline; "tvm, cascade pipeline": the same graph through
 ``relax_pipeline="cascade"``, which dispatches it to the kernel) and cuBLAS's GEMM alone
@@ -25,7 +27,7 @@ from .attention import named, run_shapes, shapes_parser
 from .cascades import _reason
 from .timing import bench
 
-PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
+PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N)
 SHAPES = (
     ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),
@@ -60,9 +62,8 @@ def run_shape(shape) -> List[Dict]:
     import torch.nn.functional as F
     import tvm
 
-    from tvm_cascade.cuda import tensor_cores
     from tvm_cascade.ops import cascades
-    from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+    from tvm_cascade.schedules import scaled_gemm
 
     name, m, k, n = shape
     target = tvm.target.Target.from_device(tvm.cuda(0))
@@ -87,9 +88,15 @@ def run_shape(shape) -> List[Dict]:
         return build
 
     def ours():
+        sch = scaled_gemm.schedule_for_target(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16"), target)
+        return _kernel_call(scaled_gemm.build(sch.mod, target)["main"])
+
+    def mma_sync():
         pad = None if m % 32 == 0 else (128 if m >= 128 else 32)  # as the cascade pipeline pads
-        sch = schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16", pad_rows=pad))
-        kernel = tensor_cores.build(sch.mod, target)["main"]
+        sch = scaled_gemm.schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16", pad_rows=pad))
+        return _kernel_call(scaled_gemm.build(sch.mod, target)["main"])
+
+    def _kernel_call(kernel):
         tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w, out)]
         return (lambda: kernel(*tvm_args)), (lambda: out)
 
@@ -108,7 +115,7 @@ def run_shape(shape) -> List[Dict]:
 
     norm_gemm = lambda a, g, b: F.rms_norm(a, (k,), g, EPS) @ b  # noqa: E731
     builders = {
-        "tvm-cascade": ours, "torch": eager(norm_gemm, x, gamma, w),
+        "tvm-cascade": ours, "tvm-cascade mma.sync": mma_sync, "torch": eager(norm_gemm, x, gamma, w),
         "torch.compile": eager(torch.compile(norm_gemm), x, gamma, w), "tvm": tvm_vm("default"),
         "tvm, cascade pipeline": tvm_vm("cascade"),
         "cuBLAS GEMM alone": eager(torch.matmul, normed, w),

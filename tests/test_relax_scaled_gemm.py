@@ -1,8 +1,9 @@
 """``DispatchScaledGemm`` (the cascade pipeline's RMSNorm + GEMM pass) on the CPU: on
 CUDA a norm feeding a matmul, with the weight as ``[K, N]`` or as a linear layer's
-transposed ``[N, K]``, becomes one call of the tensor-core kernel, built and attached as
-an external library; what the kernel does not serve is left; through the whole pipeline
-the module builds. GPU numerics: test_scaled_gemm_gpu.py."""
+transposed ``[N, K]``, becomes one call of the tensor-core kernel (the warp-specialised
+one on sm_90, the mma.sync one before), built and attached as an external library; what
+the kernel does not serve is left; through the whole pipeline the module builds. GPU
+numerics: test_scaled_gemm_gpu.py."""
 import pytest
 import tvm
 import tvm_ffi
@@ -12,6 +13,16 @@ from tvm.relax import op as R
 
 import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
 from tvm_cascade.relax.scaled_gemm_dispatch import DispatchScaledGemm
+
+SM80 = {"kind": "cuda", "arch": "sm_80"}
+#: What each target's kernel source holds: TMA and wgmma on sm_90, mma.sync before.
+KERNEL_MARKS = {"sm_90a": ("cp.async.bulk.tensor.2d", "wgmma.mma_async"), "sm_80": ("mma.sync",)}
+
+
+def _kernel_source(library, target):
+    source = library.imports[0].inspect_source()
+    assert all(mark in source for mark in KERNEL_MARKS[target["arch"]])
+    return source
 
 
 def norm_then_linear(rows, k, n, transposed, dtype="float16"):
@@ -40,20 +51,30 @@ def _calls(mod):
     return [b.value for blk in mod["main"].body.blocks for b in blk.bindings if isinstance(b.value, relax.Call)]
 
 
+@pytest.mark.parametrize("target", [SM90A, SM80])
 @pytest.mark.parametrize("rows, transposed, layout", [(64, False, "kn"), ((2, 32), True, "nk")])
-def test_norm_and_matmul_become_one_kernel_call(rows, transposed, layout):
-    out = _dispatch(norm_then_linear(rows, 256, 128, transposed))
+def test_norm_and_matmul_become_one_kernel_call(rows, transposed, layout, target):
+    out = _dispatch(norm_then_linear(rows, 256, 128, transposed), target)
     packed = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
     assert len(packed) == 1 and packed[0].args[0].global_symbol == f"tvm_cascade_rmsnorm_gemm_64_128_256_{layout}"
     assert not any(getattr(c.op, "name", "") in ("relax.nn.rms_norm", "relax.matmul") for c in _calls(out))
     (library,) = out.attrs["external_mods"]
-    assert "mma.sync" in library.imports[0].inspect_source()
+    _kernel_source(library, target)
+
+
+def test_columns_that_are_no_whole_tile_take_the_warp_specialised_kernel():
+    """96 columns: the sm_90 kernel's TMA boxes read zeros past them (the mma.sync
+    kernel's 128-column tiles refuse them: below)."""
+    out = _dispatch(norm_then_linear(64, 256, 96, False))
+    (library,) = out.attrs["external_mods"]
+    _kernel_source(library, SM90A)
 
 
 @pytest.mark.parametrize("model, target", [
     (norm_then_linear(16, 256, 128, False), SM90A),  # a decode step's few rows: a GEMV's work
     (norm_then_linear(64, 256, 128, False, "float32"), SM90A),
-    (norm_then_linear(64, 256, 96, False), SM90A),  # N not whole 128-column tiles
+    (norm_then_linear(64, 256, 100, False), SM90A),  # rows of W of 200 bytes: no TMA copy
+    (norm_then_linear(64, 256, 96, False), SM80),  # N not whole 128-column tiles
     (norm_then_linear(64, 256, 128, False), "llvm"),
 ])
 def test_what_the_kernel_does_not_serve_is_left(model, target):
@@ -61,17 +82,19 @@ def test_what_the_kernel_does_not_serve_is_left(model, target):
     assert tvm_ffi.structural_equal(out, model)
 
 
-def test_any_number_of_rows_is_one_kernel_that_pads_them():
+@pytest.mark.parametrize("target", [SM90A, SM80])
+def test_any_number_of_rows_is_one_kernel(target):
     """A symbolic token count (a prompt) and a static count that is no whole tile both
-    get the kernel, which pads the rows to whole tiles."""
+    get one kernel: sm_80's pads the rows to whole tiles in its copy of X, sm_90's TMA
+    copies read zeros past the last row."""
     tokens = tvm.tirx.Var("tokens", "int64")
     for rows, symbol in (((1, tokens), "tvm_cascade_rmsnorm_gemm_m_128_256_nk"), (48, "tvm_cascade_rmsnorm_gemm_48_128_256_nk")):
-        out = _dispatch(norm_then_linear(rows, 256, 128, True))
+        out = _dispatch(norm_then_linear(rows, 256, 128, True), target)
         (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
         assert packed.args[0].global_symbol == symbol
         (library,) = out.attrs["external_mods"]
-        # One kernel (declared and defined): the padding is in its copy of X, not a pass of its own.
-        assert library.imports[0].inspect_source().count("__global__") == 2
+        # One kernel (declared and defined), not a padding pass of its own.
+        assert _kernel_source(library, target).count("__global__") == 2
 
 
 def test_the_cascade_pipeline_builds_it():

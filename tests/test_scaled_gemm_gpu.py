@@ -1,6 +1,8 @@
 """``tvm_cascade.schedules.scaled_gemm`` on a CUDA GPU (skipped without one): RMSNorm +
 GEMM and abs-max-scaled GEMM as one tensor-core kernel against float64 numpy, at each
-block height the default configuration picks."""
+block height the default configuration picks; on an H100 or H200 also the
+warp-specialised RMSNorm + GEMM (:mod:`tvm_cascade.schedules.warp_specialized_gemm`),
+which the cascade pipeline takes there."""
 import numpy as np
 import pytest
 import tvm
@@ -9,7 +11,9 @@ import tvm_cascade  # noqa: F401
 from tvm_cascade.cuda import tensor_cores
 from tvm_cascade.ops import cascades
 from tvm_cascade.ops import reference as R
+from tvm_cascade.schedules import scaled_gemm, warp_specialized
 from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
+from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
@@ -36,6 +40,32 @@ def test_rmsnorm_gemm(m, n, k):
     got = _run(cascades.rmsnorm_gemm(m, n, k, dtype="float16"), [x, gamma, w], (m, n))
     ref = R.rmsnorm_gemm_ref(x.astype("float64"), gamma.astype("float64"), w.astype("float64"))
     assert _relative_error(got, ref) < 5e-3
+
+
+@pytest.mark.parametrize("m, n, k, layout, out_dtype, config", [
+    (256, 512, 512, "kn", "float16", WarpSpecializedGemmConfig()),
+    (256, 512, 512, "nk", "float16", WarpSpecializedGemmConfig(cols=128, stages=6)),
+    (200, 328, 520, "kn", "float32", WarpSpecializedGemmConfig()),  # no whole tiles along M, N or K
+    (77, 200, 1032, "nk", "float16", WarpSpecializedGemmConfig(cols=64, stages=3, group=2)),
+    (16, 1024, 4096, "kn", "float16", WarpSpecializedGemmConfig(cols=128)),
+])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_warp_specialized_rmsnorm_gemm(m, n, k, layout, out_dtype, config, symbolic):
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    if not warp_specialized.serves_target(target):
+        pytest.skip("the warp-specialised kernel needs an H100 or H200 (sm_90)")
+    rng = np.random.default_rng(m + n + k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype("float16")
+    gamma = (1 + 0.1 * rng.standard_normal(k)).astype("float16")
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float16")
+    rows = tvm.tirx.Var("m", "int32") if symbolic else m
+    func = cascades.rmsnorm_gemm(rows, n, k, dtype="float16", weight_layout=layout, out_dtype=out_dtype)
+    kernel = scaled_gemm.build(schedule_scaled_gemm(func, config).mod, target)["main"]
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.zeros((m, n), out_dtype), dev)
+    kernel(*(tvm.runtime.tensor(a, dev) for a in (x, gamma, w if layout == "kn" else w.T.copy())), out)
+    ref = R.rmsnorm_gemm_ref(x.astype("float64"), gamma.astype("float64"), w.astype("float64"))
+    assert _relative_error(out.numpy().astype("float64"), ref) < 5e-3
 
 
 @pytest.mark.parametrize("m, pad", [(48, 32), (200, 128)])

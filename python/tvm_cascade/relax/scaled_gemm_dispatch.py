@@ -7,13 +7,15 @@ Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` o
 the norm also as the ops TVM's torch frontend gives a hand-written or ``torch.nn``
 RMSNorm (float32 square-mean and ``rsqrt``, gamma before or after the cast back) and
 the norm's output reshaped to rows, float16 inputs, a float16 or float32 output (a
-``torch.export``ed linear layer's ``out_dtype``), N a multiple of 128 and K of 64, ``x``
-of any rank whose rows (all
-axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): rows
-that do not fill the kernel's tiles are padded inside the kernel (one kernel serves
-every length). Fewer than 32 static rows (decode) are left: a GEMV's work, not
-a tensor-core tile's. The call becomes ``call_dps_packed`` of the kernel,
-built when the pass runs (its warp fragments need tvm-cascade's lowering, not the
+``torch.export``ed linear layer's ``out_dtype``), ``x`` of any rank whose rows (all
+axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): one
+kernel serves every length. On an H100 or H200 (sm_90) the kernel is the
+warp-specialised one (:mod:`tvm_cascade.schedules.warp_specialized_gemm`: K and N
+multiples of 8, its TMA copies read zeros past the last row); elsewhere the mma.sync
+(or MFMA) one, N a multiple of 128 and K of 64, rows that do not fill its tiles padded
+inside the kernel. Fewer than 32 static rows (decode) are left: a GEMV's work, not a
+tensor-core tile's. The call becomes ``call_dps_packed`` of the kernel, built when the
+pass runs (its warp fragments and templates need tvm-cascade's lowering, not the
 default TIR pipeline's) and attached to the module as an external library, as TVM's
 BYOC backends attach theirs; the norm itself goes where nothing else reads it. What
 does not fit is left to the default lowering and logged.
@@ -26,11 +28,13 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from ..cuda import tensor_cores
 from ..ops import cascades
 from ..schedules.mma_tiles import WARP
 from ..rocm import mfma as matrix_cores
-from ..schedules.scaled_gemm import ScaledGemmConfig, schedule_scaled_gemm
+from ..schedules import warp_specialized_gemm
+from ..schedules.scaled_gemm import ScaledGemmConfig, build, schedule_scaled_gemm
+from ..schedules.warp_specialized import serves_target
+from ..schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
 from .chain_spec import tensor_shape
 
 logger = logging.getLogger("tvm_cascade.relax")
@@ -78,7 +82,7 @@ def _rewrite(matched, _matches, bound, target, kernels):
     x, gamma, eps = norm
     w, transposed = _weight(call.args[1], bound)
     out_dtype = str(call.ty.dtype)
-    reason = _refusal(x, gamma, w, transposed, out_dtype, _lanes(target))
+    reason = _refusal(x, gamma, w, transposed, out_dtype, target)
     if reason is not None:
         logger.info("rms_norm -> matmul left to the default lowering: %s", reason)
         return matched
@@ -201,8 +205,9 @@ def _lanes(target):
     return matrix_cores.LANES if target.kind.name == "rocm" else WARP
 
 
-def _refusal(x, gamma, w, transposed, out_dtype, lanes):
-    """Why the kernel does not serve this norm and GEMM, or None."""
+def _refusal(x, gamma, w, transposed, out_dtype, target):
+    """Why the kernel does not serve this norm and GEMM on ``target``, or None."""
+    lanes = _lanes(target)
     shapes = [tensor_shape(t) for t in (x, gamma, w)]
     if any(s is None for s in shapes) or not all(isinstance(d, int) for d in shapes[0][-1:] + shapes[1] + shapes[2]):
         return "K, N and the weights' shapes must be static"
@@ -217,6 +222,8 @@ def _refusal(x, gamma, w, transposed, out_dtype, lanes):
         return "the weight's and gamma's K differ from x's"
     if isinstance(m, int) and m < lanes:
         return f"{m} rows: fewer than a warp's tile of {lanes}"
+    if serves_target(target):
+        return warp_specialized_gemm.unsupported(n, k, "nk" if transposed else "kn", "float16", out_dtype)
     config = ScaledGemmConfig()
     for what, extent, tile in (("N", n, config.cols), ("K", k, config.depth)):
         if extent % tile:
@@ -238,6 +245,11 @@ def _kernel(key, target):
     m, n, k, eps, layout, out_dtype = key
     symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}" + ("_f32" if out_dtype == "float32" else "")
     rows = tvm.tirx.Var("m", "int32") if m is None else m
+    if serves_target(target):  # the warp-specialised kernel: any rows, no padding
+        func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, out_dtype=out_dtype)
+        func = schedule_scaled_gemm(func, WarpSpecializedGemmConfig.for_shape(rows, n)).mod["main"]
+        mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
+        return symbol, build(mod, target).mod
     tile, lanes = ScaledGemmConfig().rows, _lanes(target)
     pad = None if m is not None and m % lanes == 0 else (tile if m is None or m >= tile else lanes)
     func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, pad_rows=pad, out_dtype=out_dtype)
@@ -245,4 +257,4 @@ def _kernel(key, target):
     config = ScaledGemmConfig.for_rows(padded, mfma=target.kind.name == "rocm")
     func = schedule_scaled_gemm(func, config).mod["main"]
     mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
-    return symbol, tensor_cores.build(mod, target).mod
+    return symbol, build(mod, target).mod

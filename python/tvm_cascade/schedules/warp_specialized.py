@@ -1000,4 +1000,6 @@ def build(mod, target):
     if reason is not None:
         raise ValueError(reason)
     func = attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config, dtype)
-    return tvm.compile(tvm.IRModule({"main": func}), target=sm90a(target))
+    target = sm90a(target)
+    with target:  # TVM's CUDA compile callback takes the arch from the current target
+        return tvm.compile(tvm.IRModule({"main": func}), target=target)

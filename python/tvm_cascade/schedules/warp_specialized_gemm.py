@@ -1,0 +1,434 @@
+"""RMSNorm + GEMM as one warp-specialised Hopper kernel (sm_90a): TMA copies into a ring of
+shared-memory stages, ``wgmma`` from two consumer warpgroups, the norm folded from the
+A operand on its way into registers. A TVMScript kernel template compiled by TVM's own
+CUDA codegen, as :mod:`.warp_specialized`'s attention is.
+
+``ops.rmsnorm_gemm``'s chain, after ``Schedule.defer_row_scales`` (:mod:`.scaled_gemm`),
+is ``y[i, n] = r_i · Σ_k (X[i, k]·γ_k)·W[k, n]`` with ``r_i = 1/sqrt(Σ_k X[i, k]²/K +
+eps)``: the statistic and the GEMM read the same tiles of X in one pass over k. A thread
+block owns :data:`ROWS` rows and ``cols`` columns of the output:
+
+* warpgroup 0, the producer: one thread issues the TMA copies of each k tile (X's
+  ``ROWS x DEPTH`` box, W's ``DEPTH x cols`` in 64-column boxes), 128-byte swizzled, into
+  ``stages`` stages (``full``/``empty`` mbarriers as in the attention kernel). Boxes past
+  X's rows or W's columns read zeros: any M (a variable included) and N serve.
+* warpgroups 1 and 2, the consumers, 64 rows each: every thread reads its elements of
+  X's tile from shared memory in the register layout of wgmma's A operand, adds their
+  squares to its rows' running sums, multiplies them by γ and converts them to fp16,
+  and issues ``wgmma`` m64n{cols}k16 with that register operand and W's tile from shared
+  memory (MN-major for W as ``[K, N]``, K-major for ``[N, K]``). The next tile's operand
+  is read while the instructions of this one run (two register sets). The epilogue sums
+  each row's squares across its quad, scales the accumulators by ``r_i`` and stores.
+
+Blocks take output tiles in groups of ``group`` row tiles, rows fastest, so that the
+blocks running together share their W columns and X rows in L2.
+
+Reached as a schedule of ``ops.rmsnorm_gemm`` (:func:`schedule`: the traced
+``defer_row_scales``, then the choices of :class:`WarpSpecializedGemmConfig` annotated
+on the GEMM's row loop), which :func:`build` lowers to this kernel, as
+:mod:`.warp_specialized` lowers its annotated key-tile loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import tvm
+import tvm_ffi
+from tvm.ir import expr as ir_expr
+from tvm.script import tirx as T
+
+from ..analysis.scope import buffer_params
+from ..cuda.wgmma import descriptor
+from ..cuda.wgmma_batches import fence_operand
+from ..errors import FusionError
+from ..ops import cascades
+from ..primitives import ir
+from ..primitives.row_scales import find_gemm
+from .warp_specialized import serves_target, sm90a
+
+#: Rows of the output per thread block (two consumer warpgroups of 64).
+ROWS = 128
+#: k per tile (one 128-byte swizzled row of fp16).
+DEPTH = 64
+THREADS = 384
+#: Dynamic shared memory an sm_90 thread block may have (227 KB).
+SHARED_BYTES = 227 * 1024
+_ALL_LANES = 0xFFFFFFFF
+_TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_LAYOUTS = ("kn", "nk")
+#: The annotation of the GEMM's row loop that asks :func:`build` for this kernel: the
+#: config's fields in order (:class:`WarpSpecializedGemmConfig`).
+CONFIG = "tvm_cascade.warp_specialized_gemm"
+#: Multiprocessors of an H100 / H200: a grid of fewer blocks of 256 columns leaves some idle.
+_SMS = 132
+_HMUL2 = "tvm_cascade_hmul2"
+# A pair of fp16 products in one instruction (TVM's codegen splits vector calls per lane).
+_HMUL2_SOURCE = f"""
+__forceinline__ __device__ unsigned {_HMUL2}(unsigned a, unsigned b) {{
+  unsigned r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}}
+"""
+
+
+@dataclass(frozen=True)
+class WarpSpecializedGemmConfig:
+    """Choices of the kernel."""
+
+    cols: int = 256  # output columns per block: the wgmma's N (64 to 256, by 64)
+    stages: int = 4  # k tiles in shared memory
+    group: int = 16  # row tiles taken together (L2 reuse)
+    producer_registers: int = 40
+    consumer_registers: int = 232
+
+    def shared_bytes(self) -> int:
+        """The dynamic shared memory of the kernel: each stage's X and W tiles."""
+        return 2 * self.stages * (ROWS + self.cols) * DEPTH
+
+    @staticmethod
+    def for_shape(m, n) -> "WarpSpecializedGemmConfig":
+        """256 columns a block, or 128 where ``m`` (an int; a variable: many rows) gives
+        fewer blocks of 256 than an H100 has multiprocessors. H200, ms at 4096 x 14336
+        (K x N), 256 / 128 columns: 16 rows 0.054 / 0.049, 512 rows 0.120 / 0.155."""
+        if isinstance(m, (int, tvm.tirx.IntImm)) and -(-int(m) // ROWS) * -(-int(n) // 256) < _SMS:
+            return WarpSpecializedGemmConfig(cols=128)
+        return WarpSpecializedGemmConfig()
+
+
+@dataclass(frozen=True)
+class RmsNormGemm:
+    """An ``ops.rmsnorm_gemm`` function's arguments (``m`` an int or its variable)."""
+
+    m: object
+    n: int
+    k: int
+    eps: float
+    layout: str
+    out_dtype: str
+    pad_rows: Optional[int] = None
+
+    def function(self) -> tvm.tirx.PrimFunc:
+        return cascades.rmsnorm_gemm(
+            self.m, self.n, self.k, self.eps, "float16", weight_layout=self.layout, pad_rows=self.pad_rows,
+            out_dtype=self.out_dtype,
+        )
+
+
+def rmsnorm_gemm_of(func, change=lambda f: f) -> Optional[RmsNormGemm]:
+    """The arguments of the float16 ``ops.rmsnorm_gemm`` that ``func`` is (after
+    ``change``, a function of an ``ops.rmsnorm_gemm`` function), or None: ``func`` is
+    compared, structurally, with that function rebuilt from its shapes and eps."""
+    params = buffer_params(func)
+    sqrt = [c for c in ir.nodes(func.body, ir_expr.Call) if getattr(c.op, "name", "") == "tirx.sqrt"]
+    if len(params) != 4 or len(sqrt) != 1 or not isinstance(sqrt[0].args[0], tvm.tirx.Add):
+        return None
+    eps = sqrt[0].args[0].b
+    x, _, w, out = params
+    if not isinstance(eps, tvm.tirx.FloatImm) or len(x.shape) != 2 or len(out.shape) != 2 or len(w.shape) != 2:
+        return None
+    m, k, n = x.shape[0], x.shape[1], out.shape[1]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in (k, n)):
+        return None
+    m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
+    padded = {b.name_hint for b in ir.blocks_in(func.body.block)} >= {"X_pad"}
+    for layout in _LAYOUTS:
+        for pad in (32, 64, 128) if padded else (None,):
+            problem = RmsNormGemm(m, int(n), int(k), float(eps.value), layout, str(out.dtype), pad)
+            try:
+                expected = change(problem.function())
+            except (ValueError, tvm.TVMError):
+                continue
+            if tvm_ffi.structural_equal(func, expected, map_free_vars=True):
+                return problem
+    return None
+
+
+def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_tir.Schedule:
+    """The schedule of ``func``, a float16 ``ops.rmsnorm_gemm``, that :func:`build` lowers
+    to this kernel with ``config``'s choices (default
+    :meth:`WarpSpecializedGemmConfig.for_shape`): the traced ``defer_row_scales`` of its
+    GEMM, the choices annotated on the GEMM's row loop. Raises :class:`FusionError` where
+    ``func`` is not such a function, ``ValueError`` where the kernel cannot serve it."""
+    problem = rmsnorm_gemm_of(func)
+    if problem is None:
+        raise FusionError(
+            "the warp-specialised scaled GEMM serves float16 ops.rmsnorm_gemm functions; this function is not one"
+        )
+    config = config or WarpSpecializedGemmConfig.for_shape(problem.m, problem.n)
+    reason = unsupported(problem.n, problem.k, problem.layout, "float16", problem.out_dtype, config)
+    if reason is not None:
+        raise ValueError(reason)
+    return _schedule(func, config)
+
+
+def _schedule(func, config):
+    sch = tvm.s_tir.Schedule(func)
+    gemm_block, _ = find_gemm(func)
+    sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
+    rows = sch.get_loops(sch.get_sblock(gemm_block.name_hint))[0]
+    sch.annotate(rows, CONFIG, [config.cols, config.stages, config.group, config.producer_registers, config.consumer_registers])
+    return sch
+
+
+def lowers(mod) -> bool:
+    """Whether a loop of ``mod`` asks for this kernel (:func:`build`)."""
+    return bool(_annotated_loops(mod))
+
+
+def _annotated_loops(mod):
+    return [
+        (gvar, func, loop)
+        for gvar, func in mod.functions_items()
+        if isinstance(func, tvm.tirx.PrimFunc)
+        for loop in ir.nodes(func.body, tvm.tirx.For)
+        if CONFIG in loop.annotations
+    ]
+
+
+def build(mod, target):
+    """Compile ``mod``, whose one function is a :func:`schedule` of ``ops.rmsnorm_gemm``,
+    to this kernel for ``target`` (an H100 or H200: sm_90a is named for it), under the
+    function's name. ``ValueError`` where the function is not such a schedule."""
+    loops = _annotated_loops(mod)
+    if len(loops) != 1 or len(mod.functions_items()) != 1:
+        raise ValueError(f"the warp-specialised scaled GEMM builds a module of one annotated function; {len(loops)} annotated loops")
+    ((gvar, func, loop),) = loops
+    if not serves_target(target):
+        raise ValueError(f"the warp-specialised scaled GEMM needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}")
+    config = WarpSpecializedGemmConfig(*(int(v) for v in loop.annotations[CONFIG]))
+    problem = rmsnorm_gemm_of(func, lambda f: _schedule(f, config).mod["main"].with_attrs(func.attrs))
+    if problem is None:
+        raise ValueError(
+            f"'{gvar.name_hint}' is not the warp-specialised schedule of a float16 ops.rmsnorm_gemm "
+            f"(warp_specialized_gemm.schedule)"
+        )
+    symbol = func.attrs["global_symbol"] if "global_symbol" in func.attrs else gvar.name_hint
+    kernel_func = kernel(problem.m, problem.n, problem.k, problem.eps, problem.layout, problem.out_dtype, config)
+    target = sm90a(target)
+    with target:  # TVM's CUDA compile callback takes the arch from the current target
+        return tvm.compile(tvm.IRModule({symbol: kernel_func.with_attr("global_symbol", symbol)}), target=target)
+
+
+def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig()):
+    """Why the kernel cannot serve this GEMM (M is free), or None."""
+    if dtype != "float16":
+        return f"the warp-specialised scaled GEMM computes in float16, not {dtype}"
+    if out_dtype not in ("float16", "float32"):
+        return f"the warp-specialised scaled GEMM stores float16 or float32, not {out_dtype}"
+    if layout not in _LAYOUTS:
+        return f"W's layout must be one of {_LAYOUTS}, not {layout!r}"
+    if k % 8 or (layout == "kn" and n % 8):
+        return f"TMA needs rows of a multiple of 16 bytes: K = {k}" + (f", N = {n}" if layout == "kn" else "")
+    if config.cols % 64 or not 64 <= config.cols <= 256:
+        return f"{config.cols} columns a block: a multiple of 64 up to 256 (wgmma's N)"
+    if config.shared_bytes() > SHARED_BYTES:
+        return f"{config.stages} stages of {config.cols} columns need {config.shared_bytes()} bytes of shared memory"
+    return None
+
+
+def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpecializedGemmConfig()):
+    """The kernel's PrimFunc ``main(X[m, k], gamma[k], W, out[m, n])``, W ``[k, n]``
+    (``layout`` "kn") or ``[n, k]`` ("nk"), fp16 inputs, as ``ops.rmsnorm_gemm`` takes
+    them; ``m`` an int or a variable."""
+    reason = unsupported(n, k, layout, "float16", out_dtype, config)
+    if reason is not None:
+        raise ValueError(reason)
+    dtype = "float16"
+    cols, stages = config.cols, config.stages
+    kn = layout == "kn"
+    X = tvm.tirx.decl_buffer((m, k), dtype, "X")
+    gamma = tvm.tirx.decl_buffer((k,), dtype, "gamma")
+    W = tvm.tirx.decl_buffer((k, n) if kn else (n, k), dtype, "W")
+    out = tvm.tirx.decl_buffer((m, n), out_dtype, "out")
+    m_tiles = (m + ROWS - 1) // ROWS
+    n_tiles = -(-n // cols)
+    k_tiles = -(-k // DEPTH)
+    x_tile, w_tile = ROWS * DEPTH, DEPTH * cols
+    w_base = stages * x_tile
+    panels = cols // 64
+    n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
+    part_k, part_n = k % DEPTH != 0, n % cols != 0
+    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32.f16.f16
+    group = config.group
+
+    def w_operand(smem, st, ks):
+        if kn:
+            # [k, n] in 64-column panels of DEPTH rows, read MN-major: the leading byte
+            # offset steps to the next panel, the stride to the next 8 rows of k.
+            return descriptor(smem.ptr_to([w_base + st * w_tile + ks * 16 * 64]), DEPTH * 64 * 2, 1024, swizzle=True)
+        # [n, k] rows of DEPTH, read K-major: step ks is 32 bytes into the swizzled row.
+        return descriptor(smem.ptr_to([w_base + st * w_tile + ks * 16]), 16, 1024, swizzle=True)
+
+    @T.macro
+    def wait(bar, t):
+        T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
+
+    @T.macro
+    def operand(smem, A, ss, xv, gv, half, t, cw, w, lane):
+        """Tile ``t``'s A operand into register set ``half``: this thread's elements of
+        its rows, squares into ``ss``, times γ, as fp16."""
+        for ks in T.unroll(DEPTH // 16):
+            for q in T.unroll(4):
+                # a0a1: row lane/4, columns 2 (lane % 4); a2a3: row + 8; a4a5, a6a7: column + 8
+                g = T.meta_var(q % 2)
+                row = T.meta_var(64 * cw + 16 * w + lane // 4 + 8 * g)
+                col = T.meta_var(ks * 16 + 8 * (q // 2) + 2 * (lane % 4))
+                # the 16-byte chunk col // 8 of row `row` lies at chunk (col // 8) ^ (row % 8)
+                xv.vstore([0], smem.vload([(t % stages) * x_tile + row * DEPTH + ((col // 8) ^ (row % 8)) * 8 + col % 8], f"{dtype}x2"))
+                if part_k:
+                    for e in T.unroll(2):
+                        gv[e] = T.if_then_else(t * DEPTH + col + e < k, gamma[T.min(t * DEPTH + col + e, k - 1)], T.Cast(dtype, 0))
+                else:
+                    gv.vstore([0], gamma.vload([t * DEPTH + col], f"{dtype}x2"))
+                for e in T.unroll(2):
+                    x = T.meta_var(T.Cast("float32", xv[e]))
+                    ss[g] = ss[g] + x * x
+                # in fp16 pairs: the product of two fp16 numbers rounds once either way
+                A[half * 16 + ks * 4 + q] = T.cuda.func_call(
+                    _HMUL2, T.reinterpret("uint32", xv.vload([0], f"{dtype}x2")),
+                    T.reinterpret("uint32", gv.vload([0], f"{dtype}x2")), source_code=_HMUL2_SOURCE, return_type="uint32",
+                )
+
+    @T.macro
+    def fence_accumulators(acc):
+        for i in T.unroll(n_acc):
+            T.evaluate(fence_operand(acc[i]))
+
+    @T.macro
+    def fence_a(A, half):
+        for i in T.unroll(16):
+            T.evaluate(fence_operand(A[half * 16 + i]))
+
+    @T.macro
+    def issue(acc, A, smem, half, t):
+        for ks in T.unroll(DEPTH // 16):
+            T.evaluate(
+                mma(
+                    *[acc[i] for i in range(n_acc)],
+                    *[A[half * 16 + ks * 4 + q] for q in range(4)],
+                    w_operand(smem, t % stages, ks), True, 1, 1, 1 if kn else 0,
+                )
+            )
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def step(smem, full, empty, acc, A, ss, xv, gv, half, t, cw, w, lane):
+        # Tile t's instructions run while tile t + 1's operand is read into the other set;
+        # the set tile t - 1 read is free once at most one batch is in flight.
+        fence_accumulators(acc)
+        fence_a(A, half)
+        T.ptx.wgmma.fence.sync.aligned()
+        issue(acc, A, smem, half, t)
+        T.ptx.wgmma.wait_group.sync.aligned(1)
+        fence_a(A, 1 - half)
+        if t > 0:
+            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(t - 1) % stages]), T.uint32(1))
+        if t + 1 < k_tiles:
+            wait(full, t + 1)
+            operand(smem, A, ss, xv, gv, 1 - half, t + 1, cw, w, lane)
+
+    @T.macro
+    def consume(smem, full, empty, r0, c0, tx, cw):
+        w = T.meta_var((tx // 32) % 4)
+        lane = T.meta_var(tx % 32)
+        acc = T.alloc_local((n_acc,), "float32")
+        A = T.alloc_local((32,), "uint32")  # two sets of a tile's A operand, fp16 pairs
+        ss = T.alloc_local((2,), "float32")
+        xv = T.alloc_local((2,), dtype)
+        gv = T.alloc_local((2,), dtype)
+        ov = T.alloc_local((2,), out_dtype)
+        for i in T.unroll(n_acc):
+            acc[i] = T.float32(0)
+        for g in T.unroll(2):
+            ss[g] = T.float32(0)
+        wait(full, 0)
+        operand(smem, A, ss, xv, gv, 0, 0, cw, w, lane)
+        # two tiles an iteration: the register set is a constant in each
+        for pair in T.serial((k_tiles + 1) // 2):
+            for half in T.unroll(2):
+                if pair * 2 + half < k_tiles:
+                    step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, cw, w, lane)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence_accumulators(acc)
+        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(k_tiles - 1) % stages]), T.uint32(1))
+        for g in T.unroll(2):
+            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), ss[g], 1, 32)
+            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), ss[g], 2, 32)
+            ss[g] = T.float32(1) / T.sqrt(ss[g] / T.float32(k) + T.float32(eps))
+        # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e
+        for j in T.unroll(cols // 8):
+            for g in T.unroll(2):
+                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                col = T.meta_var(c0 + 8 * j + 2 * (lane % 4))
+                for e in T.unroll(2):
+                    ov[e] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * ss[g])
+                if row < m:
+                    if part_n:
+                        for e in T.unroll(2):
+                            if col + e < n:
+                                out[row, col + e] = ov[e]
+                    else:
+                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x2"))
+
+    @T.macro
+    def produce(x_map, w_map, smem, full, empty, r0, c0):
+        for t in T.serial(k_tiles):
+            st = T.meta_var(t % stages)
+            T.cuda.mbarrier_wait(empty.ptr_to([st]), ((t // stages) & 1) ^ 1)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32((x_tile + w_tile) * 2))
+            T.ptx[_TMA](smem.ptr_to([st * x_tile]), T.address_of(x_map), T.int32(t * DEPTH), r0, full.ptr_to([st]))
+            if kn:
+                for p in T.unroll(panels):
+                    T.ptx[_TMA](
+                        smem.ptr_to([w_base + st * w_tile + p * DEPTH * 64]), T.address_of(w_map), c0 + p * 64,
+                        T.int32(t * DEPTH), full.ptr_to([st]),
+                    )
+            else:
+                T.ptx[_TMA](smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0, full.ptr_to([st]))
+
+    @T.macro
+    def block(x_map, w_map, bx, tx):
+        # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        smem = T.alloc_buffer((stages * (x_tile + w_tile),), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        # Tile bx: groups of `group` row tiles, rows fastest within a group.
+        first = bx // (group * n_tiles) * group
+        rows_here = T.min(m_tiles - first, group)
+        within = bx % (group * n_tiles)
+        r0 = (first + within % rows_here) * ROWS
+        c0 = within // rows_here * cols
+        warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if warpgroup == 0:
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+            if tx == 0:
+                produce(x_map, w_map, smem, full, empty, r0, c0)
+        else:
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+            consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+
+    if kn:
+        w_dims, w_box = (n, k, n * 2), (64, DEPTH)
+    else:
+        w_dims, w_box = (k, n, k * 2), (DEPTH, cols)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def main():
+        x_map = T.tvm_stack_alloca("tensormap", 1)
+        w_map = T.tvm_stack_alloca("tensormap", 1)
+        T.evaluate(T.tensormap_encode_tiled(x_map, X.data, k, m, k * 2, DEPTH, ROWS, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3))
+        T.evaluate(T.tensormap_encode_tiled(w_map, W.data, *w_dims, *w_box, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3))
+        bx = T.launch_thread("blockIdx.x", m_tiles * n_tiles)
+        tx = T.launch_thread("threadIdx.x", THREADS)
+        block(x_map, w_map, bx, tx)
+
+    return tvm.tirx.PrimFunc([X, gamma, W, out], main.body).with_attr("global_symbol", "main")

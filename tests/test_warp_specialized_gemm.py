@@ -1,0 +1,106 @@
+"""The warp-specialised RMSNorm + GEMM (``schedules/warp_specialized_gemm.py``) on the CPU:
+its schedule of ``ops.rmsnorm_gemm`` (the traced deferral and the annotated choices,
+replayed from JSON), the CUDA kernel its build makes for sm_90a, and its refusals. The
+kernel runs only on an H100 or H200: numerics in test_scaled_gemm_gpu.py."""
+import json
+import re
+
+import pytest
+import tvm
+
+import tvm_cascade  # noqa: F401  (schedule primitives)
+from tvm_cascade.errors import FusionError
+from tvm_cascade.ops import cascades
+from tvm_cascade.schedules import scaled_gemm
+from tvm_cascade.schedules import warp_specialized_gemm as ws
+from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
+from tvm_cascade import trace as cascade_trace
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _source(sch):
+    return ws.build(sch.mod, SM90A).mod.imports[0].inspect_source()
+
+
+def test_schedule_defers_the_row_scale_and_annotates_the_choices():
+    func = cascades.rmsnorm_gemm(256, 512, 1024, eps=1e-5, dtype="float16", weight_layout="nk")
+    config = WarpSpecializedGemmConfig(cols=128, stages=5, group=8)
+    sch = ws.schedule(func, config)
+    expected = tvm.s_tir.Schedule(func)
+    expected.defer_row_scales(expected.get_sblock("gemm"))
+    rows = expected.get_loops(expected.get_sblock("gemm"))[0]
+    expected.annotate(rows, ws.CONFIG, [128, 5, 8, 40, 232])
+    tvm.ir.assert_structural_equal(sch.mod, expected.mod)
+    assert [str(i.kind.name) for i in sch.trace.insts][-2:] == ["GetLoops", "Annotate"]
+    assert ws.rmsnorm_gemm_of(func) == ws.RmsNormGemm(256, 512, 1024, 1e-5, "nk", "float16")
+
+
+def test_the_trace_replays_from_json_to_the_same_kernel():
+    rows = tvm.tirx.Var("m", "int32")
+    func = cascades.rmsnorm_gemm(rows, 512, 1024, dtype="float16", out_dtype="float32")
+    sch = ws.schedule(func)
+    assert "DeferRowScales" in [inst.kind.name for inst in sch.trace.insts]
+    replayed = tvm.s_tir.Schedule(func)
+    cascade_trace.apply_json_to_schedule(json.loads(json.dumps(cascade_trace.to_plain_json(sch.trace.as_json()))), replayed)
+    tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+    assert _source(replayed) == _source(sch)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_build_makes_one_tma_and_wgmma_kernel(layout):
+    """One kernel: TMA copies, setmaxnreg, wgmma with the A operand in registers (made
+    by fp16 pair products), W read MN-major as [K, N] (transpose flag 1), K-major as
+    [N, K] (0); eps and K in the epilogue; rows checked against M, a variable."""
+    rows = tvm.tirx.Var("m", "int32")
+    source = _source(ws.schedule(cascades.rmsnorm_gemm(rows, 1024, 4096, eps=1e-5, dtype="float16", weight_layout=layout)))
+    assert source.count("__global__") == 2  # declared and defined
+    for mark in ("cp.async.bulk.tensor.2d", "setmaxnreg.inc", "setmaxnreg.dec", "mul.rn.f16x2", "/*1.000000e-05*/", "/*4.096000e+03*/"):
+        assert mark in source, mark
+    flag = "1" if layout == "kn" else "0"
+    assert f"wgmma_f16_rs_mma_async_sync_aligned_m64n256k16_f32_f16_f16_1_1_{flag}(" in source
+    assert re.search(r"< \(?m\b", source)
+
+
+def test_the_default_columns_follow_the_grid():
+    """Fewer output tiles of 256 columns than an H100's multiprocessors: 128 columns."""
+    assert WarpSpecializedGemmConfig.for_shape(16, 14336).cols == 128
+    assert WarpSpecializedGemmConfig.for_shape(512, 14336).cols == 256
+    assert WarpSpecializedGemmConfig.for_shape(tvm.tirx.Var("m", "int32"), 4096).cols == 256
+
+
+def test_schedule_for_target_picks_the_kernel():
+    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16")
+    assert ws.lowers(scaled_gemm.schedule_for_target(func, SM90A).mod)
+    assert not ws.lowers(scaled_gemm.schedule_for_target(func, {"kind": "cuda", "arch": "sm_80"}).mod)
+    absmax = cascades.absmax_quant_gemm(256, 256, 256, dtype="float16")
+    assert not ws.lowers(scaled_gemm.schedule_for_target(absmax, SM90A).mod)
+
+
+@pytest.mark.parametrize("func, error, message", [
+    (cascades.absmax_quant_gemm(256, 256, 256, dtype="float16"), FusionError, "ops.rmsnorm_gemm"),
+    (cascades.rmsnorm_gemm(256, 256, 256, dtype="float32"), FusionError, "float16"),
+    (cascades.rmsnorm_gemm(256, 256, 100, dtype="float16"), ValueError, "K = 100"),
+])
+def test_schedule_refuses(func, error, message):
+    with pytest.raises(error, match=message):
+        ws.schedule(func)
+
+
+def test_config_and_target_refusals():
+    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16")
+    with pytest.raises(ValueError, match="320 columns"):
+        ws.schedule(func, WarpSpecializedGemmConfig(cols=320))
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        ws.schedule(func, WarpSpecializedGemmConfig(stages=6))
+    with pytest.raises(ValueError, match="sm_90a"):
+        ws.build(ws.schedule(func).mod, {"kind": "cuda", "arch": "sm_80"})
+
+
+def test_build_refuses_a_function_that_is_not_the_schedule():
+    """An annotation on another function's loop does not make it this kernel."""
+    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16")
+    sch = tvm.s_tir.Schedule(func)  # annotated without the deferral
+    sch.annotate(sch.get_loops(sch.get_sblock("gemm"))[0], ws.CONFIG, [256, 4, 16, 40, 232])
+    with pytest.raises(ValueError, match="not the warp-specialised schedule"):
+        ws.build(sch.mod, SM90A)
