@@ -34,6 +34,7 @@ SHAPES = (
     ("rmsnorm+gemm 2048 x 4096 x 14336", 2048, 4096, 14336),
     ("rmsnorm+gemm 8192 x 4096 x 14336", 8192, 4096, 14336),
     ("rmsnorm+gemm 2048 x 4096 x 4096", 2048, 4096, 4096),
+    ("rmsnorm+gemm 2048 x 4096 x 6144", 2048, 4096, 6144),  # Llama-3-8B's fused QKV projection
     ("rmsnorm+gemm 2000 x 4096 x 14336", 2000, 4096, 14336),
 )
 EPS = 1e-6

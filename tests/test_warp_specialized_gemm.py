@@ -62,6 +62,17 @@ def test_build_makes_one_tma_and_wgmma_kernel(layout):
     assert re.search(r"< \(?m\b", source)
 
 
+@pytest.mark.parametrize("k, shared", [(4096, True), (40000, False)])
+def test_gamma_is_read_from_shared_memory_where_it_fits(k, shared):
+    """γ goes to shared memory (16-byte pieces, once per block) beside the stages where
+    it fits; past that (80 KB of γ beside 192 KB of stages) each pair is read from
+    global memory."""
+    source = _source(ws.schedule(cascades.rmsnorm_gemm(256, 1024, k, dtype="float16"), WarpSpecializedGemmConfig()))
+    assert WarpSpecializedGemmConfig().gamma_in_shared(k) == shared
+    assert ("= *(uint4*)(gamma_ptr" in source) == shared
+    assert ("= *(half2*)(gamma_ptr" in source) == (not shared)
+
+
 def test_the_default_columns_follow_the_grid():
     """Fewer output tiles of 256 columns than an H100's multiprocessors: 128 columns."""
     assert WarpSpecializedGemmConfig.for_shape(16, 14336).cols == 128

@@ -13,12 +13,17 @@ block owns :data:`ROWS` rows and ``cols`` columns of the output:
   ``stages`` stages (``full``/``empty`` mbarriers as in the attention kernel). Boxes past
   X's rows or W's columns read zeros: any M (a variable included) and N serve.
 * warpgroups 1 and 2, the consumers, 64 rows each: every thread reads its elements of
-  X's tile from shared memory in the register layout of wgmma's A operand, adds their
-  squares to its rows' running sums, multiplies them by γ and converts them to fp16,
-  and issues ``wgmma`` m64n{cols}k16 with that register operand and W's tile from shared
-  memory (MN-major for W as ``[K, N]``, K-major for ``[N, K]``). The next tile's operand
-  is read while the instructions of this one run (two register sets). The epilogue sums
+  X's tile from shared memory in the register layout of wgmma's A operand
+  (``ldmatrix``), adds their squares to its rows' running sums, multiplies them by γ in
+  fp16 pairs (γ copied to shared memory once per block where it fits), and issues
+  ``wgmma`` m64n{cols}k16 with that register operand and W's tile from shared memory
+  (MN-major for W as ``[K, N]``, K-major for ``[N, K]``). The next tile's operand is
+  read while the instructions of this one run (two register sets). The epilogue sums
   each row's squares across its quad, scales the accumulators by ``r_i`` and stores.
+
+H200, 2048 x 4096 x 14336, ms: A's elements by 32-bit loads and γ from global memory
+0.410, by ``ldmatrix`` and γ from shared memory 0.366; the squares folded by two
+producer warps instead (two rows a thread) 0.412 against 0.402 in the consumers.
 
 Blocks take output tiles in groups of ``group`` row tiles, rows fastest, so that the
 blocks running together share their W columns and X rows in L2.
@@ -62,6 +67,16 @@ _LAYOUTS = ("kn", "nk")
 CONFIG = "tvm_cascade.warp_specialized_gemm"
 #: Multiprocessors of an H100 / H200: a grid of fewer blocks of 256 columns leaves some idle.
 _SMS = 132
+_LDMATRIX = "tvm_cascade_ldmatrix_x4"
+# Four 8 x 8 fp16 matrices from shared memory, a register of each per thread: a 16 x 16
+# A operand's fragment (after the mbarrier wait that made the tile visible: volatile,
+# with a memory clobber).
+_LDMATRIX_SOURCE = f"""
+__forceinline__ __device__ void {_LDMATRIX}(unsigned& a, unsigned& b, unsigned& c, unsigned& d, unsigned address) {{
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(address) : "memory");
+}}
+"""
 _HMUL2 = "tvm_cascade_hmul2"
 # A pair of fp16 products in one instruction (TVM's codegen splits vector calls per lane).
 _HMUL2_SOURCE = f"""
@@ -84,8 +99,13 @@ class WarpSpecializedGemmConfig:
     consumer_registers: int = 232
 
     def shared_bytes(self) -> int:
-        """The dynamic shared memory of the kernel: each stage's X and W tiles."""
+        """The dynamic shared memory of the kernel's stages: each stage's X and W tiles."""
         return 2 * self.stages * (ROWS + self.cols) * DEPTH
+
+    def gamma_in_shared(self, k) -> bool:
+        """Whether γ (``k`` elements, zero-padded to whole tiles) fits in shared memory
+        beside the stages; else the consumers read it from global memory."""
+        return self.shared_bytes() + 2 * -(-k // DEPTH) * DEPTH <= SHARED_BYTES
 
     @staticmethod
     def for_shape(m, n) -> "WarpSpecializedGemmConfig":
@@ -247,6 +267,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     k_tiles = -(-k // DEPTH)
     x_tile, w_tile = ROWS * DEPTH, DEPTH * cols
     w_base = stages * x_tile
+    g_base = stages * (x_tile + w_tile)  # γ, where it is in shared memory
+    gamma_shared = config.gamma_in_shared(k)
     panels = cols // 64
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
     part_k, part_n = k % DEPTH != 0, n % cols != 0
@@ -266,29 +288,46 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
 
     @T.macro
+    def gamma_pair(smem, gv, t, col):
+        """γ at columns ``col``, ``col + 1`` of tile ``t`` into ``gv``."""
+        if gamma_shared:
+            gv.vstore([0], smem.vload([g_base + t * DEPTH + col], f"{dtype}x2"))
+        elif part_k:
+            for e in T.unroll(2):
+                gv[e] = T.if_then_else(t * DEPTH + col + e < k, gamma[T.min(t * DEPTH + col + e, k - 1)], T.Cast(dtype, 0))
+        else:
+            gv.vstore([0], gamma.vload([t * DEPTH + col], f"{dtype}x2"))
+
+    @T.macro
     def operand(smem, A, ss, xv, gv, half, t, cw, w, lane):
         """Tile ``t``'s A operand into register set ``half``: this thread's elements of
         its rows, squares into ``ss``, times γ, as fp16."""
         for ks in T.unroll(DEPTH // 16):
+            # Lane L points at row L % 8 of matrix L // 8: rows + 8 for matrices 1 and 3,
+            # columns + 8 for 2 and 3; the 16-byte chunk c of row r lies at c ^ (r % 8).
+            row = T.meta_var(64 * cw + 16 * w + lane % 8 + 8 * (lane // 8 % 2))
+            chunk = T.meta_var(2 * ks + lane // 16)
+            T.evaluate(
+                T.cuda.func_call(
+                    _LDMATRIX, *[A[half * 16 + ks * 4 + q] for q in range(4)],
+                    T.Cast("uint32", T.cuda.cvta_generic_to_shared(
+                        smem.ptr_to([(t % stages) * x_tile + row * DEPTH + (chunk ^ (row % 8)) * 8])
+                    )),
+                    source_code=_LDMATRIX_SOURCE,
+                )
+            )
             for q in T.unroll(4):
-                # a0a1: row lane/4, columns 2 (lane % 4); a2a3: row + 8; a4a5, a6a7: column + 8
+                # register q: row lane / 4 (+ 8 for q odd), columns 2 (lane % 4) (+ 8 for q >= 2)
                 g = T.meta_var(q % 2)
-                row = T.meta_var(64 * cw + 16 * w + lane // 4 + 8 * g)
-                col = T.meta_var(ks * 16 + 8 * (q // 2) + 2 * (lane % 4))
-                # the 16-byte chunk col // 8 of row `row` lies at chunk (col // 8) ^ (row % 8)
-                xv.vstore([0], smem.vload([(t % stages) * x_tile + row * DEPTH + ((col // 8) ^ (row % 8)) * 8 + col % 8], f"{dtype}x2"))
-                if part_k:
-                    for e in T.unroll(2):
-                        gv[e] = T.if_then_else(t * DEPTH + col + e < k, gamma[T.min(t * DEPTH + col + e, k - 1)], T.Cast(dtype, 0))
-                else:
-                    gv.vstore([0], gamma.vload([t * DEPTH + col], f"{dtype}x2"))
+                xv.vstore([0], T.reinterpret(f"{dtype}x2", A[half * 16 + ks * 4 + q]))
                 for e in T.unroll(2):
                     x = T.meta_var(T.Cast("float32", xv[e]))
                     ss[g] = ss[g] + x * x
+                gamma_pair(smem, gv, t, ks * 16 + 8 * (q // 2) + 2 * (lane % 4))
                 # in fp16 pairs: the product of two fp16 numbers rounds once either way
                 A[half * 16 + ks * 4 + q] = T.cuda.func_call(
-                    _HMUL2, T.reinterpret("uint32", xv.vload([0], f"{dtype}x2")),
-                    T.reinterpret("uint32", gv.vload([0], f"{dtype}x2")), source_code=_HMUL2_SOURCE, return_type="uint32",
+                    _HMUL2, A[half * 16 + ks * 4 + q], T.reinterpret("uint32", gv.vload([0], f"{dtype}x2")),
+                    source_code=_HMUL2_SOURCE, return_type="uint32",
                 )
 
     @T.macro
@@ -392,7 +431,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     def block(x_map, w_map, bx, tx):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
-        smem = T.alloc_buffer((stages * (x_tile + w_tile),), dtype, scope="shared.dyn", align=1024)
+        smem = T.alloc_buffer((g_base + (k_tiles * DEPTH if gamma_shared else 0),), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         # Tile bx: groups of `group` row tiles, rows fastest within a group.
@@ -402,6 +441,15 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         r0 = (first + within % rows_here) * ROWS
         c0 = within // rows_here * cols
         warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
+        if gamma_shared:
+            # γ in 16-byte pieces, zeros past k (k is a multiple of 8)
+            for i in T.serial(-(-k_tiles * DEPTH // 8 // THREADS)):
+                piece = T.meta_var(i * THREADS + tx)
+                if piece < k_tiles * DEPTH // 8:
+                    if piece < k // 8:
+                        smem.vstore([g_base + piece * 8], gamma.vload([piece * 8], f"{dtype}x8"))
+                    else:
+                        smem.vstore([g_base + piece * 8], T.Broadcast(T.Cast(dtype, 0), 8))
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
