@@ -11,9 +11,10 @@ cost nothing).
 
     python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...]
 
-X is [M, K] float16, gamma [K], W [K, N]; the output [M, N] float16. Every output is
-checked first against float64 PyTorch (largest error under 1% of the largest output);
-a peer that is wrong or fails shows its reason instead of a time. Times are medians of
+X is [M, K] float16 (bfloat16 where the shape says so), gamma [K], W [K, N]; the output
+[M, N] of the same dtype. Every output is checked first against float64 PyTorch
+(largest error under 1% of the largest output); a peer that is wrong or fails shows its
+reason instead of a time. Times are medians of
 CUDA-event timed calls with the L2 cache flushed before each
 (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
 ``scaled_gemm.json`` and ``scaled_gemm.md``.
@@ -28,7 +29,7 @@ from .cascades import _reason
 from .timing import bench
 
 PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
-#: (name, M, K, N)
+#: (name, M, K, N[, dtype]) (float16 unless named)
 SHAPES = (
     ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),
     ("rmsnorm+gemm 2048 x 4096 x 14336", 2048, 4096, 14336),
@@ -36,20 +37,21 @@ SHAPES = (
     ("rmsnorm+gemm 2048 x 4096 x 4096", 2048, 4096, 4096),
     ("rmsnorm+gemm 2048 x 4096 x 6144", 2048, 4096, 6144),  # Llama-3-8B's fused QKV projection
     ("rmsnorm+gemm 2000 x 4096 x 14336", 2000, 4096, 14336),
+    ("rmsnorm+gemm 2048 x 4096 x 14336 bf16", 2048, 4096, 14336, "bfloat16"),
 )
 EPS = 1e-6
 RELATIVE_ERROR = 1e-2
 
 
-def stock_tvm(m, k, n, target, pipeline="default"):
+def stock_tvm(m, k, n, target, pipeline="default", dtype="float16"):
     import tvm
     from tvm import relax
     from tvm.relax import op as R
 
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((m, k), "float16"))
-    gamma = relax.Var("gamma", relax.TensorType((k,), "float16"))
-    w = relax.Var("w", relax.TensorType((k, n), "float16"))
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    gamma = relax.Var("gamma", relax.TensorType((k,), dtype))
+    w = relax.Var("w", relax.TensorType((k, n), dtype))
     with bb.function("main", [x, gamma, w]):
         with bb.dataflow():
             normed = bb.emit(R.nn.rms_norm(x, gamma, axes=[-1], epsilon=EPS))
@@ -66,16 +68,18 @@ def run_shape(shape) -> List[Dict]:
     from tvm_cascade.ops import cascades
     from tvm_cascade.schedules import scaled_gemm
 
-    name, m, k, n = shape
+    name, m, k, n, *named_dtype = shape
+    dtype = named_dtype[0] if named_dtype else "float16"
+    torch_dtype = getattr(torch, dtype)
     target = tvm.target.Target.from_device(tvm.cuda(0))
     torch.manual_seed(0)
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).half()
-    w = (torch.randn(k, n, device="cuda") / k**0.5).half()
+    x = torch.randn(m, k, device="cuda", dtype=torch_dtype)
+    gamma = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch_dtype)
+    w = (torch.randn(k, n, device="cuda") / k**0.5).to(torch_dtype)
     x64 = x.double()
     ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * gamma.double()) @ w.double()
     normed = F.rms_norm(x, (k,), gamma, EPS)
-    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    out = torch.empty(m, n, device="cuda", dtype=torch_dtype)
 
     def eager(f, *args):
         def build():
@@ -89,12 +93,12 @@ def run_shape(shape) -> List[Dict]:
         return build
 
     def ours():
-        sch = scaled_gemm.schedule_for_target(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16"), target)
+        sch = scaled_gemm.schedule_for_target(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype), target)
         return _kernel_call(scaled_gemm.build(sch.mod, target)["main"])
 
     def mma_sync():
         pad = None if m % 32 == 0 else (128 if m >= 128 else 32)  # as the cascade pipeline pads
-        sch = scaled_gemm.schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16", pad_rows=pad))
+        sch = scaled_gemm.schedule_scaled_gemm(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype, pad_rows=pad))
         return _kernel_call(scaled_gemm.build(sch.mod, target)["main"])
 
     def _kernel_call(kernel):
@@ -103,7 +107,7 @@ def run_shape(shape) -> List[Dict]:
 
     def tvm_vm(pipeline):
         def build():
-            vm = stock_tvm(m, k, n, target, pipeline)
+            vm = stock_tvm(m, k, n, target, pipeline, dtype)
             tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, gamma, w)]
             box = {}
 

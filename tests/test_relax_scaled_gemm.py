@@ -70,6 +70,18 @@ def test_columns_that_are_no_whole_tile_take_the_warp_specialised_kernel():
     _kernel_source(library, SM90A)
 
 
+def test_bfloat16_takes_the_warp_specialised_kernel():
+    """bfloat16 inputs: sm_90's kernel (wgmma on bf16) serves them; sm_80's mma.sync
+    kernel is float16 only, so there they are left."""
+    model = norm_then_linear(64, 256, 128, True, "bfloat16")
+    out = _dispatch(model)
+    (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
+    assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_64_128_256_nk_bf16"
+    (library,) = out.attrs["external_mods"]
+    assert "m64n128k16_f32_bf16_bf16" in _kernel_source(library, SM90A)
+    assert tvm_ffi.structural_equal(_dispatch(model, SM80), model)
+
+
 @pytest.mark.parametrize("model, target", [
     (norm_then_linear(16, 256, 128, False), SM90A),  # a decode step's few rows: a GEMV's work
     (norm_then_linear(64, 256, 128, False, "float32"), SM90A),

@@ -90,7 +90,7 @@ def test_schedule_for_target_picks_the_kernel():
 
 @pytest.mark.parametrize("func, error, message", [
     (cascades.absmax_quant_gemm(256, 256, 256, dtype="float16"), FusionError, "ops.rmsnorm_gemm"),
-    (cascades.rmsnorm_gemm(256, 256, 256, dtype="float32"), FusionError, "float16"),
+    (cascades.rmsnorm_gemm(256, 256, 256, dtype="float32"), ValueError, "float16 or bfloat16, not float32"),
     (cascades.rmsnorm_gemm(256, 256, 100, dtype="float16"), ValueError, "K = 100"),
 ])
 def test_schedule_refuses(func, error, message):

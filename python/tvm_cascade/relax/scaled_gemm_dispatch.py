@@ -6,8 +6,9 @@ Matched: ``matmul(rms_norm(x, gamma, axes=[-1]), w)`` with ``w`` as ``[K, N]`` o
 ``permute_dims(w)`` of a ``[N, K]`` weight (what ``relax.frontend.nn.Linear`` emits),
 the norm also as the ops TVM's torch frontend gives a hand-written or ``torch.nn``
 RMSNorm (float32 square-mean and ``rsqrt``, gamma before or after the cast back) and
-the norm's output reshaped to rows, float16 inputs, a float16 or float32 output (a
-``torch.export``ed linear layer's ``out_dtype``), ``x`` of any rank whose rows (all
+the norm's output reshaped to rows, float16 inputs (or bfloat16 on sm_90), an output of
+the inputs' dtype or float32 (a ``torch.export``ed linear layer's ``out_dtype``), ``x``
+of any rank whose rows (all
 axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): one
 kernel serves every length. On an H100 or H200 (sm_90) the kernel is the
 warp-specialised one (:mod:`tvm_cascade.schedules.warp_specialized_gemm`: K and N
@@ -90,7 +91,7 @@ def _rewrite(matched, _matches, bound, target, kernels):
     m, k = _rows(shape), shape[-1]
     n = tensor_shape(w)[0 if transposed else 1]
     layout = "nk" if transposed else "kn"
-    key = (m if isinstance(m, int) else None, n, k, eps, layout, out_dtype)
+    key = (m if isinstance(m, int) else None, n, k, eps, layout, out_dtype, str(x.ty.dtype))
     if key not in kernels:
         kernels[key] = _kernel(key, target)
     symbol = kernels[key][0]
@@ -212,7 +213,11 @@ def _refusal(x, gamma, w, transposed, out_dtype, target):
     if any(s is None for s in shapes) or not all(isinstance(d, int) for d in shapes[0][-1:] + shapes[1] + shapes[2]):
         return "K, N and the weights' shapes must be static"
     (xs, gs, ws) = shapes
-    if any(str(t.ty.dtype) != "float16" for t in (x, gamma, w)) or out_dtype not in ("float16", "float32"):
+    dtypes = {str(t.ty.dtype) for t in (x, gamma, w)}
+    if len(dtypes) != 1:
+        return f"x, gamma and the weight in one dtype, not {sorted(dtypes)}"
+    (dtype,) = dtypes
+    if not serves_target(target) and (dtype != "float16" or out_dtype not in ("float16", "float32")):
         return "float16 inputs only (the kernel's mma.sync operands), a float16 or float32 output"
     if len(gs) != 1 or len(ws) != 2:
         return "gamma must be 1-d, the weight 2-d"
@@ -223,7 +228,7 @@ def _refusal(x, gamma, w, transposed, out_dtype, target):
     if isinstance(m, int) and m < lanes:
         return f"{m} rows: fewer than a warp's tile of {lanes}"
     if serves_target(target):
-        return warp_specialized_gemm.unsupported(n, k, "nk" if transposed else "kn", "float16", out_dtype)
+        return warp_specialized_gemm.unsupported(n, k, "nk" if transposed else "kn", dtype, out_dtype)
     config = ScaledGemmConfig()
     for what, extent, tile in (("N", n, config.cols), ("K", k, config.depth)):
         if extent % tile:
@@ -242,11 +247,12 @@ def _rows(shape):
 
 def _kernel(key, target):
     """(symbol, runtime module) of the kernel for ``key`` (rows None: any number)."""
-    m, n, k, eps, layout, out_dtype = key
+    m, n, k, eps, layout, out_dtype, dtype = key
     symbol = f"tvm_cascade_rmsnorm_gemm_{'m' if m is None else m}_{n}_{k}_{layout}" + ("_f32" if out_dtype == "float32" else "")
+    symbol += "_bf16" if dtype == "bfloat16" else ""
     rows = tvm.tirx.Var("m", "int32") if m is None else m
     if serves_target(target):  # the warp-specialised kernel: any rows, no padding
-        func = cascades.rmsnorm_gemm(rows, n, k, eps, "float16", weight_layout=layout, out_dtype=out_dtype)
+        func = cascades.rmsnorm_gemm(rows, n, k, eps, dtype, weight_layout=layout, out_dtype=out_dtype)
         func = schedule_scaled_gemm(func, WarpSpecializedGemmConfig.for_shape(rows, n)).mod["main"]
         mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
         return symbol, build(mod, target).mod

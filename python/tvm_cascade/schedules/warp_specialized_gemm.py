@@ -15,7 +15,7 @@ block owns :data:`ROWS` rows and ``cols`` columns of the output:
 * warpgroups 1 and 2, the consumers, 64 rows each: every thread reads its elements of
   X's tile from shared memory in the register layout of wgmma's A operand
   (``ldmatrix``), adds their squares to its rows' running sums, multiplies them by γ in
-  fp16 pairs (γ copied to shared memory once per block where it fits), and issues
+  pairs (γ copied to shared memory once per block where it fits), and issues
   ``wgmma`` m64n{cols}k16 with that register operand and W's tile from shared memory
   (MN-major for W as ``[K, N]``, K-major for ``[N, K]``). The next tile's operand is
   read while the instructions of this one run (two register sets). The epilogue sums
@@ -54,7 +54,7 @@ from .warp_specialized import serves_target, sm90a
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
-#: k per tile (one 128-byte swizzled row of fp16).
+#: k per tile (one 128-byte swizzled row of 16-bit floats).
 DEPTH = 64
 THREADS = 384
 #: Dynamic shared memory an sm_90 thread block may have (227 KB).
@@ -68,7 +68,7 @@ CONFIG = "tvm_cascade.warp_specialized_gemm"
 #: Multiprocessors of an H100 / H200: a grid of fewer blocks of 256 columns leaves some idle.
 _SMS = 132
 _LDMATRIX = "tvm_cascade_ldmatrix_x4"
-# Four 8 x 8 fp16 matrices from shared memory, a register of each per thread: a 16 x 16
+# Four 8 x 8 matrices of 16-bit floats from shared memory, a register of each per thread: a 16 x 16
 # A operand's fragment (after the mbarrier wait that made the tile visible: volatile,
 # with a memory clobber).
 _LDMATRIX_SOURCE = f"""
@@ -77,12 +77,13 @@ __forceinline__ __device__ void {_LDMATRIX}(unsigned& a, unsigned& b, unsigned& 
                : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(address) : "memory");
 }}
 """
-_HMUL2 = "tvm_cascade_hmul2"
-# A pair of fp16 products in one instruction (TVM's codegen splits vector calls per lane).
-_HMUL2_SOURCE = f"""
-__forceinline__ __device__ unsigned {_HMUL2}(unsigned a, unsigned b) {{
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+# A pair of products in one instruction (TVM's codegen splits vector calls per lane).
+_MUL2 = "tvm_cascade_mul2_{}"
+_MUL2_SOURCE = """
+__forceinline__ __device__ unsigned {name}(unsigned a, unsigned b) {{
   unsigned r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  asm("mul.rn.{ptx}x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }}
 """
@@ -128,16 +129,17 @@ class RmsNormGemm:
     layout: str
     out_dtype: str
     pad_rows: Optional[int] = None
+    dtype: str = "float16"
 
     def function(self) -> tvm.tirx.PrimFunc:
         return cascades.rmsnorm_gemm(
-            self.m, self.n, self.k, self.eps, "float16", weight_layout=self.layout, pad_rows=self.pad_rows,
+            self.m, self.n, self.k, self.eps, self.dtype, weight_layout=self.layout, pad_rows=self.pad_rows,
             out_dtype=self.out_dtype,
         )
 
 
 def rmsnorm_gemm_of(func, change=lambda f: f) -> Optional[RmsNormGemm]:
-    """The arguments of the float16 ``ops.rmsnorm_gemm`` that ``func`` is (after
+    """The arguments of the ``ops.rmsnorm_gemm`` that ``func`` is (after
     ``change``, a function of an ``ops.rmsnorm_gemm`` function), or None: ``func`` is
     compared, structurally, with that function rebuilt from its shapes and eps."""
     params = buffer_params(func)
@@ -155,7 +157,7 @@ def rmsnorm_gemm_of(func, change=lambda f: f) -> Optional[RmsNormGemm]:
     padded = {b.name_hint for b in ir.blocks_in(func.body.block)} >= {"X_pad"}
     for layout in _LAYOUTS:
         for pad in (32, 64, 128) if padded else (None,):
-            problem = RmsNormGemm(m, int(n), int(k), float(eps.value), layout, str(out.dtype), pad)
+            problem = RmsNormGemm(m, int(n), int(k), float(eps.value), layout, str(out.dtype), pad, str(x.dtype))
             try:
                 expected = change(problem.function())
             except (ValueError, tvm.TVMError):
@@ -166,7 +168,7 @@ def rmsnorm_gemm_of(func, change=lambda f: f) -> Optional[RmsNormGemm]:
 
 
 def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_tir.Schedule:
-    """The schedule of ``func``, a float16 ``ops.rmsnorm_gemm``, that :func:`build` lowers
+    """The schedule of ``func``, an ``ops.rmsnorm_gemm``, that :func:`build` lowers
     to this kernel with ``config``'s choices (default
     :meth:`WarpSpecializedGemmConfig.for_shape`): the traced ``defer_row_scales`` of its
     GEMM, the choices annotated on the GEMM's row loop. Raises :class:`FusionError` where
@@ -174,10 +176,10 @@ def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_
     problem = rmsnorm_gemm_of(func)
     if problem is None:
         raise FusionError(
-            "the warp-specialised scaled GEMM serves float16 ops.rmsnorm_gemm functions; this function is not one"
+            "the warp-specialised scaled GEMM serves ops.rmsnorm_gemm functions; this function is not one"
         )
     config = config or WarpSpecializedGemmConfig.for_shape(problem.m, problem.n)
-    reason = unsupported(problem.n, problem.k, problem.layout, "float16", problem.out_dtype, config)
+    reason = unsupported(problem.n, problem.k, problem.layout, problem.dtype, problem.out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
     return _schedule(func, config)
@@ -221,11 +223,13 @@ def build(mod, target):
     problem = rmsnorm_gemm_of(func, lambda f: _schedule(f, config).mod["main"].with_attrs(func.attrs))
     if problem is None:
         raise ValueError(
-            f"'{gvar.name_hint}' is not the warp-specialised schedule of a float16 ops.rmsnorm_gemm "
+            f"'{gvar.name_hint}' is not the warp-specialised schedule of an ops.rmsnorm_gemm "
             f"(warp_specialized_gemm.schedule)"
         )
     symbol = func.attrs["global_symbol"] if "global_symbol" in func.attrs else gvar.name_hint
-    kernel_func = kernel(problem.m, problem.n, problem.k, problem.eps, problem.layout, problem.out_dtype, config)
+    kernel_func = kernel(
+        problem.m, problem.n, problem.k, problem.eps, problem.layout, problem.out_dtype, config, problem.dtype
+    )
     target = sm90a(target)
     with target:  # TVM's CUDA compile callback takes the arch from the current target
         return tvm.compile(tvm.IRModule({symbol: kernel_func.with_attr("global_symbol", symbol)}), target=target)
@@ -233,10 +237,10 @@ def build(mod, target):
 
 def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig()):
     """Why the kernel cannot serve this GEMM (M is free), or None."""
-    if dtype != "float16":
-        return f"the warp-specialised scaled GEMM computes in float16, not {dtype}"
-    if out_dtype not in ("float16", "float32"):
-        return f"the warp-specialised scaled GEMM stores float16 or float32, not {out_dtype}"
+    if dtype not in _PTX_TYPE:
+        return f"the warp-specialised scaled GEMM computes in float16 or bfloat16, not {dtype}"
+    if out_dtype not in (dtype, "float32"):
+        return f"the warp-specialised scaled GEMM stores {dtype} or float32, not {out_dtype}"
     if layout not in _LAYOUTS:
         return f"W's layout must be one of {_LAYOUTS}, not {layout!r}"
     if k % 8 or (layout == "kn" and n % 8):
@@ -248,14 +252,15 @@ def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig
     return None
 
 
-def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpecializedGemmConfig()):
+def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpecializedGemmConfig(), dtype="float16"):
     """The kernel's PrimFunc ``main(X[m, k], gamma[k], W, out[m, n])``, W ``[k, n]``
-    (``layout`` "kn") or ``[n, k]`` ("nk"), fp16 inputs, as ``ops.rmsnorm_gemm`` takes
-    them; ``m`` an int or a variable."""
-    reason = unsupported(n, k, layout, "float16", out_dtype, config)
+    (``layout`` "kn") or ``[n, k]`` ("nk"), ``dtype`` inputs (float16 or bfloat16), as
+    ``ops.rmsnorm_gemm`` takes them; ``m`` an int or a variable."""
+    reason = unsupported(n, k, layout, dtype, out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
-    dtype = "float16"
+    mul2 = _MUL2.format(_PTX_TYPE[dtype])
+    mul2_source = _MUL2_SOURCE.format(name=mul2, ptx=_PTX_TYPE[dtype])
     cols, stages = config.cols, config.stages
     kn = layout == "kn"
     X = tvm.tirx.decl_buffer((m, k), dtype, "X")
@@ -272,7 +277,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     panels = cols // 64
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
     part_k, part_n = k % DEPTH != 0, n % cols != 0
-    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32.f16.f16
+    ptx = _PTX_TYPE[dtype]
+    mma = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32, ptx), ptx)
     group = config.group
 
     def w_operand(smem, st, ks):
@@ -301,7 +307,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     @T.macro
     def operand(smem, A, ss, xv, gv, half, t, cw, w, lane):
         """Tile ``t``'s A operand into register set ``half``: this thread's elements of
-        its rows, squares into ``ss``, times γ, as fp16."""
+        its rows, squares into ``ss``, times γ, in pairs."""
         for ks in T.unroll(DEPTH // 16):
             # Lane L points at row L % 8 of matrix L // 8: rows + 8 for matrices 1 and 3,
             # columns + 8 for 2 and 3; the 16-byte chunk c of row r lies at c ^ (r % 8).
@@ -324,10 +330,10 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                     x = T.meta_var(T.Cast("float32", xv[e]))
                     ss[g] = ss[g] + x * x
                 gamma_pair(smem, gv, t, ks * 16 + 8 * (q // 2) + 2 * (lane % 4))
-                # in fp16 pairs: the product of two fp16 numbers rounds once either way
+                # in pairs: the product of two 16-bit floats rounds once either way
                 A[half * 16 + ks * 4 + q] = T.cuda.func_call(
-                    _HMUL2, A[half * 16 + ks * 4 + q], T.reinterpret("uint32", gv.vload([0], f"{dtype}x2")),
-                    source_code=_HMUL2_SOURCE, return_type="uint32",
+                    mul2, A[half * 16 + ks * 4 + q], T.reinterpret("uint32", gv.vload([0], f"{dtype}x2")),
+                    source_code=mul2_source, return_type="uint32",
                 )
 
     @T.macro
@@ -373,7 +379,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
-        A = T.alloc_local((32,), "uint32")  # two sets of a tile's A operand, fp16 pairs
+        A = T.alloc_local((32,), "uint32")  # two sets of a tile's A operand, 16-bit pairs
         ss = T.alloc_local((2,), "float32")
         xv = T.alloc_local((2,), dtype)
         gv = T.alloc_local((2,), dtype)
