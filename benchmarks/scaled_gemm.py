@@ -9,7 +9,7 @@ through TVM's default CUDA pipeline; "tvm, cascade pipeline": the same graph thr
 on the normalised input (``torch.matmul``: what the fused kernel would take if the norm
 cost nothing).
 
-    python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...]
+    python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...] [--tune TRIALS]
 
 X is [M, K] float16 (bfloat16 where the shape says so), gamma [K], W [K, N]; the output
 [M, N] of the same dtype. Every output is checked first against float64 PyTorch
@@ -17,17 +17,23 @@ X is [M, K] float16 (bfloat16 where the shape says so), gamma [K], W [K, N]; the
 reason instead of a time. Times are medians of
 CUDA-event timed calls with the L2 cache flushed before each
 (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
-``scaled_gemm.json`` and ``scaled_gemm.md``.
+``scaled_gemm.json`` and ``scaled_gemm.md``. With ``--tune TRIALS``, "tvm-cascade
+(tuned)" is the best of ``TRIALS`` candidates MetaSchedule measured in
+:func:`tvm_cascade.meta_schedule.cascade_space` from the unfused ``ops.rmsnorm_gemm``
+(records under ``DIR/tuning``), built by the candidate builder's build function; its
+row names the kernel the record chose.
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .attention import named, run_shapes, shapes_parser
 from .cascades import _reason
 from .timing import bench
 
+TUNED = "tvm-cascade (tuned)"
 PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N[, dtype]) (float16 unless named)
 SHAPES = (
@@ -60,7 +66,29 @@ def stock_tvm(m, k, n, target, pipeline="default", dtype="float16"):
     return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline=pipeline), tvm.cuda(0))["main"]
 
 
-def run_shape(shape) -> List[Dict]:
+def tuned_kernel(m, k, n, dtype, target, trials: int, work_dir: Path):
+    """The best of ``trials`` MetaSchedule candidates for the unfused function, and what
+    its record chose (the warp-specialised kernel's annotations, or the fusions)."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.meta_schedule import BUILD_FUNC, tune_tir
+    from tvm_cascade.ops import cascades
+    from tvm_cascade.schedules import warp_specialized_gemm as ws
+
+    mod = tvm.IRModule({"main": cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype)})
+    database = tune_tir(mod, target, str(work_dir), trials, num_trials_per_iter=min(trials, 32), cost_model="random")
+    sch = ms.tir_integration.compile_tir(database, mod, target)
+    if sch is None:
+        raise RuntimeError(f"none of the {trials} candidates ran (why: {work_dir}/logs)")
+    config = ws.chosen_config(sch.mod)
+    record = {"kernel": "warp-specialised", "cols": config.cols, "stages": config.stages, "group": config.group} if config else {
+        "kernel": "other", "instructions": sorted({i.kind.name for i in sch.trace.insts})
+    }
+    return tvm.get_global_func(BUILD_FUNC)(sch.mod, target, None)["main"], record
+
+
+def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dict]:
     import torch
     import torch.nn.functional as F
     import tvm
@@ -118,15 +146,22 @@ def run_shape(shape) -> List[Dict]:
 
         return build
 
+    tuning = {}
+
+    def tuned():
+        kernel, tuning["record"] = tuned_kernel(m, k, n, dtype, target, tune, work_dir / name.replace(" ", "_"))
+        return _kernel_call(kernel)
+
     norm_gemm = lambda a, g, b: F.rms_norm(a, (k,), g, EPS) @ b  # noqa: E731
     builders = {
         "tvm-cascade": ours, "tvm-cascade mma.sync": mma_sync, "torch": eager(norm_gemm, x, gamma, w),
         "torch.compile": eager(torch.compile(norm_gemm), x, gamma, w), "tvm": tvm_vm("default"),
         "tvm, cascade pipeline": tvm_vm("cascade"),
         "cuBLAS GEMM alone": eager(torch.matmul, normed, w),
+        TUNED: tuned,
     }
     results = []
-    for peer in PEERS:
+    for peer in PEERS + ((TUNED,) if tune else ()):
         row = {"shape": name, "peer": peer}
         try:
             call, result = builders[peer]()
@@ -141,6 +176,8 @@ def run_shape(shape) -> List[Dict]:
                 row["TFLOP/s"] = 2 * m * n * k / row["ms"] / 1e9
         except Exception as err:  # a peer that fails shows why, the others still run
             row["error"] = _reason(err)
+        if peer == TUNED:
+            row.update(trials=tune, **tuning.get("record", {}))
         results.append(row)
     by_peer = {r["peer"]: r.get("ms") for r in results}
     for row in results:
@@ -150,13 +187,14 @@ def run_shape(shape) -> List[Dict]:
 
 
 def markdown(results: List[Dict]) -> str:
+    peers = [p for p in PEERS + (TUNED,) if any(r["peer"] == p for r in results)]
     lines = [
-        "| shape | " + " | ".join(f"{p} ms" for p in PEERS) + " | tvm-cascade TFLOP/s | vs torch.compile | vs cuBLAS GEMM alone |",
-        "|---|" + "---|" * (len(PEERS) + 3),
+        "| shape | " + " | ".join(f"{p} ms" for p in peers) + " | tvm-cascade TFLOP/s | vs torch.compile | vs cuBLAS GEMM alone |",
+        "|---|" + "---|" * (len(peers) + 3),
     ]
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = {r["peer"]: r for r in results if r["shape"] == shape}
-        cells = [f"{rows[p]['ms']:.4f}" if rows[p].get("ms") else "fails" for p in PEERS]
+        cells = [f"{rows[p]['ms']:.4f}" if rows.get(p, {}).get("ms") else "fails" for p in peers]
         ours = rows["tvm-cascade"]
         extra = [f"{ours['TFLOP/s']:.0f}" if ours.get("ms") else "--"]
         extra += [f"{ours[c]:.2f}x" if ours.get(c) else "--" for c in ("vs torch.compile", "vs cuBLAS GEMM alone")]
@@ -166,8 +204,11 @@ def markdown(results: List[Dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md").parse_args(argv)
-    results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), run_shape)
+    p = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md")
+    p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune each shape with MetaSchedule")
+    args = p.parse_args(argv)
+    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning")  # noqa: E731
+    results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), measure)
     if results is None:
         return 0
     table = markdown(results)

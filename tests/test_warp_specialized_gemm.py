@@ -29,10 +29,12 @@ def test_schedule_defers_the_row_scale_and_annotates_the_choices():
     sch = ws.schedule(func, config)
     expected = tvm.s_tir.Schedule(func)
     expected.defer_row_scales(expected.get_sblock("gemm"))
-    rows = expected.get_loops(expected.get_sblock("gemm"))[0]
-    expected.annotate(rows, ws.CONFIG, [128, 5, 8, 40, 232])
+    gemm = expected.get_sblock("gemm")
+    expected.annotate(gemm, ws.PROBLEM, [1e-5, "nk"])
+    for key, value in ((ws.COLS, 128), (ws.STAGES, 5), (ws.GROUP, 8), (ws.REGISTERS, [40, 232])):
+        expected.annotate(gemm, key, value)
     tvm.ir.assert_structural_equal(sch.mod, expected.mod)
-    assert [str(i.kind.name) for i in sch.trace.insts][-2:] == ["GetLoops", "Annotate"]
+    assert [str(i.kind.name) for i in sch.trace.insts][-5:] == ["Annotate"] * 5
     assert ws.rmsnorm_gemm_of(func) == ws.RmsNormGemm(256, 512, 1024, 1e-5, "nk", "float16")
 
 
@@ -108,10 +110,36 @@ def test_config_and_target_refusals():
         ws.build(ws.schedule(func).mod, {"kind": "cuda", "arch": "sm_80"})
 
 
-def test_build_refuses_a_function_that_is_not_the_schedule():
-    """An annotation on another function's loop does not make it this kernel."""
-    func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16")
-    sch = tvm.s_tir.Schedule(func)  # annotated without the deferral
-    sch.annotate(sch.get_loops(sch.get_sblock("gemm"))[0], ws.CONFIG, [256, 4, 16, 40, 232])
-    with pytest.raises(ValueError, match="not the warp-specialised schedule"):
+def test_build_refuses_parameters_that_are_not_the_functions():
+    """The annotations ask for the kernel of ``ops.rmsnorm_gemm``: a function whose
+    parameters are not its X, gamma, W and out is refused, named."""
+    func = cascades.absmax_quant_gemm(256, 256, 256, dtype="float16")
+    sch = tvm.s_tir.Schedule(func)
+    ws.apply_schedule(sch, ws.RmsNormGemm(256, 256, 256, 1e-6, "kn", "float16"), 256, 4, 16)
+    with pytest.raises(ValueError, match="'main': its parameters are not ops.rmsnorm_gemm's"):
         ws.build(sch.mod, SM90A)
+
+
+def test_metaschedule_proposes_the_kernel_and_its_builder_lowers_it():
+    """On an H100 target ``cascade_space`` proposes the kernel for an unfused
+    ``ops.rmsnorm_gemm`` (the deferral traced, columns, stages and grouping sampled);
+    after the target's postprocessors (which bind and decompose the unscheduled blocks)
+    the candidate builder's build function makes the kernel of the sampled choices."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.meta_schedule import BUILD_FUNC, cascade_space
+
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    func = cascades.rmsnorm_gemm(256, 512, 1024, dtype="float16")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=cascade_space(), task_name="t")
+    (sample,) = [s for s in context.generate_design_space() if ws.lowers(s.mod)]
+    kinds = [inst.kind.name for inst in sample.trace.insts]
+    assert kinds.count("SampleCategorical") >= 3 and "DeferRowScales" in kinds
+    for postproc in context.space_generator.postprocs:
+        assert postproc.apply(sample), type(postproc).__name__
+    config = ws.chosen_config(sample.mod)
+    assert (config.cols, config.stages, config.group) in [
+        (c, s, g) for c in ws.COLS_CHOICES for s in ws.STAGE_CHOICES for g in ws.GROUP_CHOICES
+    ]
+    source = tvm.get_global_func(BUILD_FUNC)(sample.mod, target, None).imports[0].inspect_source()
+    assert f"m64n{config.cols}k16_f32_f16_f16" in source

@@ -25,7 +25,11 @@ nest are then annotated ``schedule_rule = "None"``, so that the other rules leav
 alone. On a GPU target a chain that folds each row to values of its own (log-sum-exp,
 cross-entropy, a softmax's statistics) is also proposed as one CUDA block per row
 (:func:`~tvm_cascade.schedules.rows.schedule_rows`: split-k across the row's threads,
-rolled within each thread's chunk), its tile, threads and rows per block sampled. Every
+rolled within each thread's chunk), its tile, threads and rows per block sampled. On an
+H100 or H200 an ``ops.rmsnorm_gemm`` (RMSNorm + GEMM) is also proposed as the
+warp-specialised kernel of :mod:`~tvm_cascade.schedules.warp_specialized_gemm` (its
+row-scale deferral traced, its columns, stages and row-tile grouping sampled), which
+the candidate builder (:func:`candidate_builder`) lowers. Every
 step is a traced instruction, so the evolutionary search mutates the sampled tile or
 chunk count and the records replay from a JSON database.
 
@@ -48,12 +52,12 @@ servers registered under that key with TVM's tracker
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
 from typing import Sequence
 
+import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import ScheduleError
@@ -61,9 +65,12 @@ from tvm.tirx import PrimFunc
 
 from .analysis.scope import REDUCE, collect_sites
 from .errors import FusionError
+from .primitives import ir
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .rpc_tuning import resolve_runner
+from .schedules import warp_specialized_gemm
 from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
+from .schedules.warp_specialized import serves_target
 from .trace import JSONDatabase, sample_uniform
 from .transform.detect import find_candidates
 from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
@@ -93,10 +100,11 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
 
     def __init__(self, tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, unfused: bool = True):
         self.tiles, self.chunks, self.unfused = tuple(tiles), tuple(chunks), unfused
-        self.on_gpu = False
+        self.on_gpu = self.on_hopper = False
 
     def _initialize_with_tune_context(self, context) -> None:
         self.on_gpu = context.target is not None and "gpu" in context.target.keys
+        self.on_hopper = self.on_gpu and serves_target(context.target)
 
     def apply(self, sch, block):
         name = sch.get(block).name_hint
@@ -104,10 +112,12 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         if candidate is None:
             return [sch]
         proposals = []
-        for how in ("rolling", "split_k") + (("rows",) if self.on_gpu else ()):
+        hows = ("rolling", "split_k") + (("rows",) if self.on_gpu else ()) + (("scaled_gemm",) if self.on_hopper else ())
+        special = {"rows": self._fuse_rows, "scaled_gemm": self._scaled_gemm}
+        for how in hows:
             fused = sch.copy()
             try:
-                if self._fuse_rows(fused, candidate) if how == "rows" else self._fuse(fused, candidate, how):
+                if special[how](fused, candidate) if how in special else self._fuse(fused, candidate, how):
                     proposals.append(fused)
             except (ScheduleError, UnsupportedOnGpu):
                 continue
@@ -181,6 +191,28 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             sch.annotate(sch.get_sblock(site.name), *SKIP)
         return True
 
+    def _scaled_gemm(self, sch, _candidate) -> bool:
+        """On an H100 or H200, an ``ops.rmsnorm_gemm`` as the warp-specialised kernel
+        (:func:`~tvm_cascade.schedules.warp_specialized_gemm.apply_schedule`), its
+        columns, stages and row-tile grouping sampled."""
+        problem = warp_specialized_gemm.rmsnorm_gemm_of(only_func(sch))
+        if problem is None:
+            return False
+        largest = warp_specialized_gemm.WarpSpecializedGemmConfig(
+            max(warp_specialized_gemm.COLS_CHOICES), max(warp_specialized_gemm.STAGE_CHOICES)
+        )
+        if warp_specialized_gemm.unsupported(problem.n, problem.k, problem.layout, problem.dtype, problem.out_dtype, largest):
+            return False
+        sampled = [
+            sample_uniform(sch, choices) for choices in (
+                warp_specialized_gemm.COLS_CHOICES, warp_specialized_gemm.STAGE_CHOICES, warp_specialized_gemm.GROUP_CHOICES,
+            )
+        ]
+        warp_specialized_gemm.apply_schedule(sch, problem, *sampled)
+        for block in ir.blocks_in(only_func(sch).body.block):
+            sch.annotate(sch.get_sblock(block.name_hint), *SKIP)
+        return True
+
     def _choices(self, candidate, how: str) -> tuple:
         length = candidate.length
         if how == "rolling":
@@ -227,7 +259,9 @@ class TargetDefault(ms.schedule_rule.PyScheduleRule):
             return [sch]
         try:
             alternatives = list(self.rule.apply(sch.copy(), block))
-        except ScheduleError:
+        except (ScheduleError, IndexError):
+            # (MultiLevelTilingTensorCore indexes past its loops on RMSNorm + GEMM's
+            # four-factor GEMM: "Index 6 out of bounds 6", stock TVM's space included)
             return [sch]
         sblock = sch.get(block)
         if sblock.name_hint not in self.chained and any(iv.iter_type == REDUCE for iv in sblock.iter_vars):
@@ -257,16 +291,37 @@ def cascade_space(tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, 
 
 
 def candidate_builder(max_workers: int | None = None, timeout_sec: float = 30.0) -> ms.builder.LocalBuilder:
-    """MetaSchedule's local builder whose processes load TVM's tensor intrinsics as they
-    start. MetaSchedule's default build imports them inside each candidate's
-    ``timeout_sec``: half a minute per fresh builder process, more with many at once, so
-    on a many-core machine every candidate of a round ran out of time. Loaded by the
-    initializer, they cost the same once per process but no candidate's time limit."""
+    """MetaSchedule's local builder whose processes load TVM's tensor intrinsics and
+    tvm-cascade as they start, and which builds with :data:`BUILD_FUNC`. MetaSchedule's
+    default build imports the intrinsics inside each candidate's ``timeout_sec``: half a
+    minute per fresh builder process, more with many at once, so on a many-core machine
+    every candidate of a round ran out of time. Loaded by the initializer, they cost the
+    same once per process but no candidate's time limit."""
     return ms.builder.LocalBuilder(
         max_workers=max_workers,
         timeout_sec=timeout_sec,
-        initializer=functools.partial(importlib.import_module, "tvm.s_tir.tensor_intrin"),
+        f_build=BUILD_FUNC,
+        initializer=_prepare_builder_process,
     )
+
+
+def _prepare_builder_process() -> None:
+    importlib.import_module("tvm.s_tir.tensor_intrin")
+    importlib.import_module("tvm_cascade.meta_schedule")  # registers BUILD_FUNC
+
+
+def _build_candidate(mod, target, params):
+    if warp_specialized_gemm.lowers(mod):
+        return warp_specialized_gemm.build(mod, target).mod
+    return tvm_ffi.get_global_func("s_tir.meta_schedule.builder.default_build")(mod, target, params)
+
+
+#: The candidate builder's build function, a global function (its worker processes look
+#: it up by name): a sample of the warp-specialised scaled GEMM is lowered to that kernel
+#: (:func:`~tvm_cascade.schedules.warp_specialized_gemm.build`), any other module built
+#: as MetaSchedule builds it.
+BUILD_FUNC = "tvm_cascade.meta_schedule.build"
+tvm_ffi.register_global_func(BUILD_FUNC, _build_candidate, override=True)
 
 
 def tune_tir(

@@ -30,8 +30,10 @@ blocks running together share their W columns and X rows in L2.
 
 Reached as a schedule of ``ops.rmsnorm_gemm`` (:func:`schedule`: the traced
 ``defer_row_scales``, then the choices of :class:`WarpSpecializedGemmConfig` annotated
-on the GEMM's row loop), which :func:`build` lowers to this kernel, as
-:mod:`.warp_specialized` lowers its annotated key-tile loop.
+on the GEMM block), which :func:`build` lowers to this kernel, as
+:mod:`.warp_specialized` lowers its annotated key-tile loop; MetaSchedule's
+:class:`~tvm_cascade.meta_schedule.CascadeFusion` proposes the same schedule with the
+choices sampled.
 """
 from __future__ import annotations
 
@@ -62,9 +64,19 @@ SHARED_BYTES = 227 * 1024
 _ALL_LANES = 0xFFFFFFFF
 _TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _LAYOUTS = ("kn", "nk")
-#: The annotation of the GEMM's row loop that asks :func:`build` for this kernel: the
-#: config's fields in order (:class:`WarpSpecializedGemmConfig`).
-CONFIG = "tvm_cascade.warp_specialized_gemm"
+#: Annotations of the GEMM block that ask :func:`build` for this kernel: ``[eps, W's
+#: layout]`` of the function, and the choices of :class:`WarpSpecializedGemmConfig`. On
+#: the block, not a loop: MetaSchedule's postprocessors bind and split the loops of a
+#: sample's unscheduled blocks.
+PROBLEM = "tvm_cascade.warp_specialized_gemm"
+COLS = "tvm_cascade.warp_specialized_gemm_cols"
+STAGES = "tvm_cascade.warp_specialized_gemm_stages"
+GROUP = "tvm_cascade.warp_specialized_gemm_group"
+REGISTERS = "tvm_cascade.warp_specialized_gemm_registers"
+#: The choices a design space samples (:class:`~tvm_cascade.meta_schedule.CascadeFusion`).
+COLS_CHOICES = (128, 256)
+STAGE_CHOICES = (3, 4)
+GROUP_CHOICES = (8, 16)
 #: Multiprocessors of an H100 / H200: a grid of fewer blocks of 256 columns leaves some idle.
 _SMS = 132
 _LDMATRIX = "tvm_cascade_ldmatrix_x4"
@@ -168,11 +180,11 @@ def rmsnorm_gemm_of(func, change=lambda f: f) -> Optional[RmsNormGemm]:
 
 
 def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_tir.Schedule:
-    """The schedule of ``func``, an ``ops.rmsnorm_gemm``, that :func:`build` lowers
-    to this kernel with ``config``'s choices (default
-    :meth:`WarpSpecializedGemmConfig.for_shape`): the traced ``defer_row_scales`` of its
-    GEMM, the choices annotated on the GEMM's row loop. Raises :class:`FusionError` where
-    ``func`` is not such a function, ``ValueError`` where the kernel cannot serve it."""
+    """The schedule of ``func``, an ``ops.rmsnorm_gemm``, that :func:`build` lowers to
+    this kernel with ``config``'s choices (default
+    :meth:`WarpSpecializedGemmConfig.for_shape`): :func:`apply_schedule` on a new
+    schedule. Raises :class:`FusionError` where ``func`` is not such a function,
+    ``ValueError`` where the kernel cannot serve it."""
     problem = rmsnorm_gemm_of(func)
     if problem is None:
         raise FusionError(
@@ -182,50 +194,83 @@ def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_
     reason = unsupported(problem.n, problem.k, problem.layout, problem.dtype, problem.out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
-    return _schedule(func, config)
-
-
-def _schedule(func, config):
     sch = tvm.s_tir.Schedule(func)
-    gemm_block, _ = find_gemm(func)
-    sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
-    rows = sch.get_loops(sch.get_sblock(gemm_block.name_hint))[0]
-    sch.annotate(rows, CONFIG, [config.cols, config.stages, config.group, config.producer_registers, config.consumer_registers])
+    apply_schedule(sch, problem, config.cols, config.stages, config.group, (config.producer_registers, config.consumer_registers))
     return sch
 
 
+def apply_schedule(sch, problem: RmsNormGemm, cols, stages, group, registers=(40, 232)) -> None:
+    """On ``sch``, a schedule of the ``ops.rmsnorm_gemm`` that ``problem`` describes: the
+    traced ``defer_row_scales`` of its GEMM, then the kernel's choices (ints, or values a
+    design space sampled), its eps and W's layout annotated on the GEMM block
+    (:data:`PROBLEM`), which :func:`build` reads."""
+    gemm_block, _ = find_gemm(sch.mod["main"])
+    sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
+    gemm = sch.get_sblock(gemm_block.name_hint)
+    sch.annotate(gemm, PROBLEM, [problem.eps, problem.layout])
+    for key, value in ((COLS, cols), (STAGES, stages), (GROUP, group), (REGISTERS, list(registers))):
+        sch.annotate(gemm, key, value)
+
+
 def lowers(mod) -> bool:
-    """Whether a loop of ``mod`` asks for this kernel (:func:`build`)."""
-    return bool(_annotated_loops(mod))
+    """Whether a block of ``mod`` asks for this kernel (:func:`build`)."""
+    return bool(_annotated_blocks(mod))
 
 
-def _annotated_loops(mod):
+def chosen_config(mod) -> Optional[WarpSpecializedGemmConfig]:
+    """The choices ``mod``'s annotations ask :func:`build` for (a tuning record's), or
+    None where no block asks for this kernel."""
+    sites = _annotated_blocks(mod)
+    return _config(sites[0][2].annotations) if sites else None
+
+
+def _config(notes) -> WarpSpecializedGemmConfig:
+    return WarpSpecializedGemmConfig(
+        int(notes[COLS]), int(notes[STAGES]), int(notes[GROUP]), *(int(r) for r in notes[REGISTERS])
+    )
+
+
+def _annotated_blocks(mod):
     return [
-        (gvar, func, loop)
+        (gvar, func, block)
         for gvar, func in mod.functions_items()
         if isinstance(func, tvm.tirx.PrimFunc)
-        for loop in ir.nodes(func.body, tvm.tirx.For)
-        if CONFIG in loop.annotations
+        for block in ir.blocks_in(func.body.block)
+        if PROBLEM in block.annotations
     ]
 
 
 def build(mod, target):
-    """Compile ``mod``, whose one function is a :func:`schedule` of ``ops.rmsnorm_gemm``,
+    """Compile ``mod``, whose one function is a schedule of ``ops.rmsnorm_gemm`` that
+    :func:`apply_schedule` annotated (:func:`schedule`, or a sample of MetaSchedule's
+    :class:`~tvm_cascade.meta_schedule.CascadeFusion` after the target's postprocessors),
     to this kernel for ``target`` (an H100 or H200: sm_90a is named for it), under the
-    function's name. ``ValueError`` where the function is not such a schedule."""
-    loops = _annotated_loops(mod)
-    if len(loops) != 1 or len(mod.functions_items()) != 1:
-        raise ValueError(f"the warp-specialised scaled GEMM builds a module of one annotated function; {len(loops)} annotated loops")
-    ((gvar, func, loop),) = loops
+    function's name: the kernel computes ``ops.rmsnorm_gemm`` of the function's
+    parameters with the annotated eps and layout. ``ValueError`` where the parameters
+    are not that function's or the kernel cannot serve them."""
+    sites = _annotated_blocks(mod)
+    # (a decomposed reduction's init block keeps the GEMM block's annotations)
+    notes = {tvm_ffi.structural_hash(_choices(block)): _choices(block) for _, _, block in sites}
+    if len(notes) != 1 or len(mod.functions_items()) != 1:
+        raise ValueError(
+            f"the warp-specialised scaled GEMM builds a module of one function annotated once; "
+            f"{len(mod.functions_items())} functions, {len(notes)} sets of annotations"
+        )
+    gvar, func, block = sites[0]
     if not serves_target(target):
         raise ValueError(f"the warp-specialised scaled GEMM needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}")
-    config = WarpSpecializedGemmConfig(*(int(v) for v in loop.annotations[CONFIG]))
-    problem = rmsnorm_gemm_of(func, lambda f: _schedule(f, config).mod["main"].with_attrs(func.attrs))
+    notes = block.annotations
+    eps, layout = float(notes[PROBLEM][0]), str(notes[PROBLEM][1])
+    config = _config(notes)
+    problem = _problem_of_params(func, eps, layout)
     if problem is None:
         raise ValueError(
-            f"'{gvar.name_hint}' is not the warp-specialised schedule of an ops.rmsnorm_gemm "
-            f"(warp_specialized_gemm.schedule)"
+            f"'{gvar.name_hint}': its parameters are not ops.rmsnorm_gemm's X[M, K], gamma[K], W[K, N] "
+            f"(or [N, K]), out[M, N] in one 16-bit dtype (W's layout annotated: {layout})"
         )
+    reason = unsupported(problem.n, problem.k, problem.layout, problem.dtype, problem.out_dtype, config)
+    if reason is not None:
+        raise ValueError(reason)
     symbol = func.attrs["global_symbol"] if "global_symbol" in func.attrs else gvar.name_hint
     kernel_func = kernel(
         problem.m, problem.n, problem.k, problem.eps, problem.layout, problem.out_dtype, config, problem.dtype
@@ -233,6 +278,27 @@ def build(mod, target):
     target = sm90a(target)
     with target:  # TVM's CUDA compile callback takes the arch from the current target
         return tvm.compile(tvm.IRModule({symbol: kernel_func.with_attr("global_symbol", symbol)}), target=target)
+
+
+def _choices(block):
+    return {key: block.annotations[key] for key in (PROBLEM, COLS, STAGES, GROUP, REGISTERS)}
+
+
+def _problem_of_params(func, eps, layout) -> Optional[RmsNormGemm]:
+    params = buffer_params(func)
+    if len(params) != 4 or any(len(p.shape) != (1 if i == 1 else 2) for i, p in enumerate(params)):
+        return None
+    x, gamma, w, out = params
+    (m, k), (n,) = x.shape, out.shape[1:]
+    w_shape = (k, n) if layout == "kn" else (n, k)
+    analyzer = tvm.sym.Analyzer()
+    same = lambda a, b: all(analyzer.can_prove_equal(p, q) for p, q in zip(a, b))  # noqa: E731
+    if layout not in _LAYOUTS or not (same(gamma.shape, (k,)) and same(w.shape, w_shape) and same(out.shape[:1], (m,))):
+        return None
+    if not isinstance(k, tvm.tirx.IntImm) or not isinstance(n, tvm.tirx.IntImm) or len({str(p.dtype) for p in (x, gamma, w)}) != 1:
+        return None
+    m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
+    return RmsNormGemm(m, int(n), int(k), eps, layout, str(out.dtype), None, str(x.dtype))
 
 
 def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig()):
