@@ -80,9 +80,9 @@ GROUP_CHOICES = (8, 16)
 #: Multiprocessors of an H100 / H200: a grid of fewer blocks of 256 columns leaves some idle.
 _SMS = 132
 _LDMATRIX = "tvm_cascade_ldmatrix_x4"
-# Four 8 x 8 matrices of 16-bit floats from shared memory, a register of each per thread: a 16 x 16
-# A operand's fragment (after the mbarrier wait that made the tile visible: volatile,
-# with a memory clobber).
+# Four 8 x 8 matrices of 16-bit floats from shared memory, a register of each per
+# thread: a 16 x 16 A operand's fragment (after the mbarrier wait that made the tile
+# visible: volatile, with a memory clobber).
 _LDMATRIX_SOURCE = f"""
 __forceinline__ __device__ void {_LDMATRIX}(unsigned& a, unsigned& b, unsigned& c, unsigned& d, unsigned address) {{
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0, %1, %2, %3}}, [%4];"
@@ -195,7 +195,8 @@ def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_
     if reason is not None:
         raise ValueError(reason)
     sch = tvm.s_tir.Schedule(func)
-    apply_schedule(sch, problem, config.cols, config.stages, config.group, (config.producer_registers, config.consumer_registers))
+    registers = (config.producer_registers, config.consumer_registers)
+    apply_schedule(sch, problem, config.cols, config.stages, config.group, registers)
     return sch
 
 
@@ -295,7 +296,8 @@ def _problem_of_params(func, eps, layout) -> Optional[RmsNormGemm]:
     same = lambda a, b: all(analyzer.can_prove_equal(p, q) for p, q in zip(a, b))  # noqa: E731
     if layout not in _LAYOUTS or not (same(gamma.shape, (k,)) and same(w.shape, w_shape) and same(out.shape[:1], (m,))):
         return None
-    if not isinstance(k, tvm.tirx.IntImm) or not isinstance(n, tvm.tirx.IntImm) or len({str(p.dtype) for p in (x, gamma, w)}) != 1:
+    static = isinstance(k, tvm.tirx.IntImm) and isinstance(n, tvm.tirx.IntImm)
+    if not static or len({str(p.dtype) for p in (x, gamma, w)}) != 1:
         return None
     m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
     return RmsNormGemm(m, int(n), int(k), eps, layout, str(out.dtype), None, str(x.dtype))
@@ -340,6 +342,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     w_base = stages * x_tile
     g_base = stages * (x_tile + w_tile)  # γ, where it is in shared memory
     gamma_shared = config.gamma_in_shared(k)
+    smem_elements = g_base + (k_tiles * DEPTH if gamma_shared else 0)
     panels = cols // 64
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
     part_k, part_n = k % DEPTH != 0, n % cols != 0
@@ -366,7 +369,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
             gv.vstore([0], smem.vload([g_base + t * DEPTH + col], f"{dtype}x2"))
         elif part_k:
             for e in T.unroll(2):
-                gv[e] = T.if_then_else(t * DEPTH + col + e < k, gamma[T.min(t * DEPTH + col + e, k - 1)], T.Cast(dtype, 0))
+                at = T.meta_var(t * DEPTH + col + e)
+                gv[e] = T.if_then_else(at < k, gamma[T.min(at, k - 1)], T.Cast(dtype, 0))
         else:
             gv.vstore([0], gamma.vload([t * DEPTH + col], f"{dtype}x2"))
 
@@ -497,13 +501,15 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                         T.int32(t * DEPTH), full.ptr_to([st]),
                     )
             else:
-                T.ptx[_TMA](smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0, full.ptr_to([st]))
+                T.ptx[_TMA](
+                    smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0, full.ptr_to([st])
+                )
 
     @T.macro
     def block(x_map, w_map, bx, tx):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
-        smem = T.alloc_buffer((g_base + (k_tiles * DEPTH if gamma_shared else 0),), dtype, scope="shared.dyn", align=1024)
+        smem = T.alloc_buffer((smem_elements,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
         # Tile bx: groups of `group` row tiles, rows fastest within a group.
@@ -545,8 +551,13 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     def main():
         x_map = T.tvm_stack_alloca("tensormap", 1)
         w_map = T.tvm_stack_alloca("tensormap", 1)
-        T.evaluate(T.tensormap_encode_tiled(x_map, X.data, k, m, k * 2, DEPTH, ROWS, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3))
-        T.evaluate(T.tensormap_encode_tiled(w_map, W.data, *w_dims, *w_box, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3))
+        # 2-d maps (the contiguous axis first), 128-byte swizzled boxes
+        T.evaluate(T.tensormap_encode_tiled(
+            x_map, X.data, k, m, k * 2, DEPTH, ROWS, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3
+        ))
+        T.evaluate(T.tensormap_encode_tiled(
+            w_map, W.data, *w_dims, *w_box, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3
+        ))
         bx = T.launch_thread("blockIdx.x", m_tiles * n_tiles)
         tx = T.launch_thread("threadIdx.x", THREADS)
         block(x_map, w_map, bx, tx)
