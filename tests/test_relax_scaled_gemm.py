@@ -78,7 +78,7 @@ def test_bfloat16_takes_the_warp_specialised_kernel():
     (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
     assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_64_128_256_nk_bf16"
     (library,) = out.attrs["external_mods"]
-    assert "m64n128k16_f32_bf16_bf16" in _kernel_source(library, SM90A)
+    assert "m64n256k16_f32_bf16_bf16" in _kernel_source(library, SM90A)
     assert tvm_ffi.structural_equal(_dispatch(model, SM80), model)
 
 

@@ -75,13 +75,6 @@ def test_gamma_is_read_from_shared_memory_where_it_fits(k, shared):
     assert ("= *(half2*)(gamma_ptr" in source) == (not shared)
 
 
-def test_the_default_columns_follow_the_grid():
-    """Fewer output tiles of 256 columns than an H100's multiprocessors: 128 columns."""
-    assert WarpSpecializedGemmConfig.for_shape(16, 14336).cols == 128
-    assert WarpSpecializedGemmConfig.for_shape(512, 14336).cols == 256
-    assert WarpSpecializedGemmConfig.for_shape(tvm.tirx.Var("m", "int32"), 4096).cols == 256
-
-
 def test_schedule_for_target_picks_the_kernel():
     func = cascades.rmsnorm_gemm(256, 256, 256, dtype="float16")
     assert ws.lowers(scaled_gemm.schedule_for_target(func, SM90A).mod)

@@ -253,7 +253,7 @@ def _kernel(key, target):
     rows = tvm.tirx.Var("m", "int32") if m is None else m
     if serves_target(target):  # the warp-specialised kernel: any rows, no padding
         func = cascades.rmsnorm_gemm(rows, n, k, eps, dtype, weight_layout=layout, out_dtype=out_dtype)
-        func = schedule_scaled_gemm(func, WarpSpecializedGemmConfig.for_shape(rows, n)).mod["main"]
+        func = schedule_scaled_gemm(func, WarpSpecializedGemmConfig()).mod["main"]
         mod = tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)})
         return symbol, build(mod, target).mod
     tile, lanes = ScaledGemmConfig().rows, _lanes(target)
