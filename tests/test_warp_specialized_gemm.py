@@ -14,6 +14,7 @@ from tvm_cascade.ops import cascades
 from tvm_cascade.schedules import scaled_gemm
 from tvm_cascade.schedules import warp_specialized_gemm as ws
 from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
+from ptxas import ptxas_report
 from tvm_cascade import trace as cascade_trace
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -62,6 +63,19 @@ def test_build_makes_one_tma_and_wgmma_kernel(layout):
     flag = "1" if layout == "kn" else "0"
     assert f"wgmma_f16_rs_mma_async_sync_aligned_m64n256k16_f32_f16_f16_1_1_{flag}(" in source
     assert re.search(r"< \(?m\b", source)
+
+
+@pytest.mark.parametrize("layout, dtype, rows, k", [("kn", "float16", 2048, 4096), ("nk", "bfloat16", None, 520)])
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(layout, dtype, rows, k, tmp_path):
+    """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
+    instructions asynchronous (not serialised, no warpgroup waits injected)."""
+    rows = tvm.tirx.Var("m", "int32") if rows is None else rows
+    func = cascades.rmsnorm_gemm(rows, 328 if layout == "nk" else 1024, k, dtype=dtype, weight_layout=layout)
+    report = ptxas_report(_source(ws.schedule(func)), tmp_path / "kernel.cu")
+    assert "0 bytes spill stores, 0 bytes spill loads" in report
+    # C7508: setmaxnreg ignored; C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
+    for remark in ("C7508", "C7514", "C7519", "is injected"):
+        assert remark not in report, report
 
 
 @pytest.mark.parametrize("k, shared", [(4096, True), (40000, False)])
