@@ -68,7 +68,7 @@ def stock_tvm(m, k, n, target, pipeline="default", dtype="float16"):
 
 def tuned_kernel(m, k, n, dtype, target, trials: int, work_dir: Path):
     """The best of ``trials`` MetaSchedule candidates for the unfused function, and what
-    its record chose (the warp-specialised kernel's annotations, or the fusions)."""
+    its record chose (the warp-specialised kernel's choices, or its trace's instruction kinds)."""
     import tvm
     from tvm.s_tir import meta_schedule as ms
 

@@ -124,30 +124,17 @@ BUILD_FUNC = "tvm_cascade.build"
 
 
 def _has_warp_buffers(mod):
-    found = []
-
-    def visit(node):
-        if isinstance(node, SBlock):
-            found.extend(b for b in node.alloc_buffers if b.scope() == "warp")
-
-    for func in mod.functions.values():
-        if isinstance(func, tvm.tirx.PrimFunc):
-            tvm_ffi.structural_walk(func.body, visit)
-    return bool(found)
+    return _any_node(mod, lambda n: isinstance(n, SBlock) and any(b.scope() == "warp" for b in n.alloc_buffers))
 
 
 def _uses_ptx(mod) -> bool:
     """Whether a function of ``mod`` calls a PTX instruction (``tirx.ptx_*``)."""
-    found = []
+    return _any_node(mod, lambda n: isinstance(n, tvm.ir.expr.Call) and getattr(n.op, "name", "").startswith("tirx.ptx"))
 
-    def visit(node):
-        if isinstance(node, tvm.ir.expr.Call) and getattr(node.op, "name", "").startswith("tirx.ptx"):
-            found.append(node)
 
-    for func in mod.functions.values():
-        if isinstance(func, tvm.tirx.PrimFunc):
-            tvm_ffi.structural_walk(func.body, visit)
-    return bool(found)
+def _any_node(mod, predicate) -> bool:
+    """Whether a node of a PrimFunc of ``mod`` satisfies ``predicate``."""
+    return any(ir.contains(f.body, predicate) for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
 
 
 def _warp_allocations(func) -> int:

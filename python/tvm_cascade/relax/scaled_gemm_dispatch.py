@@ -53,7 +53,7 @@ class DispatchScaledGemm:
         target = tvm.target.Target.current(allow_none=True)
         if target is None or target.kind.name not in ("cuda", "rocm"):
             return mod
-        kernels = {}  # (m, n, k, eps, layout) -> (symbol, runtime module)
+        kernels = {}  # (m, n, k, eps, layout, out dtype, dtype) -> (symbol, runtime module)
         updates = {}
         for gvar, func in mod.functions_items():
             if not isinstance(func, relax.Function):

@@ -90,9 +90,11 @@ SHARED_BYTES = 227 * 1024
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
 MASKED_SCORE = float(np.finfo(np.float32).min)
 _LOG2E = math.log2(math.e)
-_ALL_LANES = 0xFFFFFFFF
-_TMA = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
-_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+ALL_LANES = 0xFFFFFFFF
+#: A TMA copy of a tile of the given rank into shared memory, completing on an mbarrier.
+TMA_COPY = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+#: wgmma's names of the 16-bit input types.
+PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 #: The design space's choices (:func:`design_space`): K/V stages, and the consumers'
 #: form, ``(overlap, pingpong)``.
 STAGE_CHOICES = (2, 3)
@@ -142,7 +144,7 @@ def unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, targ
     """Why the kernel cannot serve this configuration on ``target``, or None."""
     if not serves_target(target):
         return f"the warp-specialised kernel needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}"
-    if dtype not in _PTX_TYPE:
+    if dtype not in PTX_TYPE:
         return f"the warp-specialised kernel computes in float16 or bfloat16, not {dtype}"
     if head_dim != HEAD_DIM:
         return f"the warp-specialised kernel of ops.attention takes head dim {HEAD_DIM}, not {head_dim}"
@@ -424,7 +426,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     def instruction(columns):
         shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32
-        return getattr(getattr(shape, _PTX_TYPE[dtype]), _PTX_TYPE[dtype])
+        return getattr(getattr(shape, PTX_TYPE[dtype]), PTX_TYPE[dtype])
 
     # Per thread: a row pair's scores of a tile, and of the output.
     scores_mma, output_mma = instruction(keys), instruction(head_dim)
@@ -555,8 +557,8 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 for e in T.unroll(2):
                     m_new[g] = T.max(m_new[g], S[4 * n + 2 * g + e])
         for g in T.unroll(2):
-            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 1, 32))
-            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), m_new[g], 2, 32))
+            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), m_new[g], 1, 32))
+            m_new[g] = T.max(m_new[g], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), m_new[g], 2, 32))
             repair[g] = repair_factor(variant, m[g], m_new[g])
             m[g] = m_new[g]
             l[g] = l[g] * repair[g]
@@ -621,7 +623,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         """The K (``which`` 0) or V (1) rows ``located`` into stage ``st``, box by box."""
         for s in T.unroll(kv_boxes):
             for p in T.unroll(head_dim // 64):
-                T.ptx[_TMA.format(3) + multicast](
+                T.ptx[TMA_COPY.format(3) + multicast](
                     smem.ptr_to([base + st * tile + p * keys * 64 + s * tiles.k_map.rows * 64]),
                     T.address_of(tensor_map), T.int32(p * 64), located[(which * kv_boxes + s) * 2],
                     located[(which * kv_boxes + s) * 2 + 1], bar, *mask,
@@ -729,7 +731,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
         qa, qc = T.meta_var(tiles.q_at(b, h, r0))
         for p in T.unroll(head_dim // 64):
-            T.ptx[_TMA.format(3)](
+            T.ptx[TMA_COPY.format(3)](
                 smem.ptr_to([p * ROWS * 64]), T.address_of(q_map), T.int32(p * 64), T.int32(qa), T.int32(qc),
                 q_full.ptr_to([0]),
             )
@@ -762,8 +764,8 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
             T.ptx.mbarrier.arrive.shared.b64(q_empty.ptr_to([0]), T.uint32(1))
         for g in T.unroll(2):
-            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 1, 32)
-            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), l[g], 2, 32)
+            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 1, 32)
+            l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 2, 32)
         if tiles.lse_index is not None:
             if lane % 4 == 0:
                 for g in T.unroll(2):
@@ -825,7 +827,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         slope = T.alloc_local((1,), "float32")
         bias = T.alloc_local((2,), "float32")
         counts = T.alloc_local((2,), "int32")
-        warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
+        warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))

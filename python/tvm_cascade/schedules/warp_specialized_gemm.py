@@ -52,17 +52,15 @@ from ..errors import FusionError
 from ..ops import cascades
 from ..primitives import ir
 from ..primitives.row_scales import find_gemm
-from .warp_specialized import serves_target, sm90a
+# (the producer and two consumer warpgroups, the shared memory of an sm_90 block: as the
+# attention kernel's)
+from .warp_specialized import ALL_LANES, PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
 #: k per tile (one 128-byte swizzled row of 16-bit floats).
 DEPTH = 64
-THREADS = 384
-#: Dynamic shared memory an sm_90 thread block may have (227 KB).
-SHARED_BYTES = 227 * 1024
-_ALL_LANES = 0xFFFFFFFF
-_TMA = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA = TMA_COPY.format(2)
 _LAYOUTS = ("kn", "nk")
 #: Annotations of the GEMM block that ask :func:`build` for this kernel: ``[eps, W's
 #: layout]`` of the function, and the choices of :class:`WarpSpecializedGemmConfig`. On
@@ -87,7 +85,6 @@ __forceinline__ __device__ void {_LDMATRIX}(unsigned& a, unsigned& b, unsigned& 
                : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(address) : "memory");
 }}
 """
-_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 # A pair of products in one instruction (TVM's codegen splits vector calls per lane).
 _MUL2 = "tvm_cascade_mul2_{}"
 _MUL2_SOURCE = """
@@ -192,7 +189,10 @@ def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_
     return sch
 
 
-def apply_schedule(sch, problem: RmsNormGemm, cols, stages, group, registers=(40, 232)) -> None:
+def apply_schedule(
+    sch, problem: RmsNormGemm, cols, stages, group,
+    registers=(WarpSpecializedGemmConfig.producer_registers, WarpSpecializedGemmConfig.consumer_registers),
+) -> None:
     """On ``sch``, a schedule of the ``ops.rmsnorm_gemm`` that ``problem`` describes: the
     traced ``defer_row_scales`` of its GEMM, then the kernel's choices (ints, or values a
     design space sampled), its eps and W's layout annotated on the GEMM block
@@ -297,7 +297,7 @@ def _problem_of_params(func, eps, layout) -> Optional[RmsNormGemm]:
 
 def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig()):
     """Why the kernel cannot serve this GEMM (M is free), or None."""
-    if dtype not in _PTX_TYPE:
+    if dtype not in PTX_TYPE:
         return f"the warp-specialised scaled GEMM computes in float16 or bfloat16, not {dtype}"
     if out_dtype not in (dtype, "float32"):
         return f"the warp-specialised scaled GEMM stores {dtype} or float32, not {out_dtype}"
@@ -319,8 +319,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     reason = unsupported(n, k, layout, dtype, out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
-    mul2 = _MUL2.format(_PTX_TYPE[dtype])
-    mul2_source = _MUL2_SOURCE.format(name=mul2, ptx=_PTX_TYPE[dtype])
+    mul2 = _MUL2.format(PTX_TYPE[dtype])
+    mul2_source = _MUL2_SOURCE.format(name=mul2, ptx=PTX_TYPE[dtype])
     cols, stages = config.cols, config.stages
     kn = layout == "kn"
     X = tvm.tirx.decl_buffer((m, k), dtype, "X")
@@ -338,7 +338,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     panels = cols // 64
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
     part_k, part_n = k % DEPTH != 0, n % cols != 0
-    ptx = _PTX_TYPE[dtype]
+    ptx = PTX_TYPE[dtype]
     mma = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32, ptx), ptx)
     group = config.group
 
@@ -461,8 +461,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         fence_accumulators(acc)
         T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(k_tiles - 1) % stages]), T.uint32(1))
         for g in T.unroll(2):
-            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), ss[g], 1, 32)
-            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), ss[g], 2, 32)
+            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
+            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 2, 32)
             ss[g] = T.float32(1) / T.sqrt(ss[g] / T.float32(k) + T.float32(eps))
         # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e
         for j in T.unroll(cols // 8):
@@ -510,7 +510,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         within = bx % (group * n_tiles)
         r0 = (first + within % rows_here) * ROWS
         c0 = within // rows_here * cols
-        warpgroup = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), tx // 128, 0, 32)
+        warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         if gamma_shared:
             # γ in 16-byte pieces, zeros past k (k is a multiple of 8)
             for i in T.serial(-(-k_tiles * DEPTH // 8 // THREADS)):
