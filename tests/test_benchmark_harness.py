@@ -404,6 +404,7 @@ def test_shape_runner_rewrites_its_json_after_each_shape(tmp_path, monkeypatch, 
         ["benchmarks.attention", "--suite", "models", "--only", "mha-b1-kv2048"],
         ["benchmarks.cascades", "--only", "moe"],
         ["benchmarks.scaled_gemm", "--only", "16 x"],
+        ["benchmarks.fp8_gemm", "--only", "16 x"],
         ["benchmarks.kv_cache"],
     ],
 )

@@ -164,6 +164,30 @@ def absmax_quant_gemm_ref(x, w, fp8_max: float = 448.0, eps: float = 1e-12) -> n
     return y / s[:, None]
 
 
+def fp8_quant_gemm_ref(x, w, w_scale, tile: Optional[int] = None, fp8_max: float = 448.0, eps: float = 1e-12) -> np.ndarray:
+    """``out[i, n] = w_scale[n] · Σ_k e4m3(X[i, k]·s_i)·W[n, k] / s_i``, X's rows quantised
+    to e4m3 with ``s_i = fp8_max / max(eps, max_k |X[i, k]|)`` (the scale and the product
+    rounded to float32, as a GPU computes them; W ``[n, k]`` given as its e4m3 values).
+    With ``tile``, the k axis is taken in tiles of ``tile`` and each tile is quantised with
+    the scale of the row's running abs-max over the tiles up to it (the rolling form of
+    :mod:`tvm_cascade.schedules.warp_specialized_fp8_gemm`); without, the whole row's."""
+    import ml_dtypes
+
+    x32 = np.asarray(x).astype(np.float32)
+    w, w_scale = _f64(w), _f64(w_scale)
+    k = x32.shape[1]
+    tile = tile or k
+    out = np.zeros((x32.shape[0], w.shape[0]))
+    peak = np.zeros(x32.shape[0], np.float32)
+    for k0 in range(0, k, tile):
+        part = x32[:, k0:k0 + tile]
+        peak = np.maximum(peak, np.abs(part).max(axis=1))
+        scale = np.float32(fp8_max) / np.maximum(peak, np.float32(eps))
+        q = (part * scale[:, None]).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        out += (q @ w[:, k0:k0 + tile].T) / scale.astype(np.float64)[:, None]
+    return out * w_scale[None, :]
+
+
 def rmsnorm_gemm_ref(x, gamma, w, eps: float = 1e-6) -> np.ndarray:
     x, gamma, w = _f64(x), _f64(gamma), _f64(w)
     r = 1.0 / np.sqrt((x * x).mean(axis=1) + eps)

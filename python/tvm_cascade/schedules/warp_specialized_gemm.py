@@ -538,20 +538,26 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         w_dims, w_box = (n, k, n * 2), (64, DEPTH)
     else:
         w_dims, w_box = (k, n, k * 2), (DEPTH, cols)
+    maps = ((X, k, m, k * 2, DEPTH, ROWS, 1, 1, dtype), (W, *w_dims, *w_box, 1, 1, dtype))
+    return tma_kernel([X, gamma, W, out], maps, m_tiles * n_tiles, THREADS, block)
+
+
+def tma_kernel(params, maps, blocks, threads, block):
+    """The PrimFunc ``main`` over ``params`` that encodes two 2-d TMA maps with 128-byte
+    swizzled boxes (``maps``: each the tensor, then ``tensormap_encode_tiled``'s extents,
+    row stride, box and element strides, the contiguous axis first, then the element
+    dtype) and runs the macro ``block(x_map, w_map, bx, tx)`` in ``blocks`` blocks of
+    ``threads`` threads."""
+    (x, *x_args, x_dtype), (w, *w_args, w_dtype) = maps
 
     @T.prim_func(private=True, check_well_formed=False)
     def main():
         x_map = T.tvm_stack_alloca("tensormap", 1)
         w_map = T.tvm_stack_alloca("tensormap", 1)
-        # 2-d maps (the contiguous axis first), 128-byte swizzled boxes
-        T.evaluate(T.tensormap_encode_tiled(
-            x_map, X.data, k, m, k * 2, DEPTH, ROWS, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3
-        ))
-        T.evaluate(T.tensormap_encode_tiled(
-            w_map, W.data, *w_dims, *w_box, 1, 1, descriptor_dtype=dtype, rank=2, swizzle=3
-        ))
-        bx = T.launch_thread("blockIdx.x", m_tiles * n_tiles)
-        tx = T.launch_thread("threadIdx.x", THREADS)
+        T.evaluate(T.tensormap_encode_tiled(x_map, x.data, *x_args, descriptor_dtype=x_dtype, rank=2, swizzle=3))
+        T.evaluate(T.tensormap_encode_tiled(w_map, w.data, *w_args, descriptor_dtype=w_dtype, rank=2, swizzle=3))
+        bx = T.launch_thread("blockIdx.x", blocks)
+        tx = T.launch_thread("threadIdx.x", threads)
         block(x_map, w_map, bx, tx)
 
-    return tvm.tirx.PrimFunc([X, gamma, W, out], main.body).with_attr("global_symbol", "main")
+    return tvm.tirx.PrimFunc(params, main.body).with_attr("global_symbol", "main")

@@ -1,0 +1,192 @@
+"""Per-token fp8 quantisation + GEMM on the GPU: tvm-cascade's one kernel (X's rows
+quantised to e4m3 inside the GEMM's k loop by their running abs-max, the accumulators
+repaired when it grows: :mod:`tvm_cascade.schedules.warp_specialized_fp8_gemm`, the
+kernel :func:`~tvm_cascade.schedules.warp_specialized_fp8_gemm.kernel_for` picks) beside
+the two-kernel path users run (a quantisation kernel, then ``torch._scaled_mm`` with
+row-wise scales; the quantisation eager and ``torch.compile``d), ``torch.compile`` of
+the whole, and cuBLAS's float16 GEMM of the unquantised operands for reference.
+
+    python -m benchmarks.fp8_gemm [--out DIR] [--only NAME ...]
+
+X is [M, K] float16, W [N, K] float8_e4m3fn with a float32 scale per output channel,
+the output [M, N] float16. Every output is checked first against float64 PyTorch:
+tvm-cascade's against its definition (:func:`tvm_cascade.ops.reference.fp8_quant_gemm_ref`
+with the kernel's k tile, emulated in float64 on the GPU; largest error under 0.1% of
+the largest output), every peer's against the unquantised product (under 5%: fp8's
+own rounding); the table gives each one's error against the unquantised product. Times
+are medians of CUDA-event timed calls with the L2 cache flushed before each
+(:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
+``fp8_gemm.json`` and ``fp8_gemm.md``.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .attention import named, run_shapes, shapes_parser
+from .cascades import _reason
+from .timing import bench
+
+PEERS = (
+    "tvm-cascade", "quantise + _scaled_mm", "quantise (compiled) + _scaled_mm", "torch.compile", "fp16 cuBLAS GEMM",
+)
+TWO_KERNELS = "quantise (compiled) + _scaled_mm"
+#: (name, M, K, N)
+SHAPES = (
+    ("fp8 gemm 1 x 4096 x 14336", 1, 4096, 14336),
+    ("fp8 gemm 16 x 4096 x 14336", 16, 4096, 14336),
+    ("fp8 gemm 32 x 4096 x 14336", 32, 4096, 14336),
+    ("fp8 gemm 16 x 14336 x 4096", 16, 14336, 4096),
+    ("fp8 gemm 64 x 4096 x 14336", 64, 4096, 14336),
+    ("fp8 gemm 256 x 4096 x 14336", 256, 4096, 14336),
+    ("fp8 gemm 2048 x 4096 x 14336", 2048, 4096, 14336),
+    ("fp8 gemm 8192 x 4096 x 14336", 8192, 4096, 14336),
+    ("fp8 gemm 2048 x 14336 x 4096", 2048, 14336, 4096),
+    ("fp8 gemm 8192 x 4096 x 4096", 8192, 4096, 4096),
+    ("fp8 gemm 2000 x 4096 x 14336", 2000, 4096, 14336),
+)
+FP8_MAX = 448.0
+EPS = 1e-12
+#: Largest error against the definition (tvm-cascade) and against the unquantised
+#: product (every peer), relative to the largest output.
+DEFINITION_ERROR, PRODUCT_ERROR = 1e-3, 5e-2
+
+
+def quantise(x):
+    """Per-token e4m3 quantisation: X's rows scaled to 448 at their abs-max; the scales to
+    undo it."""
+    import torch
+
+    peak = x.abs().amax(dim=1, keepdim=True).float().clamp(min=EPS)
+    return (x.float() * (FP8_MAX / peak)).to(torch.float8_e4m3fn), peak / FP8_MAX
+
+
+def scaled_mm(xq, x_scale, w, w_scale):
+    import torch
+
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.float16)
+
+
+def rolling_reference(x, w, w_scale, tile):
+    """:func:`tvm_cascade.ops.reference.fp8_quant_gemm_ref` with ``tile``, in float64 on
+    the GPU (the quantised values exactly as a float32 GPU computes them)."""
+    import torch
+
+    x32 = x.float()
+    out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64, device=x.device)
+    peak = torch.zeros(x.shape[0], 1, device=x.device)
+    w64 = w.double()
+    for k0 in range(0, x.shape[1], tile):
+        part = x32[:, k0:k0 + tile]
+        peak = torch.maximum(peak, part.abs().amax(dim=1, keepdim=True))
+        # (a tensor divided: PyTorch computes a number over a tensor as a reciprocal times it)
+        scale = torch.full_like(peak, FP8_MAX) / peak.clamp(min=EPS)
+        q = (part * scale).to(torch.float8_e4m3fn).double()
+        out += (q @ w64[:, k0:k0 + tile].T) / scale.double()
+    return out * w_scale.double()[None, :]
+
+
+def run_shape(shape) -> List[Dict]:
+    import torch
+    import tvm
+
+    from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
+
+    name, m, k, n = shape
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    w_full = torch.randn(n, k, device="cuda") / k**0.5
+    w_scale = w_full.abs().amax(dim=1) / FP8_MAX
+    w = (w_full / w_scale[:, None]).to(torch.float8_e4m3fn)
+    product = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    definition = rolling_reference(x, w, w_scale, fp8.DEPTH)
+    w16 = (w.float() * w_scale[:, None]).half().T.contiguous()
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+
+    def ours():
+        kernel = fp8.build(fp8.kernel_for(m, n, k), target)["main"]
+        tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, w, w_scale, out)]
+        return (lambda: kernel(*tvm_args)), (lambda: out)
+
+    def eager(f, *args):
+        def build():
+            box = {}
+
+            def call():
+                box["out"] = f(*args)
+
+            return call, (lambda: box["out"])
+
+        return build
+
+    two_kernels = lambda q: lambda a, b, s: scaled_mm(*q(a), b, s)  # noqa: E731
+    builders = {
+        "tvm-cascade": ours,
+        "quantise + _scaled_mm": eager(two_kernels(quantise), x, w, w_scale),
+        TWO_KERNELS: eager(two_kernels(torch.compile(quantise)), x, w, w_scale),
+        "torch.compile": eager(torch.compile(two_kernels(quantise)), x, w, w_scale),
+        "fp16 cuBLAS GEMM": eager(torch.matmul, x, w16),
+    }
+    results = []
+    for peer in PEERS:
+        row = {"shape": name, "peer": peer}
+        try:
+            call, result = builders[peer]()
+            call()
+            torch.cuda.synchronize()
+            got = result().double()
+            row["relative error"] = (got - product).abs().max().item() / product.abs().max().item()
+            wrong = None
+            if peer == "tvm-cascade":
+                off = (got - definition).abs().max().item() / definition.abs().max().item()
+                if off > DEFINITION_ERROR:
+                    wrong = f"off its definition by {off:.2e} of the largest output"
+            if row["relative error"] > PRODUCT_ERROR:
+                wrong = f"off the product by {row['relative error']:.2e} of the largest output"
+            if wrong:
+                row["error"] = wrong
+            else:
+                row["ms"] = bench(call)
+                row["TFLOP/s"] = 2 * m * n * k / row["ms"] / 1e9
+        except Exception as err:  # a peer that fails shows why, the others still run
+            row["error"] = _reason(err)
+        results.append(row)
+    by_peer = {r["peer"]: r.get("ms") for r in results}
+    for row in results:
+        base = by_peer.get(TWO_KERNELS)
+        row[f"vs {TWO_KERNELS}"] = base / row["ms"] if base and row.get("ms") else None
+    return results
+
+
+def markdown(results: List[Dict]) -> str:
+    lines = [
+        "| shape | " + " | ".join(f"{p} ms" for p in PEERS) + f" | tvm-cascade TFLOP/s | vs {TWO_KERNELS} | error: tvm-cascade / two kernels |",
+        "|---|" + "---|" * (len(PEERS) + 3),
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        rows = {r["peer"]: r for r in results if r["shape"] == shape}
+        cells = [f"{rows[p]['ms']:.4f}" if rows.get(p, {}).get("ms") else "fails" for p in PEERS]
+        ours = rows["tvm-cascade"]
+        extra = [f"{ours['TFLOP/s']:.0f}" if ours.get("ms") else "--"]
+        extra.append(f"{ours[f'vs {TWO_KERNELS}']:.2f}x" if ours.get(f"vs {TWO_KERNELS}") else "--")
+        errors = [rows.get(p, {}).get("relative error") for p in ("tvm-cascade", TWO_KERNELS)]
+        extra.append(" / ".join(f"{e:.2e}" if e is not None else "--" for e in errors))
+        lines.append(f"| {shape} | " + " | ".join(cells + extra) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = shapes_parser("benchmarks.fp8_gemm", __doc__, "fp8_gemm.json and .md").parse_args(argv)
+    results = run_shapes("benchmarks.fp8_gemm", args.out, argv, named(SHAPES, args.only), run_shape)
+    if results is None:
+        return 0
+    table = markdown(results)
+    (args.out / "fp8_gemm.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,624 @@
+"""Per-token fp8 quantisation + GEMM as one warp-specialised Hopper kernel (sm_90a):
+``out[i, n] = w_scale[n] · Σ_k q[i, k]·W[n, k] / s_i`` where W is already fp8 (e4m3, one
+scale per output channel) and X's rows are quantised to e4m3 on their way into the
+tensor cores, ``q[i, k] = e4m3(X[i, k]·s_i)``, ``s_i = 448 / max_k |X[i, k]|``.
+
+Two kernels are how this is usually run (a quantisation pass over X, then an fp8 GEMM
+such as ``torch._scaled_mm``): the GEMM cannot start a row before that row's abs-max is
+known. This kernel reads X once: it keeps each row's *running* abs-max over the k tiles
+seen so far, quantises each tile with the scale of that running max, and when the max
+grows multiplies the row's accumulators by the repair that
+:meth:`~tvm.s_tir.Schedule.rolling_update` derives and proves for ``ops.absmax_quant_gemm``
+(``max(eps, m_old) / max(eps, m_new)``, :func:`derived_repair`). Tiles quantised before
+the row reached its max use a finer scale than the two-pass form would; the result is
+:func:`~tvm_cascade.ops.reference.fp8_quant_gemm_ref` with ``tile=DEPTH``: the two-pass
+quantisation is the case of one tile.
+
+A thread block owns :data:`ROWS` rows and ``cols`` columns of the output:
+
+* warpgroup 0, the producer: one thread issues the TMA copies of each k tile, X's
+  ``ROWS x DEPTH`` fp16 tile (two 128-byte swizzled boxes) and W's ``cols x DEPTH``
+  bytes (one box, K-major), into ``stages`` stages. Boxes past X's rows or W's rows read
+  zeros: any M (a variable included) and N serve.
+* warpgroups 1 and 2, the consumers, 64 rows each: every thread loads its elements of
+  the tile in the register layout of wgmma's 8-bit A operand (rows ``lane / 4`` and
+  ``+ 8`` of its warp's 16, four consecutive k at ``4 (lane % 4)`` and ``+ 16``), takes
+  its rows' abs-max over them in 16-bit pairs (a quad shuffle completes the row),
+  converts them to e4m3 with the new scale, and issues ``wgmma`` m64n{cols}k32 e4m3
+  with W from shared memory into a tile's accumulators. The next tile's operand is
+  prepared while those instructions run; then each row's running accumulators are
+  repaired and the tile's added, in float32 (Hopper's fp8 tensor cores add with fewer
+  bits than float32: accumulated there over all of K, outputs drifted by ~0.3% of the
+  largest from the definition; added per tile, they agree to the output's rounding).
+  The epilogue scales each row by ``max(eps, m) / 448`` and each column by ``w_scale``.
+
+Two sets of accumulators a thread bound a block to 128 columns. The kernel is bound by
+the consumers' per-element work (load, abs-max, scale, convert: repeated for every
+column block) and by X's 16-bit tiles, read from L2 once per column block: it loses to
+the two-kernel path from 64 tokens on (H200, ``python -m benchmarks.fp8_gemm``,
+RESULTS.md). For few tokens :func:`skinny_kernel` computes the same with the tokens as
+the wgmma's N and wins (1.15-1.21x at 1 to 16 tokens); :func:`kernel_for` chooses.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import sympy
+import tvm
+from tvm.script import tirx as T
+
+from ..algebra.convert import to_tir
+from ..algebra.repair import RUNNING
+from ..cuda.wgmma import descriptor
+from ..cuda.wgmma_batches import fence_operand
+from ..errors import FusionError
+from ..ops import cascades
+from ..primitives.fusion import derive
+from ..primitives.rolling_update import chain_of
+from .warp_specialized import ALL_LANES, PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
+from .warp_specialized_gemm import tma_kernel
+
+#: Rows of the output per thread block (two consumer warpgroups of 64).
+ROWS = 128
+#: k per tile: one 128-byte swizzled row of W's bytes, two of X's 16-bit floats.
+DEPTH = 128
+#: The largest finite e4m3 value: a row's abs-max maps to it.
+FP8_MAX = 448.0
+#: The floor of a row's abs-max (an all-zero row, or a row past M, scales by 448 / EPS).
+EPS = 1e-12
+_TMA = TMA_COPY.format(2)
+_QUANTISE = "tvm_cascade_e4m3x4"
+# Four floats to four e4m3 bytes, the first in the lowest byte (cvt's first source goes
+# to the upper half of its pair).
+_QUANTISE_SOURCE = f"""
+__forceinline__ __device__ unsigned {_QUANTISE}(float a, float b, float c, float d) {{
+  unsigned r;
+  asm("{{.reg .b16 lo, hi;\\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\\n"
+      "mov.b32 %0, {{lo, hi}};}}"
+      : "=r"(r) : "f"(a), "f"(b), "f"(c), "f"(d));
+  return r;
+}}
+"""
+# The larger magnitude of two 16-bit pairs, pairwise (its sign is of no use here), and
+# the larger magnitude of a pair's two as a float.
+_ABS_MAX = "tvm_cascade_abs_max2_{}"
+_ABS_MAX_SOURCE = """
+__forceinline__ __device__ unsigned {name}(unsigned a, unsigned b) {{
+  unsigned r;
+  asm("max.xorsign.abs.{ptx}x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}}
+"""
+_PAIR_MAX = "tvm_cascade_pair_max_{}"
+_PAIR_MAX_SOURCE = """
+__forceinline__ __device__ float {name}(unsigned a) {{
+  float r;
+  asm("{{.reg .b16 lo, hi;\\n"
+      ".reg .f32 l, h;\\n"
+      "mov.b32 {{lo, hi}}, %1;\\n"
+      "cvt.f32.{ptx} l, lo;\\n"
+      "cvt.f32.{ptx} h, hi;\\n"
+      "abs.f32 l, l;\\n"
+      "abs.f32 h, h;\\n"
+      "max.f32 %0, l, h;}}" : "=f"(r) : "r"(a));
+  return r;
+}}
+"""
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Choices of the kernel."""
+
+    cols: int = 128  # output columns per block: the wgmma's N (64 or 128)
+    stages: int = 4  # k tiles in shared memory
+    group: int = 16  # row tiles taken together (L2 reuse)
+    # (240 x 256 + 24 x 128 registers fill the register file; ptxas spills at 232)
+    producer_registers: int = 24
+    consumer_registers: int = 240
+
+    def shared_bytes(self) -> int:
+        """The dynamic shared memory of the kernel's stages: each stage's X and W tiles."""
+        return self.stages * (2 * ROWS + self.cols) * DEPTH
+
+
+_OLD, _NEW = sympy.symbols("m_old m_new", real=True)
+
+
+@functools.lru_cache(maxsize=None)
+def derived_repair():
+    """The factor :meth:`~tvm.s_tir.Schedule.rolling_update` derives and proves for
+    ``ops.absmax_quant_gemm``'s GEMM over k tiles when the running abs-max moves from
+    ``m_old`` to ``m_new``, as a SymPy expression of :data:`_OLD`, :data:`_NEW`. The
+    algebra does not depend on the shapes, so a small instance serves."""
+    sch = tvm.s_tir.Schedule(cascades.absmax_quant_gemm(1, 1, 2 * DEPTH, FP8_MAX, "float16", eps=EPS))
+    k_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("absmax"))[-1], [None, DEPTH])
+    fusion = derive(chain_of(sch, sch.get_sblock("gemm"), k_tiles)[2])
+    factor = sympy.simplify(fusion.repair.h / RUNNING)
+    if len(fusion.repair.old) != 1 or RUNNING in factor.free_symbols:
+        raise FusionError(
+            f"the fp8 GEMM repairs its accumulators by one factor of the running abs-max; the repair "
+            f"is {fusion.describe()}"
+        )
+    (old,), (new,) = fusion.repair.old, fusion.repair.new
+    return factor.subs({old: _OLD, new: _NEW}, simultaneous=True)
+
+
+def unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig()):
+    """Why the kernel cannot serve this GEMM (M is free), or None."""
+    if dtype not in PTX_TYPE:
+        return f"the fp8 GEMM quantises float16 or bfloat16 rows, not {dtype}"
+    if out_dtype not in ("float16", "bfloat16", "float32"):
+        return f"the fp8 GEMM stores float16, bfloat16 or float32, not {out_dtype}"
+    if k % 16:
+        return f"TMA needs rows of a multiple of 16 bytes: W's rows hold K = {k} bytes"
+    if config.cols not in (64, 128):
+        return f"{config.cols} columns a block: 64 or 128 (two sets of accumulators a thread)"
+    if config.shared_bytes() > SHARED_BYTES:
+        return f"{config.stages} stages of {config.cols} columns need {config.shared_bytes()} bytes of shared memory"
+    return None
+
+
+def _params(m, n, k, dtype, out_dtype):
+    """The kernels' parameters ``X[m, k]``, ``W[n, k]``, ``w_scale[n]``, ``out[m, n]``."""
+    return [
+        tvm.tirx.decl_buffer((m, k), dtype, "X"),
+        tvm.tirx.decl_buffer((n, k), "float8_e4m3fn", "W"),
+        tvm.tirx.decl_buffer((n,), "float32", "w_scale"),
+        tvm.tirx.decl_buffer((m, n), out_dtype, "out"),
+    ]
+
+
+def _producer(k_tiles, stages, box, x_at, w_at, expect):
+    """The producer thread's macro ``produce(x_map, w_map, smem, full, empty, r0, c0)``:
+    each k tile's X box pair (from row ``r0``) and W box (from row ``c0``) into stage
+    ``st``'s places in ``smem``, ``x_at(st)`` and ``w_at(st)`` (16-bit elements),
+    ``expect`` bytes a stage."""
+
+    @T.macro
+    def produce(x_map, w_map, smem, full, empty, r0, c0):
+        for t in T.serial(k_tiles):
+            st = T.meta_var(t % stages)
+            T.cuda.mbarrier_wait(empty.ptr_to([st]), ((t // stages) & 1) ^ 1)
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(expect))
+            for h in T.unroll(2):
+                T.ptx[_TMA](
+                    smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(t * DEPTH + h * DEPTH // 2),
+                    T.Cast("int32", r0), full.ptr_to([st]),
+                )
+            T.ptx[_TMA](
+                smem.ptr_to([w_at(st)]), T.address_of(w_map), T.int32(t * DEPTH), T.Cast("int32", c0), full.ptr_to([st])
+            )
+
+    return produce
+
+
+def build(func, target):
+    """Compile :func:`kernel`'s PrimFunc ``func`` for ``target`` (an H100 or H200: sm_90a is
+    named for it) as ``main``."""
+    if not serves_target(target):
+        raise ValueError(f"the fp8 GEMM needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}")
+    target = sm90a(target)
+    with target:  # TVM's CUDA compile callback takes the arch from the current target
+        return tvm.compile(tvm.IRModule({"main": func}), target=target)
+
+
+#: The most tokens :func:`kernel_for` gives :func:`skinny_kernel` (measured: see
+#: RESULTS.md, "fp8 quantisation + GEMM").
+SKINNY_TOKENS = 32
+
+
+def kernel_for(m, n, k, dtype="float16", out_dtype="float16"):
+    """The kernel that serves ``m`` tokens: :func:`skinny_kernel` up to
+    :data:`SKINNY_TOKENS` (a static count), else :func:`kernel`."""
+    if isinstance(m, int) and m <= SKINNY_TOKENS:
+        return skinny_kernel(m, n, k, dtype, out_dtype, tokens=16 if m <= 16 else 32)
+    return kernel(m, n, k, dtype, out_dtype)
+
+
+def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()):
+    """The kernel's PrimFunc ``main(X[m, k], W[n, k], w_scale[n], out[m, n])``: X
+    ``dtype`` (float16 or bfloat16), W float8_e4m3fn, ``w_scale`` float32 (W's
+    per-channel scales); ``m`` an int or a variable."""
+    reason = unsupported(n, k, dtype, out_dtype, config)
+    if reason is not None:
+        raise ValueError(reason)
+    cols, stages, group = config.cols, config.stages, config.group
+    X, W, w_scale, out = params = _params(m, n, k, dtype, out_dtype)
+    m_tiles = (m + ROWS - 1) // ROWS
+    n_tiles = -(-n // cols)
+    k_tiles = -(-k // DEPTH)
+    # shared memory in 16-bit elements: per stage X's two boxes, then W's bytes
+    box = ROWS * DEPTH // 2
+    x_tile, w_tile = 2 * box, cols * DEPTH // 2
+    w_base = stages * x_tile
+    n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
+    part_n = n % cols != 0
+    ptx = PTX_TYPE[dtype]
+    abs_max, pair_max = _ABS_MAX.format(ptx), _PAIR_MAX.format(ptx)
+    abs_max_source = _ABS_MAX_SOURCE.format(name=abs_max, ptx=ptx)
+    pair_max_source = _PAIR_MAX_SOURCE.format(name=pair_max, ptx=ptx)
+    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
+
+    def repair(m_old, m_new):
+        return to_tir(derived_repair(), {_OLD: m_old, _NEW: m_new}, "float32")
+
+    def w_operand(smem, st, ks):
+        # [n, k] rows of DEPTH bytes, read K-major: step ks is 32 bytes into the swizzled row.
+        return descriptor(smem.ptr_to([w_base + st * w_tile + ks * 16]), 16, 1024, swizzle=True)
+
+    @T.macro
+    def wait(bar, t):
+        T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
+
+    @T.macro
+    def operand(smem, A, xv, peak, factor, scale, half, t, cw, w, lane):
+        """Tile ``t``'s A operand into register set ``half``: this thread's elements of
+        its rows, their rows' new running abs-max ``peak``, the repair ``factor[half]`` of
+        the accumulators, the elements quantised with the new ``scale``."""
+        pairs = T.alloc_local((2,), "uint32")  # each row's largest magnitudes, in a pair
+        tile_peak = T.alloc_local((2,), "float32")
+        for ks in T.unroll(DEPTH // 32):
+            for q in T.unroll(4):
+                # register q: row lane / 4 (+ 8 for q odd), k 4 (lane % 4) (+ 16 for q >= 2);
+                # the 16-byte chunk c of a box's row r lies at c ^ (r % 8)
+                row = T.meta_var(64 * cw + 16 * w + lane // 4 + 8 * (q % 2))
+                col = T.meta_var(32 * (ks % 2) + 16 * (q // 2) + 4 * (lane % 4))
+                at = T.meta_var(
+                    (t % stages) * x_tile + (ks // 2) * box + row * 64 + ((col // 8) ^ (row % 8)) * 8 + col % 8
+                )
+                xv.vstore([16 * ks + 4 * q], smem.vload([at], f"{dtype}x4"))
+                for e in T.unroll(2):
+                    pair = T.meta_var(T.reinterpret("uint32", xv.vload([16 * ks + 4 * q + 2 * e], f"{dtype}x2")))
+                    if ks == 0 and q < 2 and e == 0:
+                        pairs[q % 2] = pair
+                    else:
+                        pairs[q % 2] = T.cuda.func_call(
+                            abs_max, pairs[q % 2], pair, source_code=abs_max_source, return_type="uint32"
+                        )
+        for g in T.unroll(2):
+            tile_peak[g] = T.cuda.func_call(pair_max, pairs[g], source_code=pair_max_source, return_type="float32")
+        for g in T.unroll(2):
+            for d in T.unroll(2):
+                tile_peak[g] = T.max(
+                    tile_peak[g], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[g], 1 << d, 32)
+                )
+            new_peak = T.meta_var(T.max(peak[g], tile_peak[g]))
+            factor[2 * half + g] = repair(peak[g], new_peak)
+            peak[g] = new_peak
+            # rounded as the definition's (and numpy's) division, whatever the compiler's flags
+            scale[g] = T.call_pure_extern("float32", "__fdiv_rn", T.float32(FP8_MAX), T.max(peak[g], T.float32(EPS)))
+        for ks in T.unroll(DEPTH // 32):
+            for q in T.unroll(4):
+                v = T.meta_var([T.Cast("float32", xv[16 * ks + 4 * q + e]) * scale[q % 2] for e in range(4)])
+                A[half * 16 + ks * 4 + q] = T.cuda.func_call(
+                    _QUANTISE, *v, source_code=_QUANTISE_SOURCE, return_type="uint32"
+                )
+
+    @T.macro
+    def fence_accumulators(acc):
+        for i in T.unroll(n_acc):
+            T.evaluate(fence_operand(acc[i]))
+
+    @T.macro
+    def fence_a(A, half):
+        for i in T.unroll(16):
+            T.evaluate(fence_operand(A[half * 16 + i]))
+
+    @T.macro
+    def step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, t, cw, w, lane):
+        fence_accumulators(part)
+        fence_a(A, half)
+        T.ptx.wgmma.fence.sync.aligned()
+        for ks in T.unroll(DEPTH // 32):
+            T.evaluate(
+                mma(
+                    *[part[i] for i in range(n_acc)],
+                    *[A[half * 16 + ks * 4 + q] for q in range(4)],
+                    w_operand(smem, t % stages, ks), ks > 0, 1, 1,
+                )
+            )
+        T.ptx.wgmma.commit_group.sync.aligned()
+        fence_a(A, 1 - half)
+        if t + 1 < k_tiles:
+            wait(full, t + 1)
+            operand(smem, A, xv, peak, factor, scale, 1 - half, t + 1, cw, w, lane)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence_accumulators(part)
+        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
+        # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e
+        for j in T.unroll(cols // 8):
+            for g in T.unroll(2):
+                for e in T.unroll(2):
+                    at = T.meta_var(4 * j + 2 * g + e)
+                    acc[at] = acc[at] * factor[2 * half + g] + part[at]
+
+    @T.macro
+    def consume(smem, full, empty, r0, c0, tx, cw):
+        w = T.meta_var((tx // 32) % 4)
+        lane = T.meta_var(tx % 32)
+        acc = T.alloc_local((n_acc,), "float32")
+        part = T.alloc_local((n_acc,), "float32")  # a tile's products, before they join acc
+        A = T.alloc_local((32,), "uint32")  # two sets of a tile's A operand, e4m3 quads
+        xv = T.alloc_local((64,), dtype)  # a tile's elements of this thread
+        peak = T.alloc_local((2,), "float32")
+        factor = T.alloc_local((4,), "float32")  # a set per register set
+        scale = T.alloc_local((2,), "float32")
+        sv = T.alloc_local((2,), "float32")
+        ov = T.alloc_local((2,), out_dtype)
+        for i in T.unroll(n_acc):
+            acc[i] = T.float32(0)
+        for g in T.unroll(2):
+            peak[g] = T.float32(0)
+        wait(full, 0)
+        operand(smem, A, xv, peak, factor, scale, 0, 0, cw, w, lane)
+        # two tiles an iteration: the register set is a constant in each
+        for pair in T.serial((k_tiles + 1) // 2):
+            for half in T.unroll(2):
+                if pair * 2 + half < k_tiles:
+                    step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, pair * 2 + half, cw, w, lane)
+        for g in T.unroll(2):
+            scale[g] = T.max(peak[g], T.float32(EPS)) / T.float32(FP8_MAX)
+        for j in T.unroll(cols // 8):
+            col = T.meta_var(c0 + 8 * j + 2 * (lane % 4))
+            if part_n:
+                for e in T.unroll(2):
+                    sv[e] = w_scale[T.min(col + e, n - 1)]
+            else:
+                sv.vstore([0], w_scale.vload([col], "float32x2"))
+            for g in T.unroll(2):
+                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                for e in T.unroll(2):
+                    ov[e] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * scale[g] * sv[e])
+                if row < m:
+                    if part_n:
+                        for e in T.unroll(2):
+                            if col + e < n:
+                                out[row, col + e] = ov[e]
+                    else:
+                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x2"))
+
+    produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
+
+    @T.macro
+    def block(x_map, w_map, bx, tx):
+        # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        smem = T.alloc_buffer((stages * (x_tile + w_tile),), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        # Tile bx: groups of `group` row tiles, rows fastest within a group.
+        first = bx // (group * n_tiles) * group
+        rows_here = T.min(m_tiles - first, group)
+        within = bx % (group * n_tiles)
+        r0 = (first + within % rows_here) * ROWS
+        c0 = within // rows_here * cols
+        warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if warpgroup == 0:
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+            if tx == 0:
+                produce(x_map, w_map, smem, full, empty, r0, c0)
+        else:
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+            consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+
+    maps = ((X, k, m, k * 2, DEPTH // 2, ROWS, 1, 1, dtype), (W, k, n, k, DEPTH, cols, 1, 1, "float8_e4m3fn"))
+    return tma_kernel(params, maps, m_tiles * n_tiles, THREADS, block)
+
+
+#: Token counts a block of :func:`skinny_kernel` takes (the wgmma's N).
+TOKEN_CHOICES = (16, 32, 64)
+#: W rows a block of :func:`skinny_kernel` takes (one warpgroup's m64).
+W_ROWS = 64
+_SKINNY_THREADS = 160  # a consumer warpgroup and a producer warp
+# Stores to shared memory that TVM's barrier planner does not see: the consumers order
+# them with their own named barrier (a __syncthreads the planner would insert would
+# wait for the producer warp too).
+_STORE = "tvm_cascade_st_shared_{}"
+_STORE_SOURCE = {
+    "v4": """
+__forceinline__ __device__ void tvm_cascade_st_shared_v4(unsigned address, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(address), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+""",
+    "f32": """
+__forceinline__ __device__ void tvm_cascade_st_shared_f32(unsigned address, float a) {
+  asm volatile("st.shared.f32 [%0], %1;" :: "r"(address), "f"(a) : "memory");
+}
+""",
+}
+
+
+def _store(kind, pointer, *values):
+    return T.cuda.func_call(
+        _STORE.format(kind), T.Cast("uint32", T.cuda.cvta_generic_to_shared(pointer)), *values,
+        source_code=_STORE_SOURCE[kind],
+    )
+
+
+def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages):
+    """Why :func:`skinny_kernel` cannot serve this GEMM (M is free), or None."""
+    reason = unsupported(n, k, dtype, out_dtype)
+    if reason is not None:
+        return reason
+    if tokens not in TOKEN_CHOICES:
+        return f"{tokens} tokens a block: one of {TOKEN_CHOICES}"
+    if stages < 2 or stages * (tokens * DEPTH * 2 + W_ROWS * DEPTH) > SHARED_BYTES // 3:
+        return f"{stages} stages of {tokens} tokens: 2 or more, in a third of the shared memory"
+    return None
+
+
+def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4):
+    """:func:`kernel`'s function for few tokens (decode, small batches): the same
+    ``main(X[m, k], W[n, k], w_scale[n], out[m, n])`` and definition, computed as
+    ``outᵀ = W · qᵀ`` so that the tokens are the wgmma's N (``tokens`` a block) and W's
+    rows its M (:data:`W_ROWS` a block): blocks of one consumer warpgroup and a producer
+    warp, several to an SM; a block quantises its next k tile while this tile's
+    instructions run. Per k tile, each token's elements are
+    quantised by ``128 / tokens`` threads (a shuffle completes the token's running
+    abs-max) into an e4m3 tile in shared memory, both operands of ``wgmma`` m64n{tokens}k32
+    are read from shared memory into a tile's accumulators, and those are added to the
+    running ones in float32 after the running ones' repair (per column here: a token)."""
+    reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages)
+    if reason is not None:
+        raise ValueError(reason)
+    X, W, w_scale, out = params = _params(m, n, k, dtype, out_dtype)
+    t_tiles = (m + tokens - 1) // tokens
+    n_tiles = -(-n // W_ROWS)
+    k_tiles = -(-k // DEPTH)
+    # shared memory in 16-bit elements: per stage X's two boxes and W's bytes, then two
+    # e4m3 tiles of the quantised tokens (all 1024-byte aligned for the 128-byte swizzle)
+    box = tokens * DEPTH // 2
+    x_tile, w_tile = 2 * box, W_ROWS * DEPTH // 2
+    stage = x_tile + w_tile
+    q_base = stages * stage
+    q_tile = tokens * DEPTH // 2
+    n_acc = tokens // 2  # a thread's accumulators: 64 x tokens over 128 threads
+    per = 128 // tokens  # threads a token
+    each = DEPTH // per  # a thread's elements of a token's tile
+    ptx = PTX_TYPE[dtype]
+    abs_max, pair_max = _ABS_MAX.format(ptx), _PAIR_MAX.format(ptx)
+    abs_max_source = _ABS_MAX_SOURCE.format(name=abs_max, ptx=ptx)
+    pair_max_source = _PAIR_MAX_SOURCE.format(name=pair_max, ptx=ptx)
+    mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{tokens}k32").f32.e4m3.e4m3
+
+    def repair(m_old, m_new):
+        return to_tir(derived_repair(), {_OLD: m_old, _NEW: m_new}, "float32")
+
+    def k_major(smem, at, ks):
+        # rows of DEPTH bytes, 128-byte swizzled: step ks is 32 bytes into the row
+        return descriptor(smem.ptr_to([at + ks * 16]), 16, 1024, swizzle=True)
+
+    @T.macro
+    def wait(bar, t):
+        T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
+
+    @T.macro
+    def quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t, tx):
+        """Tile ``t`` of this thread's token: the token's running abs-max ``peak``, the
+        repair of its accumulators into ``factors``, its elements in e4m3 into the
+        quantised tile ``t % 2``."""
+        token = T.meta_var(tx // per)
+        first = T.meta_var(tx % per * each)
+        for j in T.unroll(each // 8):
+            c = T.meta_var(first % 64 // 8 + j)  # the 16-byte chunk c of row r lies at c ^ (r % 8)
+            xv.vstore(
+                [8 * j],
+                smem.vload([(t % stages) * stage + first // 64 * box + token * 64 + (c ^ (token % 8)) * 8], f"{dtype}x8"),
+            )
+        pairs[0] = T.reinterpret("uint32", xv.vload([0], f"{dtype}x2"))
+        for e in T.unroll(1, each // 2):
+            pairs[0] = T.cuda.func_call(
+                abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
+                source_code=abs_max_source, return_type="uint32",
+            )
+        tile_peak[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
+        for d in T.unroll(per.bit_length() - 1):
+            tile_peak[0] = T.max(tile_peak[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[0], 1 << d, 32))
+        new_peak = T.meta_var(T.max(peak[0], tile_peak[0]))
+        if tx % per == 0:
+            T.evaluate(_store("f32", factors.ptr_to([t % 2 * tokens + token]), repair(peak[0], new_peak)))
+        peak[0] = new_peak
+        scale[0] = T.call_pure_extern("float32", "__fdiv_rn", T.float32(FP8_MAX), T.max(peak[0], T.float32(EPS)))
+        for e in T.unroll(each // 4):
+            v = T.meta_var([T.Cast("float32", xv[4 * e + i]) * scale[0] for i in range(4)])
+            qv[e] = T.cuda.func_call(_QUANTISE, *v, source_code=_QUANTISE_SOURCE, return_type="uint32")
+        for j in T.unroll(each // 16):
+            c = T.meta_var(first // 16 + j)
+            at = T.meta_var(q_base + t % 2 * q_tile + token * 64 + (c ^ (token % 8)) * 8)
+            T.evaluate(_store("v4", smem.ptr_to([at]), *[qv[4 * j + i] for i in range(4)]))
+
+    @T.macro
+    def consume(smem, full, empty, factors, last, t0, n0, tx):
+        w = T.meta_var(tx // 32)
+        lane = T.meta_var(tx % 32)
+        acc = T.alloc_local((n_acc,), "float32")
+        part = T.alloc_local((n_acc,), "float32")  # a tile's products, before they join acc
+        xv = T.alloc_local((each,), dtype)
+        qv = T.alloc_local((each // 4,), "uint32")
+        pairs = T.alloc_local((1,), "uint32")
+        peak = T.alloc_local((1,), "float32")
+        tile_peak = T.alloc_local((1,), "float32")
+        scale = T.alloc_local((1,), "float32")
+        for i in T.unroll(n_acc):
+            acc[i] = T.float32(0)
+        peak[0] = T.float32(0)
+        wait(full, 0)
+        quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, 0, tx)
+        T.ptx.fence.proxy.async_.shared__cta()  # the e4m3 tile, written here, read by wgmma
+        T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+        for t in T.serial(k_tiles):
+            for i in T.unroll(n_acc):
+                T.evaluate(fence_operand(part[i]))
+            T.ptx.wgmma.fence.sync.aligned()
+            for ks in T.unroll(DEPTH // 32):
+                T.evaluate(
+                    mma(
+                        *[part[i] for i in range(n_acc)],
+                        k_major(smem, (t % stages) * stage + x_tile, ks), k_major(smem, q_base + t % 2 * q_tile, ks),
+                        ks > 0, 1, 1,
+                    )
+                )
+            T.ptx.wgmma.commit_group.sync.aligned()
+            # the next tile is quantised while this one's instructions run
+            if t + 1 < k_tiles:
+                wait(full, t + 1)
+                quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t + 1, tx)
+                T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            for i in T.unroll(n_acc):
+                T.evaluate(fence_operand(part[i]))
+            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
+            # accumulator 4 j + 2 g + e: W row 16 w + lane / 4 + 8 g, token 8 j + 2 (lane % 4) + e
+            for j in T.unroll(tokens // 8):
+                for e in T.unroll(2):
+                    f = T.meta_var(factors[t % 2 * tokens + 8 * j + 2 * (lane % 4) + e])
+                    for g in T.unroll(2):
+                        acc[4 * j + 2 * g + e] = acc[4 * j + 2 * g + e] * f + part[4 * j + 2 * g + e]
+            # tile t + 1's e4m3 tile and repairs are whole; tile t's may be overwritten
+            T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+        if tx % per == 0:
+            T.evaluate(_store("f32", last.ptr_to([tx // per]), T.max(peak[0], T.float32(EPS)) / T.float32(FP8_MAX)))
+        T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+        for j in T.unroll(tokens // 8):
+            for g in T.unroll(2):
+                row = T.meta_var(n0 + 16 * w + lane // 4 + 8 * g)
+                for e in T.unroll(2):
+                    token = T.meta_var(8 * j + 2 * (lane % 4) + e)
+                    if t0 + token < m and row < n:
+                        out[t0 + token, row] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * last[token] * w_scale[row])
+
+    produce = _producer(k_tiles, stages, box, lambda st: st * stage, lambda st: st * stage + x_tile, stage * 2)
+
+    @T.macro
+    def block(x_map, w_map, bx, tx):
+        smem = T.alloc_buffer((q_base + 2 * q_tile,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        factors = T.alloc_shared((2 * tokens,), "float32")
+        last = T.alloc_shared((tokens,), "float32")
+        # token tiles fastest: the blocks that read a tile of W run together
+        t0 = bx % t_tiles * tokens
+        n0 = bx // t_tiles * W_ROWS
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(128))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if tx < 128:
+            consume(smem, full, empty, factors, last, t0, n0, tx)
+        elif tx == 128:
+            produce(x_map, w_map, smem, full, empty, t0, n0)
+
+    maps = ((X, k, m, k * 2, DEPTH // 2, tokens, 1, 1, dtype), (W, k, n, k, DEPTH, W_ROWS, 1, 1, "float8_e4m3fn"))
+    return tma_kernel(params, maps, t_tiles * n_tiles, _SKINNY_THREADS, block)

@@ -1,0 +1,118 @@
+"""The fp8 quantisation + GEMM kernel (``schedules/warp_specialized_fp8_gemm.py``) on the
+CPU: the repair it takes from ``rolling_update``'s derivation, its numpy definition, the
+CUDA kernel its build makes for sm_90a (through ptxas), and its refusals. The kernel runs
+only on an H100 or H200: numerics in test_fp8_gemm_gpu.py."""
+import ml_dtypes
+import numpy as np
+import pytest
+import sympy
+import tvm
+
+from tvm_cascade.ops import reference as R
+from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
+from ptxas import ptxas_report
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def test_the_repair_is_the_derived_ratio_of_the_running_maxima():
+    old, new = fp8._OLD, fp8._NEW
+    eps = sympy.Float(fp8.EPS)
+    expected = sympy.Max(eps, old) / sympy.Max(eps, new)
+    assert fp8.derived_repair().free_symbols == {old, new}
+    for values in ({old: 3.0, new: 5.0}, {old: 2.0, new: 7.0}, {old: 0.0, new: 1.5}, {old: 0.0, new: 0.0}):
+        assert abs(float(fp8.derived_repair().subs(values)) - float(expected.subs(values))) < 1e-12
+
+
+def _quantised_gemm(x, w, scales_per_tile, tile):
+    """Σ_t e4m3(x_t s_t) w_tᵀ / s_t with the given float32 scales of each row and tile."""
+    out = np.zeros((x.shape[0], w.shape[0]))
+    for t, k0 in enumerate(range(0, x.shape[1], tile)):
+        s = scales_per_tile[:, t].astype(np.float32)
+        q = (x[:, k0:k0 + tile].astype(np.float32) * s[:, None]).astype(ml_dtypes.float8_e4m3fn)
+        out += q.astype(np.float64) @ w[:, k0:k0 + tile].T / s.astype(np.float64)[:, None]
+    return out
+
+
+def test_the_definition_quantises_each_tile_by_the_running_maximum():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 12)).astype(np.float16)
+    x[0, 9] = 40  # row 0's max arrives in its last tile
+    x[1, 0] = -40  # row 1's in its first
+    w = rng.standard_normal((5, 12))
+    w_scale = rng.uniform(0.5, 2, 5)
+    peaks = np.maximum.accumulate(np.abs(x.astype(np.float32)).reshape(3, 3, 4).max(axis=2), axis=1)
+    expected = _quantised_gemm(x, w, np.float32(448) / peaks, 4) * w_scale
+    np.testing.assert_allclose(R.fp8_quant_gemm_ref(x, w, w_scale, tile=4), expected, rtol=1e-12)
+    two_pass = _quantised_gemm(x, w, np.repeat(np.float32(448) / peaks[:, -1:], 3, axis=1), 4) * w_scale
+    np.testing.assert_allclose(R.fp8_quant_gemm_ref(x, w, w_scale), two_pass, rtol=1e-12)
+    # a row whose first tile holds its max is quantised alike either way
+    np.testing.assert_allclose(R.fp8_quant_gemm_ref(x, w, w_scale, tile=4)[1], two_pass[1], rtol=1e-12)
+    assert np.abs(R.fp8_quant_gemm_ref(x, w, w_scale, tile=4)[0] - two_pass[0]).max() > 0
+
+
+def _source(*args, **kwargs):
+    return fp8.build(fp8.kernel(*args, **kwargs), SM90A).mod.imports[0].inspect_source()
+
+
+def test_build_makes_one_tma_and_fp8_wgmma_kernel():
+    source = _source(tvm.tirx.Var("m", "int64"), 1024, 4096)
+    assert source.count("__global__") == 2  # declared and defined
+    for mark in (
+        "cp.async.bulk.tensor.2d", "setmaxnreg.inc", "setmaxnreg.dec", "max.xorsign.abs.f16x2",
+        "cvt.rn.satfinite.e4m3x2.f32", "__fdiv_rn", "wgmma_fp8_rs_mma_async_sync_aligned_m64n128k32_f32_e4m3_e4m3",
+    ):
+        assert mark in source, mark
+
+
+@pytest.mark.parametrize("rows, n, k, dtype, out_dtype", [
+    (2048, 14336, 4096, "float16", "float16"), (None, 328, 528, "bfloat16", "float32"),
+])
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(rows, n, k, dtype, out_dtype, tmp_path):
+    """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
+    instructions asynchronous (not serialised, no warpgroup waits injected)."""
+    rows = tvm.tirx.Var("m", "int64") if rows is None else rows
+    report = ptxas_report(_source(rows, n, k, dtype, out_dtype), tmp_path / "kernel.cu")
+    assert "0 bytes spill stores, 0 bytes spill loads" in report
+    # C7508: setmaxnreg ignored; C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
+    for remark in ("C7508", "C7514", "C7519", "is injected"):
+        assert remark not in report, report
+
+
+@pytest.mark.parametrize("args, config, reason", [
+    ((64, 64, "float32", "float16"), fp8.Fp8GemmConfig(), "quantises float16 or bfloat16"),
+    ((64, 64, "float16", "int8"), fp8.Fp8GemmConfig(), "stores float16, bfloat16 or float32"),
+    ((64, 72, "float16", "float16"), fp8.Fp8GemmConfig(), "multiple of 16 bytes"),
+    ((64, 64, "float16", "float16"), fp8.Fp8GemmConfig(cols=256), "64 or 128"),
+    ((64, 64, "float16", "float16"), fp8.Fp8GemmConfig(stages=5), "bytes of shared memory"),
+])
+def test_refusals_say_why(args, config, reason):
+    assert reason in fp8.unsupported(*args, config)
+    with pytest.raises(ValueError, match=reason):
+        fp8.kernel(16, *args, config=config)
+
+
+def test_build_refuses_a_gpu_without_wgmma():
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        fp8.build(fp8.kernel(16, 64, 64), {"kind": "cuda", "arch": "sm_80"})
+
+
+def test_the_benchmark_checks_against_the_same_definition():
+    """benchmarks.fp8_gemm's PyTorch form of the definition (what the GPU run checks
+    against) equals the numpy one, and its table reads its rows."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import fp8_gemm as bench
+
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal((5, 300)) * rng.uniform(0.01, 10, (5, 1))).half()
+    w = torch.from_numpy(np.clip(rng.standard_normal((7, 300)) * 100, -448, 448)).float().to(torch.float8_e4m3fn)
+    w_scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, 7)).float()
+    got = bench.rolling_reference(x, w, w_scale, fp8.DEPTH).numpy()
+    ref = R.fp8_quant_gemm_ref(x.double().numpy(), w.double().numpy(), w_scale.double().numpy(), tile=fp8.DEPTH)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+    rows = [
+        {"shape": "s", "peer": "tvm-cascade", "ms": 0.02, "TFLOP/s": 5.0, f"vs {bench.TWO_KERNELS}": 1.5, "relative error": 0.03},
+        {"shape": "s", "peer": bench.TWO_KERNELS, "ms": 0.03, "relative error": 0.025},
+        {"shape": "s", "peer": "torch.compile", "error": "fails"},
+    ]
+    assert "| s | 0.0200 | fails | 0.0300 | fails | fails | 5 | 1.50x | 3.00e-02 / 2.50e-02 |" in bench.markdown(rows)

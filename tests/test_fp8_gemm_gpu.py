@@ -1,0 +1,62 @@
+"""The fp8 quantisation + GEMM kernel (``schedules/warp_specialized_fp8_gemm.py``) on an
+H100 or H200 (skipped elsewhere): its output against its float64 numpy definition
+(:func:`tvm_cascade.ops.reference.fp8_quant_gemm_ref` with the kernel's k tile) and,
+more loosely, against the unquantised product."""
+import numpy as np
+import pytest
+import tvm
+
+from tvm_cascade.ops import reference as R
+from tvm_cascade.schedules import warp_specialized
+from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
+
+pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("m, n, k, dtype, out_dtype, config", [
+    (256, 512, 1024, "float16", "float16", fp8.Fp8GemmConfig()),
+    (16, 1024, 4096, "float16", "float16", fp8.Fp8GemmConfig()),
+    (1, 256, 512, "float16", "float32", fp8.Fp8GemmConfig(cols=64)),
+    (200, 328, 528, "float16", "float32", fp8.Fp8GemmConfig(stages=3, group=2)),  # no whole tiles
+    (300, 512, 1024, "bfloat16", "bfloat16", fp8.Fp8GemmConfig()),
+    (128, 384, 4096, "bfloat16", "float32", fp8.Fp8GemmConfig(cols=64, stages=5)),
+])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, config, symbolic):
+    _check(m, n, k, dtype, out_dtype, symbolic, lambda rows: fp8.kernel(rows, n, k, dtype, out_dtype, config))
+
+
+def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of):
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    if not warp_specialized.serves_target(target):
+        pytest.skip("the fp8 kernel needs an H100 or H200 (sm_90)")
+    torch = pytest.importorskip("torch")  # float8 and bfloat16 tensors
+
+    rng = np.random.default_rng(m + n + k)
+    # rows of different magnitudes, a few large values late in the row (the running max moves)
+    x = rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))
+    x[:, -k // 3:] *= rng.choice([1, 4], (m, 1))
+    x = torch.from_numpy(x).to(getattr(torch, dtype)).cuda()
+    w = torch.from_numpy(np.clip(rng.standard_normal((n, k)) * 100, -448, 448)).float().cuda().to(torch.float8_e4m3fn)
+    w_scale = torch.from_numpy(rng.uniform(1e-4, 1e-2, n)).float().cuda()
+    rows = tvm.tirx.Var("m", "int64") if symbolic else m
+    kernel = fp8.build(kernel_of(rows), target)["main"]
+    out = torch.zeros((m, n), dtype=getattr(torch, out_dtype), device="cuda")
+    kernel(*(tvm.runtime.from_dlpack(a) for a in (x, w, w_scale, out)))
+    x64, w64, s64 = (a.double().cpu().numpy() for a in (x, w, w_scale))
+    got = out.double().cpu().numpy()
+    ref = R.fp8_quant_gemm_ref(x64, w64, s64, tile=fp8.DEPTH)
+    error = lambda r: np.abs(got - r).max() / np.abs(r).max()  # noqa: E731
+    assert error(ref) < (1e-3 if out_dtype == "float32" else 4e-3)
+    assert error(x64 @ (w64 * s64[:, None]).T) < 5e-2
+
+
+@pytest.mark.parametrize("m, n, k, dtype, out_dtype, tokens, stages", [
+    (16, 1024, 4096, "float16", "float16", 16, 4),
+    (1, 256, 512, "float16", "float32", 16, 2),
+    (45, 328, 528, "float16", "float32", 32, 4),  # no whole tiles
+    (100, 512, 1024, "bfloat16", "bfloat16", 64, 3),
+])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, tokens, stages, symbolic):
+    _check(m, n, k, dtype, out_dtype, symbolic, lambda rows: fp8.skinny_kernel(rows, n, k, dtype, out_dtype, tokens, stages))
