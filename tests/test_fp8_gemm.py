@@ -2,13 +2,19 @@
 CPU: the repair it takes from ``rolling_update``'s derivation, its numpy definition, the
 CUDA kernel its build makes for sm_90a (through ptxas), and its refusals. The kernel runs
 only on an H100 or H200: numerics in test_fp8_gemm_gpu.py."""
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
 import sympy
 import tvm
 
+from tvm_cascade import trace as cascade_trace
+from tvm_cascade.errors import FusionError
+from tvm_cascade.ops import cascades
 from tvm_cascade.ops import reference as R
+from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
 from ptxas import ptxas_report
 
@@ -51,12 +57,12 @@ def test_the_definition_quantises_each_tile_by_the_running_maximum():
     assert np.abs(R.fp8_quant_gemm_ref(x, w, w_scale, tile=4)[0] - two_pass[0]).max() > 0
 
 
-def _source(*args, **kwargs):
-    return fp8.build(fp8.kernel(*args, **kwargs), SM90A).mod.imports[0].inspect_source()
+def _source(func):
+    return fp8.build(func, SM90A).mod.imports[0].inspect_source()
 
 
 def test_build_makes_one_tma_and_fp8_wgmma_kernel():
-    source = _source(tvm.tirx.Var("m", "int64"), 1024, 4096)
+    source = _source(fp8.kernel(tvm.tirx.Var("m", "int64"), 1024, 4096))
     assert source.count("__global__") == 2  # declared and defined
     for mark in (
         "cp.async.bulk.tensor.2d", "setmaxnreg.inc", "setmaxnreg.dec", "max.xorsign.abs.f16x2",
@@ -72,7 +78,7 @@ def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(rows, n, k, dtype
     """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
     instructions asynchronous (not serialised, no warpgroup waits injected)."""
     rows = tvm.tirx.Var("m", "int64") if rows is None else rows
-    report = ptxas_report(_source(rows, n, k, dtype, out_dtype), tmp_path / "kernel.cu")
+    report = ptxas_report(_source(fp8.kernel(rows, n, k, dtype, out_dtype)), tmp_path / "kernel.cu")
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7514", "C7519", "is injected"):
@@ -116,3 +122,90 @@ def test_the_benchmark_checks_against_the_same_definition():
         {"shape": "s", "peer": "torch.compile", "error": "fails"},
     ]
     assert "| s | 0.0200 | fails | 0.0300 | fails | fails | 5 | 1.50x | 3.00e-02 / 2.50e-02 |" in bench.markdown(rows)
+
+
+def _exact_inputs(rng, m, k, n, tile):
+    """X whose every tile's e4m3 scale is a power of two that keeps X·s on e4m3's grid (so
+    that a cast which does not round, as TVM's LLVM one, still gives the e4m3 values), and
+    no zeros (TVM's LLVM code reads an e4m3 zero as 2⁻⁷)."""
+    grid = np.array([0.5, 1, 1.5, 2, 3, 4, 6, 8, -1, -2, -3, -0.75, 12, 16])
+    x = rng.choice(grid, (m, k))
+    for t in range(k // tile):
+        x[:, t * tile] = 448 / 2 ** rng.integers(0, 3, m)  # the tile's max: 448, 224 or 112
+    x[:, 0] = 112  # the row's first tile
+    w = rng.choice(grid, (n, k)).astype(ml_dtypes.float8_e4m3fn)
+    return x.astype(np.float16), w, rng.uniform(0.5, 2, n).astype(np.float32)
+
+
+def test_the_op_computes_its_definition_on_the_cpu():
+    """``ops.fp8_quant_gemm`` through TVM's LLVM code against numpy, on inputs whose
+    quantisation is exact (see :func:`_exact_inputs`): its tiles, scales and sums; the
+    rounding of the running-max form is checked on the GPU (test_fp8_gemm_gpu.py)."""
+    rng = np.random.default_rng(3)
+    m, k, n, tile = 6, 32, 5, 8
+    x, w, w_scale = _exact_inputs(rng, m, k, n, tile)
+    func = cascades.fp8_quant_gemm(m, n, k, tile=tile, out_dtype="float32")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for a in (x, w, w_scale)] + [tvm.runtime.tensor(np.zeros((m, n), np.float32), dev)]
+    lib["main"](*args)
+    ref = R.fp8_quant_gemm_ref(x, w.astype(np.float64), w_scale, tile=tile)
+    np.testing.assert_allclose(args[-1].numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_schedule_annotates_the_form_and_replays_from_json():
+    rows = tvm.tirx.Var("m", "int64")
+    func = cascades.fp8_quant_gemm(rows, 512, 1024, out_dtype="float32")
+    assert fp8.fp8_quant_gemm_of(func) == fp8.Fp8QuantGemm(rows, 512, 1024, "float16", "float32")
+    sch = fp8.schedule(func)
+    expected = tvm.s_tir.Schedule(func)
+    expected.annotate(expected.get_sblock("gemm"), fp8.FORM, "tiles")
+    expected.annotate(expected.get_sblock("gemm"), fp8.CHOICES, [128, 4, 16])
+    tvm.ir.assert_structural_equal(sch.mod, expected.mod)
+    replayed = tvm.s_tir.Schedule(func)
+    cascade_trace.apply_json_to_schedule(json.loads(json.dumps(cascade_trace.to_plain_json(sch.trace.as_json()))), replayed)
+    tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
+    assert _source(sch.mod) == _source(fp8.kernel_for(rows, 512, 1024, "float16", "float32"))
+    few = fp8.schedule(cascades.fp8_quant_gemm(20, 512, 1024), "skinny", [32, 3])
+    assert _source(few.mod) == _source(fp8.skinny_kernel(20, 512, 1024, tokens=32, stages=3))
+
+
+def test_only_the_op_with_the_kernels_tile_is_recognised():
+    assert fp8.fp8_quant_gemm_of(cascades.fp8_quant_gemm(16, 64, 512, tile=64)) is None
+    assert fp8.fp8_quant_gemm_of(cascades.absmax_quant_gemm(16, 64, 512)) is None
+    with pytest.raises(FusionError, match="serve ops.fp8_quant_gemm"):
+        fp8.schedule(cascades.rmsnorm_gemm(16, 64, 512))
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        fp8.schedule(cascades.fp8_quant_gemm(16, 64, 520))
+    sch = tvm.s_tir.Schedule(cascades.fp8_quant_gemm(16, 64, 512))
+    fp8.apply_schedule(sch, "skinny", [48, 4])
+    with pytest.raises(ValueError, match="48 tokens a block"):
+        fp8.build(sch.mod, SM90A)
+    with pytest.raises(ValueError, match="48 tokens a block"):
+        fp8.schedule(cascades.fp8_quant_gemm(16, 64, 512), "skinny", [48, 4])
+
+
+def test_metaschedule_proposes_the_kernels_and_its_builder_lowers_them():
+    """On an H100 target ``cascade_space`` proposes both forms for 32 tokens (the tile
+    form's columns and grouping, the skinny form's tokens sampled); after the target's
+    postprocessors the candidate builder's build function makes the sampled kernel."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.meta_schedule import BUILD_FUNC, cascade_space
+
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    func = cascades.fp8_quant_gemm(32, 512, 1024)
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=cascade_space(), task_name="t")
+    samples = [s for s in context.generate_design_space() if fp8.lowers(s.mod)]
+    forms = []
+    for sample in samples:
+        for postproc in context.space_generator.postprocs:
+            assert postproc.apply(sample), type(postproc).__name__
+        (block,) = {str(b.annotations[fp8.FORM]): b for _, _, b in annotated_blocks(sample.mod, fp8.FORM)}.values()
+        form, choices = str(block.annotations[fp8.FORM]), [int(c) for c in block.annotations[fp8.CHOICES]]
+        forms.append(form)
+        source = tvm.get_global_func(BUILD_FUNC)(sample.mod, target, None).imports[0].inspect_source()
+        columns = choices[0] if form == "tiles" else choices[0]
+        assert f"m64n{columns}k32_f32_e4m3_e4m3" in source
+    assert sorted(forms) == ["skinny", "tiles"]
+    assert sum(inst.kind.name == "SampleCategorical" for inst in samples[0].trace.insts) >= 2  # columns, grouping

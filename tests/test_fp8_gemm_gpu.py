@@ -60,3 +60,13 @@ def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of):
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, tokens, stages, symbolic):
     _check(m, n, k, dtype, out_dtype, symbolic, lambda rows: fp8.skinny_kernel(rows, n, k, dtype, out_dtype, tokens, stages))
+
+
+@pytest.mark.parametrize("m, form, choices", [(24, None, None), (300, None, None), (40, "skinny", [64, 3])])
+def test_a_schedule_of_the_op_builds_the_kernel(m, form, choices):
+    """``ops.fp8_quant_gemm`` scheduled (:func:`fp8.schedule`: the default form or a given
+    one) and built by :func:`fp8.build`, as MetaSchedule's candidates are."""
+    from tvm_cascade.ops import cascades
+
+    n, k = 384, 1024
+    _check(m, n, k, "float16", "float16", False, lambda rows: fp8.schedule(cascades.fp8_quant_gemm(rows, n, k), form, choices).mod)

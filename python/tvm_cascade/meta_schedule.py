@@ -28,8 +28,12 @@ cross-entropy, a softmax's statistics) is also proposed as one CUDA block per ro
 rolled within each thread's chunk), its tile, threads and rows per block sampled. On an
 H100 or H200 an ``ops.rmsnorm_gemm`` (RMSNorm + GEMM) is also proposed as the
 warp-specialised kernel of :mod:`~tvm_cascade.schedules.warp_specialized_gemm` (its
-row-scale deferral traced, its columns, stages and row-tile grouping sampled), which
-the candidate builder (:func:`candidate_builder`) lowers. Every
+row-scale deferral traced, its columns, stages and row-tile grouping sampled), and an
+``ops.fp8_quant_gemm`` (per-token fp8 quantisation + GEMM) as the kernels of
+:mod:`~tvm_cascade.schedules.warp_specialized_fp8_gemm` (128-row tiles, their columns
+and row-tile grouping sampled; and, for a static count of up to 64 tokens, the skinny
+form, its tokens a block sampled), which the candidate builder
+(:func:`candidate_builder`) lowers. Every
 step is a traced instruction, so the evolutionary search mutates the sampled tile or
 chunk count and the records replay from a JSON database.
 
@@ -68,7 +72,7 @@ from .errors import FusionError
 from .primitives import ir
 from .relax.gpu_schedule import UnsupportedOnGpu, drop_layout_hints, schedule_fused_for_gpu
 from .rpc_tuning import resolve_runner
-from .schedules import warp_specialized_gemm
+from .schedules import warp_specialized_fp8_gemm, warp_specialized_gemm
 from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
 from .schedules.warp_specialized import serves_target
 from .trace import JSONDatabase, sample_uniform
@@ -108,6 +112,10 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
 
     def apply(self, sch, block):
         name = sch.get(block).name_hint
+        if self.on_hopper and name == "gemm":
+            fp8 = warp_specialized_fp8_gemm.fp8_quant_gemm_of(only_func(sch))
+            if fp8 is not None:
+                return [sch] + self._fp8_gemm(sch, fp8)
         candidate = next((c for c in find_candidates(only_func(sch)) if c.root == name), None)
         if candidate is None:
             return [sch]
@@ -213,6 +221,27 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             sch.annotate(sch.get_sblock(block.name_hint), *SKIP)
         return True
 
+    def _fp8_gemm(self, sch, problem) -> list:
+        """On an H100 or H200, an ``ops.fp8_quant_gemm`` as the kernels of
+        :mod:`~tvm_cascade.schedules.warp_specialized_fp8_gemm` that can serve it: 128-row
+        tiles (columns and row-tile grouping sampled) and, for up to 64 static tokens,
+        the skinny form (tokens a block sampled)."""
+        fp8 = warp_specialized_fp8_gemm
+        forms = [("tiles", (fp8.COLS_CHOICES, (fp8.Fp8GemmConfig.stages,), fp8.GROUP_CHOICES))]
+        if isinstance(problem.m, int) and problem.m <= max(fp8.TOKEN_CHOICES):
+            tokens = tuple(t for t in fp8.TOKEN_CHOICES if t < 2 * max(problem.m, 16))
+            forms.append(("skinny", (tokens, (4 if max(tokens) < 64 else 3,))))
+        proposals = []
+        for form, options in forms:
+            if fp8.unsupported_choices(problem, form, [max(o) for o in options]) is not None:
+                continue
+            proposal = sch.copy()
+            fp8.apply_schedule(proposal, form, [sample_uniform(proposal, o) for o in options])
+            for block in ir.blocks_in(only_func(proposal).body.block):
+                proposal.annotate(proposal.get_sblock(block.name_hint), *SKIP)
+            proposals.append(proposal)
+        return proposals
+
     def _choices(self, candidate, how: str) -> tuple:
         length = candidate.length
         if how == "rolling":
@@ -313,12 +342,15 @@ def _prepare_builder_process() -> None:
 def _build_candidate(mod, target, params):
     if warp_specialized_gemm.lowers(mod):
         return warp_specialized_gemm.build(mod, target).mod
+    if warp_specialized_fp8_gemm.lowers(mod):
+        return warp_specialized_fp8_gemm.build(mod, target).mod
     return tvm_ffi.get_global_func("s_tir.meta_schedule.builder.default_build")(mod, target, params)
 
 
 #: The candidate builder's build function, a global function (its worker processes look
-#: it up by name): a sample of the warp-specialised scaled GEMM is lowered to that kernel
-#: (:func:`~tvm_cascade.schedules.warp_specialized_gemm.build`), any other module built
+#: it up by name): a sample of the warp-specialised scaled GEMM or of the fp8 GEMM is
+#: lowered to that kernel (:func:`~tvm_cascade.schedules.warp_specialized_gemm.build`,
+#: :func:`~tvm_cascade.schedules.warp_specialized_fp8_gemm.build`), any other module built
 #: as MetaSchedule builds it.
 BUILD_FUNC = "tvm_cascade.meta_schedule.build"
 tvm_ffi.register_global_func(BUILD_FUNC, _build_candidate, override=True)

@@ -11,6 +11,7 @@ builder                blocks (program order)
 ``logsumexp``          ``max``, ``exp``, ``sum``, ``out``
 ``cross_entropy``      ``max``, ``exp``, ``sum``, ``out``
 ``absmax_quant_gemm``  ``absmax``, ``scale``, ``gemm``, ``out``
+``fp8_quant_gemm``     ``peak``, ``scale``, ``quant``, ``gemm``, ``out``
 ``rmsnorm_gemm``       ``sumsq``, ``rstd``, ``gemm``, ``out``
 ``moe_routing``        ``max``, ``exp``, ``sum``, ``prob`` [, ``top0`` ..., ``topk_prob``, ``topk_idx``]
 =====================  ===============================================================
@@ -121,6 +122,60 @@ def absmax_quant_gemm(
     )
     out = te.compute((M, N), lambda i, j: (y[i, j] / s[i]).astype(dtype), name="out")
     return te.create_prim_func([X, W, out])
+
+
+def fp8_quant_gemm(
+    M,
+    N: int,
+    K: int,
+    tile: int = 128,
+    dtype: str = "float16",
+    out_dtype: Optional[str] = None,
+    fp8_max: float = 448.0,
+    eps: float = 1e-12,
+) -> tvm.tirx.PrimFunc:
+    """Per-token fp8 quantisation + GEMM: ``main(X[M, K], W[N, K], w_scale[N], out[M, N])``,
+    W in float8_e4m3fn with a float32 scale per output channel (row of W), X's rows
+    quantised to e4m3 in tiles of ``tile`` along k, each tile by the row's running
+    abs-max up to it. ``M`` may be a variable.
+
+    ``peak``:  ``p[i, t] = max_{k < (t+1)·tile} |X[i, k]|`` (reduction);
+    ``scale``: ``s[i, t] = fp8_max / max(p[i, t], eps)`` (float32);
+    ``quant``: ``q[i, k] = e4m3(X[i, k] · s[i, k // tile])``;
+    ``gemm``:  ``y[i, n] = Σ_k q[i, k] · W[n, k] / s[i, k // tile]`` (float32);
+    ``out``:   ``out[i, n] = y[i, n] · w_scale[n]`` (``out_dtype``, default ``dtype``).
+
+    With ``tile >= K`` every tile takes the row's abs-max: the usual two-pass
+    quantisation. (TVM's LLVM code generator does not round casts to e4m3 to e4m3
+    values: on a CPU this function computes something else; numpy's
+    ``ops.reference.fp8_quant_gemm_ref`` is its reference.)
+    """
+    f32 = "float32"
+    X = te.placeholder((M, K), dtype, name="X")
+    W = te.placeholder((N, K), "float8_e4m3fn", name="W")
+    w_scale = te.placeholder((N,), f32, name="w_scale")
+    tiles = -(-K // tile)
+    rk = te.reduce_axis((0, K), name="rk")
+    peak = te.compute(
+        (M, tiles),
+        # (zero past the tile: no smaller than a magnitude)
+        lambda i, t: te.max(tirx.if_then_else(rk < (t + 1) * tile, te.abs(X[i, rk].astype(f32)), tirx.const(0, f32)), axis=rk),
+        name="peak",
+    )
+    scale = te.compute(
+        (M, tiles), lambda i, t: tirx.const(fp8_max, f32) / te.max(peak[i, t], tirx.const(eps, f32)), name="scale"
+    )
+    quant = te.compute(
+        (M, K), lambda i, k: (X[i, k].astype(f32) * scale[i, k // tile]).astype("float8_e4m3fn"), name="quant"
+    )
+    rk2 = te.reduce_axis((0, K), name="rk")
+    gemm = te.compute(
+        (M, N),
+        lambda i, j: te.sum(quant[i, rk2].astype(f32) * W[j, rk2].astype(f32) / scale[i, rk2 // tile], axis=rk2),
+        name="gemm",
+    )
+    out = te.compute((M, N), lambda i, j: (gemm[i, j] * w_scale[j]).astype(out_dtype or dtype), name="out")
+    return te.create_prim_func([X, W, w_scale, out])
 
 
 def rmsnorm_gemm(

@@ -53,6 +53,18 @@ def blocks_in(root: SBlock) -> list:
     return nodes(root.body, SBlock)
 
 
+def annotated_blocks(mod, key) -> list:
+    """``(global var, function, block)`` of every block of ``mod``'s PrimFuncs annotated
+    ``key``."""
+    return [
+        (gvar, func, block)
+        for gvar, func in mod.functions_items()
+        if isinstance(func, tvm.tirx.PrimFunc)
+        for block in blocks_in(func.body.block)
+        if key in block.annotations
+    ]
+
+
 def nodes(node, kind) -> list:
     """Every node of type ``kind`` in ``node`` (itself included), in walk order."""
     found = []

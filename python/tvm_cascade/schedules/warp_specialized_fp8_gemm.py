@@ -38,22 +38,32 @@ column block) and by X's 16-bit tiles, read from L2 once per column block: it lo
 the two-kernel path from 64 tokens on (H200, ``python -m benchmarks.fp8_gemm``,
 RESULTS.md). For few tokens :func:`skinny_kernel` computes the same with the tokens as
 the wgmma's N and wins (1.15-1.21x at 1 to 16 tokens); :func:`kernel_for` chooses.
+
+Reached as a schedule of ``ops.fp8_quant_gemm`` (the definition, with this kernel's k
+tile): :func:`schedule` annotates the kernel's form and choices on its GEMM block, which
+:func:`build` lowers, as :mod:`.warp_specialized_gemm` does for RMSNorm + GEMM;
+MetaSchedule's :class:`~tvm_cascade.meta_schedule.CascadeFusion` proposes the same
+schedules with the choices sampled.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import sympy
 import tvm
+import tvm_ffi
 from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
 from ..algebra.repair import RUNNING
+from ..analysis.scope import buffer_params
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand
 from ..errors import FusionError
 from ..ops import cascades
+from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .warp_specialized import ALL_LANES, PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
@@ -196,14 +206,169 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect):
     return produce
 
 
-def build(func, target):
-    """Compile :func:`kernel`'s PrimFunc ``func`` for ``target`` (an H100 or H200: sm_90a is
-    named for it) as ``main``."""
+#: Annotations of ``ops.fp8_quant_gemm``'s GEMM block that ask :func:`build` for a kernel:
+#: its form (:data:`FORMS`) and that form's choices, ``[cols, stages, group]``
+#: (:class:`Fp8GemmConfig`) for "tiles", ``[tokens, stages]`` for "skinny". On the block,
+#: not a loop: MetaSchedule's postprocessors bind and split the loops of a sample's
+#: unscheduled blocks.
+FORM = "tvm_cascade.fp8_gemm_form"
+CHOICES = "tvm_cascade.fp8_gemm_choices"
+FORMS = ("tiles", "skinny")
+#: The choices a design space samples (:class:`~tvm_cascade.meta_schedule.CascadeFusion`).
+COLS_CHOICES = (64, 128)
+GROUP_CHOICES = (8, 16)
+
+
+@dataclass(frozen=True)
+class Fp8QuantGemm:
+    """An ``ops.fp8_quant_gemm`` function's arguments (``m`` an int or its variable; its
+    k tile is :data:`DEPTH`)."""
+
+    m: object
+    n: int
+    k: int
+    dtype: str
+    out_dtype: str
+
+    def function(self) -> tvm.tirx.PrimFunc:
+        return cascades.fp8_quant_gemm(self.m, self.n, self.k, DEPTH, self.dtype, self.out_dtype, FP8_MAX, EPS)
+
+
+def fp8_quant_gemm_of(func) -> Optional[Fp8QuantGemm]:
+    """The arguments of the ``ops.fp8_quant_gemm`` (k tile :data:`DEPTH`, 448 and
+    :data:`EPS`) that ``func`` is, or None: ``func`` is compared, structurally, with that
+    function rebuilt from its parameters."""
+    params = buffer_params(func)
+    if len(params) != 4 or [len(p.shape) for p in params] != [2, 2, 1, 2]:
+        return None
+    x, _, _, out = params
+    m, k = x.shape
+    n = out.shape[1]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in (k, n)):
+        return None
+    m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
+    problem = Fp8QuantGemm(m, int(n), int(k), str(x.dtype), str(out.dtype))
+    try:
+        expected = problem.function()
+    except (ValueError, tvm.TVMError):
+        return None
+    return problem if tvm_ffi.structural_equal(func, expected, map_free_vars=True) else None
+
+
+def default_choices(problem: Fp8QuantGemm):
+    """The form and choices :func:`kernel_for` takes for ``problem``."""
+    m = problem.m
+    if isinstance(m, int) and m <= SKINNY_TOKENS:
+        return "skinny", [16 if m <= 16 else 32, 4]
+    config = Fp8GemmConfig()
+    return "tiles", [config.cols, config.stages, config.group]
+
+
+def schedule(func, form: Optional[str] = None, choices=None) -> tvm.s_tir.Schedule:
+    """The schedule of ``func``, an ``ops.fp8_quant_gemm``, that :func:`build` lowers to
+    the kernel of ``form`` with ``choices`` (default: :func:`default_choices`):
+    :func:`apply_schedule` on a new schedule. Raises :class:`FusionError` where ``func``
+    is not such a function, ``ValueError`` where the kernel cannot serve it."""
+    problem = fp8_quant_gemm_of(func)
+    if problem is None:
+        raise FusionError("the fp8 GEMM kernels serve ops.fp8_quant_gemm functions (k tile 128); this function is not one")
+    if form is None:
+        form, choices = default_choices(problem)
+    reason = unsupported_choices(problem, form, choices)
+    if reason is not None:
+        raise ValueError(reason)
+    sch = tvm.s_tir.Schedule(func)
+    apply_schedule(sch, form, choices)
+    return sch
+
+
+def apply_schedule(sch, form, choices) -> None:
+    """On ``sch``, a schedule of an ``ops.fp8_quant_gemm``: ``form`` and its ``choices``
+    (ints, or values a design space sampled) annotated on the GEMM block, which
+    :func:`build` reads."""
+    gemm = sch.get_sblock("gemm")
+    sch.annotate(gemm, FORM, form)
+    sch.annotate(gemm, CHOICES, list(choices))
+
+
+def lowers(mod) -> bool:
+    """Whether a block of ``mod`` asks :func:`build` for a kernel."""
+    return bool(ir.annotated_blocks(mod, FORM))
+
+
+def unsupported_choices(problem, form, choices):
+    if form == "tiles":
+        cols, stages, group = (int(c) for c in choices)
+        return unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
+    if form == "skinny":
+        tokens, stages = (int(c) for c in choices)
+        return skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
+    return f"the fp8 GEMM's forms are {FORMS}, not {form!r}"
+
+
+def _kernel(problem, form, choices):
+    if form == "tiles":
+        cols, stages, group = (int(c) for c in choices)
+        return kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
+    tokens, stages = (int(c) for c in choices)
+    return skinny_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
+
+
+def build(mod, target):
+    """Compile for ``target`` (an H100 or H200: sm_90a is named for it) either one of
+    :func:`kernel`, :func:`skinny_kernel` or :func:`kernel_for`'s functions (a PrimFunc)
+    as ``main``, or a module whose one function is a schedule of ``ops.fp8_quant_gemm``
+    that :func:`apply_schedule` annotated (:func:`schedule`, or a sample of
+    MetaSchedule's :class:`~tvm_cascade.meta_schedule.CascadeFusion` after the target's
+    postprocessors), lowered to the kernel of its annotations under its name.
+    ``ValueError`` where the function is not that or the kernel cannot serve it."""
     if not serves_target(target):
         raise ValueError(f"the fp8 GEMM needs sm_90a (wgmma, TMA, setmaxnreg); target is {target}")
+    if isinstance(mod, tvm.tirx.PrimFunc):
+        symbol, func = "main", mod
+    else:
+        sites = ir.annotated_blocks(mod, FORM)
+        # (a decomposed reduction's init block keeps the GEMM block's annotations)
+        notes = {tvm_ffi.structural_hash([b.annotations[FORM], b.annotations[CHOICES]]) for _, _, b in sites}
+        if len(notes) != 1 or len(mod.functions_items()) != 1:
+            raise ValueError(
+                f"the fp8 GEMM builds a module of one function annotated once; "
+                f"{len(mod.functions_items())} functions, {len(notes)} sets of annotations"
+            )
+        gvar, scheduled, block = sites[0]
+        problem = _problem_of_params(scheduled)
+        if problem is None:
+            raise ValueError(
+                f"'{gvar.name_hint}': its parameters are not ops.fp8_quant_gemm's X[M, K] (16-bit), "
+                f"W[N, K] (float8_e4m3fn), w_scale[N] (float32), out[M, N]"
+            )
+        form, choices = str(block.annotations[FORM]), list(block.annotations[CHOICES])
+        reason = unsupported_choices(problem, form, choices)
+        if reason is not None:
+            raise ValueError(reason)
+        symbol = scheduled.attrs["global_symbol"] if "global_symbol" in scheduled.attrs else gvar.name_hint
+        func = _kernel(problem, form, choices)
     target = sm90a(target)
     with target:  # TVM's CUDA compile callback takes the arch from the current target
-        return tvm.compile(tvm.IRModule({"main": func}), target=target)
+        return tvm.compile(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target=target)
+
+
+def _problem_of_params(func) -> Optional[Fp8QuantGemm]:
+    params = buffer_params(func)
+    if len(params) != 4 or [len(p.shape) for p in params] != [2, 2, 1, 2]:
+        return None
+    x, w, w_scale, out = params
+    (m, k), (n,) = x.shape, w_scale.shape
+    analyzer = tvm.sym.Analyzer()
+    same = lambda a, b: all(analyzer.can_prove_equal(p, q) for p, q in zip(a, b))  # noqa: E731
+    if not (same(w.shape, (n, k)) and same(out.shape, (m, n))):
+        return None
+    if str(w.dtype) != "float8_e4m3fn" or str(w_scale.dtype) != "float32" or str(x.dtype) not in PTX_TYPE:
+        return None
+    if not (isinstance(k, tvm.tirx.IntImm) and isinstance(n, tvm.tirx.IntImm)):
+        return None
+    m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
+    return Fp8QuantGemm(m, int(n), int(k), str(x.dtype), str(out.dtype))
 
 
 #: The most tokens :func:`kernel_for` gives :func:`skinny_kernel` (measured: see
@@ -214,9 +379,8 @@ SKINNY_TOKENS = 32
 def kernel_for(m, n, k, dtype="float16", out_dtype="float16"):
     """The kernel that serves ``m`` tokens: :func:`skinny_kernel` up to
     :data:`SKINNY_TOKENS` (a static count), else :func:`kernel`."""
-    if isinstance(m, int) and m <= SKINNY_TOKENS:
-        return skinny_kernel(m, n, k, dtype, out_dtype, tokens=16 if m <= 16 else 32)
-    return kernel(m, n, k, dtype, out_dtype)
+    form, choices = default_choices(Fp8QuantGemm(m, n, k, dtype, out_dtype))
+    return _kernel(Fp8QuantGemm(m, n, k, dtype, out_dtype), form, choices)
 
 
 def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()):

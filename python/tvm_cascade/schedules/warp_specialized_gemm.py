@@ -207,13 +207,13 @@ def apply_schedule(
 
 def lowers(mod) -> bool:
     """Whether a block of ``mod`` asks for this kernel (:func:`build`)."""
-    return bool(_annotated_blocks(mod))
+    return bool(ir.annotated_blocks(mod, PROBLEM))
 
 
 def chosen_config(mod) -> Optional[WarpSpecializedGemmConfig]:
     """The choices ``mod``'s annotations ask :func:`build` for (a tuning record's), or
     None where no block asks for this kernel."""
-    sites = _annotated_blocks(mod)
+    sites = ir.annotated_blocks(mod, PROBLEM)
     return _config(sites[0][2].annotations) if sites else None
 
 
@@ -221,16 +221,6 @@ def _config(notes) -> WarpSpecializedGemmConfig:
     return WarpSpecializedGemmConfig(
         int(notes[COLS]), int(notes[STAGES]), int(notes[GROUP]), *(int(r) for r in notes[REGISTERS])
     )
-
-
-def _annotated_blocks(mod):
-    return [
-        (gvar, func, block)
-        for gvar, func in mod.functions_items()
-        if isinstance(func, tvm.tirx.PrimFunc)
-        for block in ir.blocks_in(func.body.block)
-        if PROBLEM in block.annotations
-    ]
 
 
 def build(mod, target):
@@ -241,7 +231,7 @@ def build(mod, target):
     function's name: the kernel computes ``ops.rmsnorm_gemm`` of the function's
     parameters with the annotated eps and layout. ``ValueError`` where the parameters
     are not that function's or the kernel cannot serve them."""
-    sites = _annotated_blocks(mod)
+    sites = ir.annotated_blocks(mod, PROBLEM)
     # (a decomposed reduction's init block keeps the GEMM block's annotations)
     notes = {tvm_ffi.structural_hash(_choices(block)): _choices(block) for _, _, block in sites}
     if len(notes) != 1 or len(mod.functions_items()) != 1:
