@@ -561,10 +561,12 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
         r0 = (first + within % rows_here) * ROWS
         c0 = within // rows_here * cols
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
+        # a consumer whose 64 rows all lie past m does nothing (a few tokens' tile)
+        consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
         if tx == 0:
             for s in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.Cast("uint32", 128 * consumers))
             T.ptx.fence.mbarrier_init.release.cluster()
         T.cuda.cta_sync()
         if warpgroup == 0:
@@ -573,7 +575,8 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                 produce(x_map, w_map, smem, full, empty, r0, c0)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+            if warpgroup <= consumers:
+                consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
 
     maps = ((X, k, m, k * 2, DEPTH // 2, ROWS, 1, 1, dtype), (W, k, n, k, DEPTH, cols, 1, 1, "float8_e4m3fn"))
     return tma_kernel(params, maps, m_tiles * n_tiles, THREADS, block)
