@@ -12,7 +12,7 @@ grows multiplies the row's accumulators by the repair that
 (``max(eps, m_old) / max(eps, m_new)``, :func:`derived_repair`). Tiles quantised before
 the row reached its max use a finer scale than the two-pass form would; the result is
 :func:`~tvm_cascade.ops.reference.fp8_quant_gemm_ref` with ``tile=DEPTH``: the two-pass
-quantisation is the case of one tile.
+quantisation is the case of one tile. ``ops.fp8_quant_gemm`` is that definition in TIR.
 
 A thread block owns :data:`ROWS` rows and ``cols`` columns of the output:
 
@@ -31,6 +31,7 @@ A thread block owns :data:`ROWS` rows and ``cols`` columns of the output:
   bits than float32: accumulated there over all of K, outputs drifted by ~0.3% of the
   largest from the definition; added per tile, they agree to the output's rounding).
   The epilogue scales each row by ``max(eps, m) / 448`` and each column by ``w_scale``.
+  A consumer whose 64 rows all lie past M does nothing.
 
 Two sets of accumulators a thread bound a block to 128 columns. The kernel is bound by
 the consumers' per-element work (load, abs-max, scale, convert: repeated for every
