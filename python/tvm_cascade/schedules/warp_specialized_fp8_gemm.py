@@ -122,7 +122,9 @@ __forceinline__ __device__ float {name}(unsigned a) {{
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """Choices of the kernel."""
+    """Choices of :func:`kernel`. A consumer thread holds two sets of accumulators (the
+    running ones and a tile's), which bounds the columns to 128; four stages of 128 rows
+    of X (fp16) and ``cols`` rows of W (e4m3), 128 deep, take 192 KB."""
 
     cols: int = 128  # output columns per block: the wgmma's N (64 or 128)
     stages: int = 4  # k tiles in shared memory
@@ -143,8 +145,9 @@ _OLD, _NEW = sympy.symbols("m_old m_new", real=True)
 def derived_repair():
     """The factor :meth:`~tvm.s_tir.Schedule.rolling_update` derives and proves for
     ``ops.absmax_quant_gemm``'s GEMM over k tiles when the running abs-max moves from
-    ``m_old`` to ``m_new``, as a SymPy expression of :data:`_OLD`, :data:`_NEW`. The
-    algebra does not depend on the shapes, so a small instance serves."""
+    ``m_old`` to ``m_new``, as a SymPy expression of the symbols ``m_old`` and ``m_new``
+    (``max(eps, m_old) / max(eps, m_new)``). The algebra does not depend on the shapes,
+    so a small instance serves."""
     sch = tvm.s_tir.Schedule(cascades.absmax_quant_gemm(1, 1, 2 * DEPTH, FP8_MAX, "float16", eps=EPS))
     k_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("absmax"))[-1], [None, DEPTH])
     fusion = derive(chain_of(sch, sch.get_sblock("gemm"), k_tiles)[2])
