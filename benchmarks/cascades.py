@@ -227,6 +227,21 @@ def measure(peer, build, workload, args, top_k, bytes_moved) -> Dict:
     return row
 
 
+def eager(f, *args, result=lambda out: out):
+    """A peer's build function for ``f(*args)`` run as it is (PyTorch eager or compiled):
+    ``(call, read)``, ``read()`` giving ``result`` of the last call's output."""
+
+    def build():
+        box = {}
+
+        def call():
+            box["out"] = f(*args)
+
+        return call, (lambda: result(box["out"]))
+
+    return build
+
+
 def _reason(err: Exception) -> str:
     """The error's last line, or where it was raised if it has no message."""
     import traceback
@@ -259,17 +274,6 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     def ours():
         return on_tensors(cascade_kernel(workload, rows, n, top_k, dtype, target))
 
-    def eager(f):
-        def build():
-            box = {}
-
-            def call():
-                box["out"] = f(*args)
-
-            return call, (lambda: as_list(box["out"]))
-
-        return build
-
     def tvm_vm(pipeline):
         def build():
             vm = stock_tvm(workload, rows, n, top_k, dtype, target, pipeline)
@@ -295,7 +299,8 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
         return on_tensors(kernel)
 
     builders = {
-        "tvm-cascade": ours, "torch": eager(fn), "torch.compile": eager(torch.compile(fn)),
+        "tvm-cascade": ours, "torch": eager(fn, *args, result=as_list),
+        "torch.compile": eager(torch.compile(fn), *args, result=as_list),
         "tvm": tvm_vm("default"), "tvm, cascade pipeline": tvm_vm("cascade"),
     }
     peers = PEERS + ((TUNED,) if tune else ())

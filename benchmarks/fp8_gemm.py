@@ -24,7 +24,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from .attention import named, run_shapes, shapes_parser
-from .cascades import _reason
+from .cascades import _reason, eager
 from .timing import bench
 
 PEERS = (
@@ -108,17 +108,6 @@ def run_shape(shape) -> List[Dict]:
         kernel = fp8.build(fp8.kernel_for(m, n, k), target)["main"]
         tvm_args = [tvm.runtime.from_dlpack(t) for t in (x, w, w_scale, out)]
         return (lambda: kernel(*tvm_args)), (lambda: out)
-
-    def eager(f, *args):
-        def build():
-            box = {}
-
-            def call():
-                box["out"] = f(*args)
-
-            return call, (lambda: box["out"])
-
-        return build
 
     two_kernels = lambda q: lambda a, b, s: scaled_mm(*q(a), b, s)  # noqa: E731
     builders = {

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .attention import named, run_shapes, shapes_parser
-from .cascades import _reason
+from .cascades import _reason, eager
 from .timing import bench
 
 TUNED = "tvm-cascade (tuned)"
@@ -108,17 +108,6 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     ref = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * gamma.double()) @ w.double()
     normed = F.rms_norm(x, (k,), gamma, EPS)
     out = torch.empty(m, n, device="cuda", dtype=torch_dtype)
-
-    def eager(f, *args):
-        def build():
-            box = {}
-
-            def call():
-                box["out"] = f(*args)
-
-            return call, (lambda: box["out"])
-
-        return build
 
     def ours():
         sch = scaled_gemm.schedule_for_target(cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype), target)

@@ -43,6 +43,18 @@ def fence_operand(register):
     return T.cuda.func_call(FENCE_OPERAND, register, source_code=FENCE_OPERAND_SOURCE)
 
 
+def register_fence(count):
+    """A TVMScript macro ``fence(registers, first)``: :func:`fence_operand` of
+    ``registers[first]`` to ``registers[first + count - 1]``, unrolled."""
+
+    @T.macro
+    def fence(registers, first):
+        for i in T.unroll(count):
+            T.evaluate(fence_operand(registers[first + i]))
+
+    return fence
+
+
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.SyncWgmmaBatches")
 def sync_batches(func, _mod, _ctx):
     """Each loop annotated :data:`.wgmma.BATCH` is fenced before (shared memory for the

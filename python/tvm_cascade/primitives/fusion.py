@@ -10,6 +10,7 @@ from ..algebra.convert import Symbolic, UnsupportedExpr, to_tir
 from ..algebra.masks import strip_zero_masks
 from ..algebra.reducers import SUM, match_reducer
 from ..algebra.repair import COUNT, RUNNING, NoRepair, Repair, derive_repair
+from ..errors import FusionError
 
 
 @dataclass
@@ -33,6 +34,15 @@ class Fusion:
             subs[old] = sympy.Symbol(f"{buf}_prev")
             subs[new] = sympy.Symbol(buf)
         return sympy.sstr(self.repair.h.subs(subs, simultaneous=True))
+
+    def single_factor(self, needs: str):
+        """The repair as one factor of one running value's move, ``h = factor · running``:
+        ``(factor, old, new)`` with ``old``, ``new`` that value's symbols before and after;
+        FusionError starting with ``needs`` (what the caller's kernel requires) otherwise."""
+        factor = sympy.simplify(self.repair.h / RUNNING)
+        if len(self.repair.old) != 1 or RUNNING in factor.free_symbols:
+            raise FusionError(f"{needs}; the repair of '{self.target_buffer}' is {self.describe()}")
+        return factor, self.repair.old[0], self.repair.new[0]
 
 
 def derive(chain, required: bool = True):

@@ -66,14 +66,13 @@ from tvm.script import tirx as T
 
 from .. import ops
 from ..algebra.convert import to_tir
-from ..algebra.repair import RUNNING
 from ..analysis.scope import buffer_params
 from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from ..cuda.wgmma import descriptor
-from ..cuda.wgmma_batches import fence_operand
+from ..cuda.wgmma_batches import fence_operand, register_fence
 from ..trace import sample_uniform
 
 #: Query rows per thread block (two consumer warpgroups of 64).
@@ -271,14 +270,10 @@ _OLD, _NEW = sympy.symbols("m_old m_new", real=True)
 def _repair_factor(variant):
     factors = []
     for fusion in derived_repairs(variant):
-        factor = sympy.simplify(fusion.repair.h / RUNNING)
-        if len(fusion.repair.old) != 1 or RUNNING in factor.free_symbols:
-            raise FusionError(
-                f"the warp-specialised kernel repairs the running sum and output by one factor of "
-                f"the running max; the repair of '{fusion.target_buffer}' is {fusion.describe()}"
-            )
+        factor, old, new = fusion.single_factor(
+            "the warp-specialised kernel repairs the running sum and output by one factor of the running max"
+        )
         # The kernel keeps maxima in log2 units (m = m2 ln 2).
-        (old,), (new,) = fusion.repair.old, fusion.repair.new
         log2 = {old: _OLD * sympy.log(2), new: _NEW * sympy.log(2)}
         factors.append(sympy.simplify(factor.subs(log2, simultaneous=True)))
     if any(sympy.simplify(f - factors[0]) != 0 for f in factors[1:]):
@@ -489,15 +484,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.bar.sync(T.uint32(_CLEARED) + T.Cast("uint32", cw), T.uint32(128))
 
-    @T.macro
-    def fence_scores(S):
-        for i in T.unroll(n_scores):
-            T.evaluate(fence_operand(S[i]))
+    fence_scores, fence_accumulators = register_fence(n_scores), register_fence(n_output)
 
     @T.macro
     def fence_output(O_acc, P):
-        for i in T.unroll(n_output):
-            T.evaluate(fence_operand(O_acc[i]))
+        fence_accumulators(O_acc, 0)
         for i in T.unroll(n_scores // 2):
             T.evaluate(fence_operand(P.vload([2 * i], f"{dtype}x2")))
 
@@ -637,11 +628,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         if overlap:
             wait(full, base)
             clear_tail(smem, base % stages, lo, seq_kv, cw, tx)
-            fence_scores(S)
+            fence_scores(S, 0)
             T.ptx.wgmma.fence.sync.aligned()
             issue_scores(S, smem, base % stages, cw)
             T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_scores(S)
+            fence_scores(S, 0)
             softmax(S, m, l, m_new, repair, slope, bias, lo, r0, seq_q, seq_kv, cw, w, lane)
             repair_output(S, P, O_acc, repair)
             if pingpong:
@@ -653,7 +644,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 clear_tail(smem, (base + i) % stages, lo + i, seq_kv, cw, tx)
                 if pingpong:
                     T.ptx.bar.sync(T.uint32(_PINGPONG) + T.Cast("uint32", cw), T.uint32(256))
-                fence_scores(S)
+                fence_scores(S, 0)
                 fence_output(O_acc, P)
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_scores(S, smem, (base + i) % stages, cw)
@@ -663,7 +654,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     if cw == 0 or i < n_tiles - 1:
                         T.ptx.bar.arrive(T.uint32(_PINGPONG + 1) - T.Cast("uint32", cw), T.uint32(256))
                 T.ptx.wgmma.wait_group.sync.aligned(1)
-                fence_scores(S)
+                fence_scores(S, 0)
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_output(O_acc, P)
@@ -679,11 +670,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             for i in range(n_tiles):
                 wait(full, base + i)
                 clear_tail(smem, (base + i) % stages, lo + i, seq_kv, cw, tx)
-                fence_scores(S)
+                fence_scores(S, 0)
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_scores(S, smem, (base + i) % stages, cw)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_scores(S)
+                fence_scores(S, 0)
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 repair_output(S, P, O_acc, repair)
                 fence_output(O_acc, P)

@@ -58,10 +58,9 @@ import tvm_ffi
 from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
-from ..algebra.repair import RUNNING
 from ..analysis.scope import buffer_params
 from ..cuda.wgmma import descriptor
-from ..cuda.wgmma_batches import fence_operand
+from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
 from ..ops import cascades
 from ..primitives import ir
@@ -151,14 +150,30 @@ def derived_repair():
     sch = tvm.s_tir.Schedule(cascades.absmax_quant_gemm(1, 1, 2 * DEPTH, FP8_MAX, "float16", eps=EPS))
     k_tiles, _ = sch.split(sch.get_loops(sch.get_sblock("absmax"))[-1], [None, DEPTH])
     fusion = derive(chain_of(sch, sch.get_sblock("gemm"), k_tiles)[2])
-    factor = sympy.simplify(fusion.repair.h / RUNNING)
-    if len(fusion.repair.old) != 1 or RUNNING in factor.free_symbols:
-        raise FusionError(
-            f"the fp8 GEMM repairs its accumulators by one factor of the running abs-max; the repair "
-            f"is {fusion.describe()}"
-        )
-    (old,), (new,) = fusion.repair.old, fusion.repair.new
+    factor, old, new = fusion.single_factor("the fp8 GEMM repairs its accumulators by one factor of the running abs-max")
     return factor.subs({old: _OLD, new: _NEW}, simultaneous=True)
+
+
+def repair_factor(m_old, m_new):
+    """:func:`derived_repair` as float32 TIR of the running abs-max before and after."""
+    return to_tir(derived_repair(), {_OLD: m_old, _NEW: m_new}, "float32")
+
+
+def _magnitude_helpers(dtype):
+    """The names and CUDA sources of the pairwise magnitude maximum and of a pair's
+    largest magnitude as a float, for 16-bit ``dtype``: ``(abs_max, its source,
+    pair_max, its source)``."""
+    ptx = PTX_TYPE[dtype]
+    abs_max, pair_max = _ABS_MAX.format(ptx), _PAIR_MAX.format(ptx)
+    return (
+        abs_max, _ABS_MAX_SOURCE.format(name=abs_max, ptx=ptx), pair_max, _PAIR_MAX_SOURCE.format(name=pair_max, ptx=ptx)
+    )
+
+
+def _k_major(smem, at, ks):
+    """The wgmma descriptor of the e4m3 tile at 16-bit element ``at`` of ``smem``: rows of
+    DEPTH bytes, 128-byte swizzled, read K-major; step ``ks`` is 32 bytes into the row."""
+    return descriptor(smem.ptr_to([at + ks * 16]), 16, 1024, swizzle=True)
 
 
 def unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig()):
@@ -242,16 +257,9 @@ def fp8_quant_gemm_of(func) -> Optional[Fp8QuantGemm]:
     """The arguments of the ``ops.fp8_quant_gemm`` (k tile :data:`DEPTH`, 448 and
     :data:`EPS`) that ``func`` is, or None: ``func`` is compared, structurally, with that
     function rebuilt from its parameters."""
-    params = buffer_params(func)
-    if len(params) != 4 or [len(p.shape) for p in params] != [2, 2, 1, 2]:
+    problem = _problem_of_params(func)
+    if problem is None:
         return None
-    x, _, _, out = params
-    m, k = x.shape
-    n = out.shape[1]
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in (k, n)):
-        return None
-    m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
-    problem = Fp8QuantGemm(m, int(n), int(k), str(x.dtype), str(out.dtype))
     try:
         expected = problem.function()
     except (ValueError, tvm.TVMError):
@@ -340,7 +348,7 @@ def build(mod, target):
                 f"{len(mod.functions_items())} functions, {len(notes)} sets of annotations"
             )
         gvar, scheduled, block = sites[0]
-        problem = _problem_of_params(scheduled)
+        problem = _problem_of_params(scheduled, kernel_dtypes=True)
         if problem is None:
             raise ValueError(
                 f"'{gvar.name_hint}': its parameters are not ops.fp8_quant_gemm's X[M, K] (16-bit), "
@@ -357,7 +365,10 @@ def build(mod, target):
         return tvm.compile(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target=target)
 
 
-def _problem_of_params(func) -> Optional[Fp8QuantGemm]:
+def _problem_of_params(func, kernel_dtypes=False) -> Optional[Fp8QuantGemm]:
+    """The problem of ``func``'s parameters, ``X[M, K]``, ``W[N, K]``, ``w_scale[N]``,
+    ``out[M, N]`` with static N and K, or None; with ``kernel_dtypes``, also None unless X
+    is 16-bit, W float8_e4m3fn and ``w_scale`` float32."""
     params = buffer_params(func)
     if len(params) != 4 or [len(p.shape) for p in params] != [2, 2, 1, 2]:
         return None
@@ -367,9 +378,10 @@ def _problem_of_params(func) -> Optional[Fp8QuantGemm]:
     same = lambda a, b: all(analyzer.can_prove_equal(p, q) for p, q in zip(a, b))  # noqa: E731
     if not (same(w.shape, (n, k)) and same(out.shape, (m, n))):
         return None
-    if str(w.dtype) != "float8_e4m3fn" or str(w_scale.dtype) != "float32" or str(x.dtype) not in PTX_TYPE:
-        return None
     if not (isinstance(k, tvm.tirx.IntImm) and isinstance(n, tvm.tirx.IntImm)):
+        return None
+    served = (str(x.dtype) in PTX_TYPE, str(w.dtype), str(w_scale.dtype)) == (True, "float8_e4m3fn", "float32")
+    if kernel_dtypes and not served:
         return None
     m = int(m) if isinstance(m, tvm.tirx.IntImm) else m
     return Fp8QuantGemm(m, int(n), int(k), str(x.dtype), str(out.dtype))
@@ -405,18 +417,8 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
     w_base = stages * x_tile
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
     part_n = n % cols != 0
-    ptx = PTX_TYPE[dtype]
-    abs_max, pair_max = _ABS_MAX.format(ptx), _PAIR_MAX.format(ptx)
-    abs_max_source = _ABS_MAX_SOURCE.format(name=abs_max, ptx=ptx)
-    pair_max_source = _PAIR_MAX_SOURCE.format(name=pair_max, ptx=ptx)
+    abs_max, abs_max_source, pair_max, pair_max_source = _magnitude_helpers(dtype)
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
-
-    def repair(m_old, m_new):
-        return to_tir(derived_repair(), {_OLD: m_old, _NEW: m_new}, "float32")
-
-    def w_operand(smem, st, ks):
-        # [n, k] rows of DEPTH bytes, read K-major: step ks is 32 bytes into the swizzled row.
-        return descriptor(smem.ptr_to([w_base + st * w_tile + ks * 16]), 16, 1024, swizzle=True)
 
     @T.macro
     def wait(bar, t):
@@ -455,7 +457,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     tile_peak[g], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[g], 1 << d, 32)
                 )
             new_peak = T.meta_var(T.max(peak[g], tile_peak[g]))
-            factor[2 * half + g] = repair(peak[g], new_peak)
+            factor[2 * half + g] = repair_factor(peak[g], new_peak)
             peak[g] = new_peak
             # rounded as the definition's (and numpy's) division, whatever the compiler's flags
             scale[g] = T.call_pure_extern("float32", "__fdiv_rn", T.float32(FP8_MAX), T.max(peak[g], T.float32(EPS)))
@@ -466,36 +468,28 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     _QUANTISE, *v, source_code=_QUANTISE_SOURCE, return_type="uint32"
                 )
 
-    @T.macro
-    def fence_accumulators(acc):
-        for i in T.unroll(n_acc):
-            T.evaluate(fence_operand(acc[i]))
-
-    @T.macro
-    def fence_a(A, half):
-        for i in T.unroll(16):
-            T.evaluate(fence_operand(A[half * 16 + i]))
+    fence_accumulators, fence_a = register_fence(n_acc), register_fence(16)
 
     @T.macro
     def step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, t, cw, w, lane):
-        fence_accumulators(part)
-        fence_a(A, half)
+        fence_accumulators(part, 0)
+        fence_a(A, 16 * half)
         T.ptx.wgmma.fence.sync.aligned()
         for ks in T.unroll(DEPTH // 32):
             T.evaluate(
                 mma(
                     *[part[i] for i in range(n_acc)],
                     *[A[half * 16 + ks * 4 + q] for q in range(4)],
-                    w_operand(smem, t % stages, ks), ks > 0, 1, 1,
+                    _k_major(smem, w_base + t % stages * w_tile, ks), ks > 0, 1, 1,
                 )
             )
         T.ptx.wgmma.commit_group.sync.aligned()
-        fence_a(A, 1 - half)
+        fence_a(A, 16 * (1 - half))
         if t + 1 < k_tiles:
             wait(full, t + 1)
             operand(smem, A, xv, peak, factor, scale, 1 - half, t + 1, cw, w, lane)
         T.ptx.wgmma.wait_group.sync.aligned(0)
-        fence_accumulators(part)
+        fence_accumulators(part, 0)
         T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
         # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e
         for j in T.unroll(cols // 8):
@@ -656,18 +650,10 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     n_acc = tokens // 2  # a thread's accumulators: 64 x tokens over 128 threads
     per = 128 // tokens  # threads a token
     each = DEPTH // per  # a thread's elements of a token's tile
-    ptx = PTX_TYPE[dtype]
-    abs_max, pair_max = _ABS_MAX.format(ptx), _PAIR_MAX.format(ptx)
-    abs_max_source = _ABS_MAX_SOURCE.format(name=abs_max, ptx=ptx)
-    pair_max_source = _PAIR_MAX_SOURCE.format(name=pair_max, ptx=ptx)
+    abs_max, abs_max_source, pair_max, pair_max_source = _magnitude_helpers(dtype)
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{tokens}k32").f32.e4m3.e4m3
 
-    def repair(m_old, m_new):
-        return to_tir(derived_repair(), {_OLD: m_old, _NEW: m_new}, "float32")
-
-    def k_major(smem, at, ks):
-        # rows of DEPTH bytes, 128-byte swizzled: step ks is 32 bytes into the row
-        return descriptor(smem.ptr_to([at + ks * 16]), 16, 1024, swizzle=True)
+    fence_part = register_fence(n_acc)
 
     @T.macro
     def wait(bar, t):
@@ -697,7 +683,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
             tile_peak[0] = T.max(tile_peak[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[0], 1 << d, 32))
         new_peak = T.meta_var(T.max(peak[0], tile_peak[0]))
         if tx % per == 0:
-            T.evaluate(_store("f32", factors.ptr_to([t % 2 * tokens + token]), repair(peak[0], new_peak)))
+            T.evaluate(_store("f32", factors.ptr_to([t % 2 * tokens + token]), repair_factor(peak[0], new_peak)))
         peak[0] = new_peak
         scale[0] = T.call_pure_extern("float32", "__fdiv_rn", T.float32(FP8_MAX), T.max(peak[0], T.float32(EPS)))
         for e in T.unroll(each // 4):
@@ -728,14 +714,13 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         T.ptx.fence.proxy.async_.shared__cta()  # the e4m3 tile, written here, read by wgmma
         T.ptx.bar.sync(T.uint32(1), T.uint32(128))
         for t in T.serial(k_tiles):
-            for i in T.unroll(n_acc):
-                T.evaluate(fence_operand(part[i]))
+            fence_part(part, 0)
             T.ptx.wgmma.fence.sync.aligned()
             for ks in T.unroll(DEPTH // 32):
                 T.evaluate(
                     mma(
                         *[part[i] for i in range(n_acc)],
-                        k_major(smem, (t % stages) * stage + x_tile, ks), k_major(smem, q_base + t % 2 * q_tile, ks),
+                        _k_major(smem, (t % stages) * stage + x_tile, ks), _k_major(smem, q_base + t % 2 * q_tile, ks),
                         ks > 0, 1, 1,
                     )
                 )
@@ -746,8 +731,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t + 1, tx)
                 T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.wgmma.wait_group.sync.aligned(0)
-            for i in T.unroll(n_acc):
-                T.evaluate(fence_operand(part[i]))
+            fence_part(part, 0)
             T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
             # accumulator 4 j + 2 g + e: W row 16 w + lane / 4 + 8 g, token 8 j + 2 (lane % 4) + e
             for j in T.unroll(tokens // 8):

@@ -47,7 +47,7 @@ from tvm.script import tirx as T
 
 from ..analysis.scope import buffer_params
 from ..cuda.wgmma import descriptor
-from ..cuda.wgmma_batches import fence_operand
+from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
 from ..ops import cascades
 from ..primitives import ir
@@ -388,15 +388,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                     source_code=mul2_source, return_type="uint32",
                 )
 
-    @T.macro
-    def fence_accumulators(acc):
-        for i in T.unroll(n_acc):
-            T.evaluate(fence_operand(acc[i]))
-
-    @T.macro
-    def fence_a(A, half):
-        for i in T.unroll(16):
-            T.evaluate(fence_operand(A[half * 16 + i]))
+    fence_accumulators, fence_a = register_fence(n_acc), register_fence(16)
 
     @T.macro
     def issue(acc, A, smem, half, t):
@@ -414,12 +406,12 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     def step(smem, full, empty, acc, A, ss, xv, gv, half, t, cw, w, lane):
         # Tile t's instructions run while tile t + 1's operand is read into the other set;
         # the set tile t - 1 read is free once at most one batch is in flight.
-        fence_accumulators(acc)
-        fence_a(A, half)
+        fence_accumulators(acc, 0)
+        fence_a(A, 16 * half)
         T.ptx.wgmma.fence.sync.aligned()
         issue(acc, A, smem, half, t)
         T.ptx.wgmma.wait_group.sync.aligned(1)
-        fence_a(A, 1 - half)
+        fence_a(A, 16 * (1 - half))
         if t > 0:
             T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(t - 1) % stages]), T.uint32(1))
         if t + 1 < k_tiles:
@@ -448,7 +440,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                 if pair * 2 + half < k_tiles:
                     step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, cw, w, lane)
         T.ptx.wgmma.wait_group.sync.aligned(0)
-        fence_accumulators(acc)
+        fence_accumulators(acc, 0)
         T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(k_tiles - 1) % stages]), T.uint32(1))
         for g in T.unroll(2):
             ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
