@@ -319,6 +319,30 @@ def test_moe_routing_with_topk():
     np.testing.assert_array_equal(rtopi, np.argsort(-logits, axis=1, kind="stable")[:, :top_k])
 
 
+@pytest.mark.parametrize("dtype, experts", [("float16", 48), ("bfloat16", 48), ("float32", 48), ("float16", 70000)])
+def test_moe_routing_ranks_the_logits_exactly(dtype, experts):
+    """The rounds' keys (16-bit logits and the index in an int32; float32 logits, or
+    more than 2**16 experts, in an int64) order the experts as their float64 logits
+    do: equal logits (+0 and -0 among them) by index, and two logits one unit in the
+    last place apart stay apart where the row's maximum is so large that ``x - m`` in
+    float32 would merge them."""
+    tokens, top_k = 3, 4
+    dt = tt.np_dtype(dtype)
+    bits = np.uint32 if dtype == "float32" else np.uint16
+    logits = np.random.default_rng(8).standard_normal((tokens, experts)).astype(dt)
+    logits[0, [9, 2]] = 8.0  # a tie: 2 first
+    logits[1, :] = -1.0
+    logits[1, [0, 5, 6, 7]] = [1.0, -0.0, 0.0, -0.0]  # equal zeros: by index
+    logits[2, :] = -3.0
+    half = np.array([0.5], dt)
+    logits[2, [1, 4]] = [half[0], (half.view(bits) + 1).view(dt)[0]]  # 4 first
+    logits[2, 30] = {"float16": 2.0**15, "bfloat16": 2.0**17, "float32": 2.0**26}[dtype]
+    prob, topv, topi = tt.run_prim_func(ops.moe_routing(tokens, experts, top_k, dtype=dtype), [logits])
+    np.testing.assert_array_equal(topi, np.argsort(-logits.astype(np.float64), axis=1, kind="stable")[:, :top_k])
+    np.testing.assert_array_equal(topi[:, :3], [[2, 9, topi[0, 2]], [0, 5, 6], [30, 4, 1]])
+    np.testing.assert_array_equal(topv, np.take_along_axis(prob, topi, axis=1))
+
+
 def test_moe_routing_softmax_only():
     tokens, experts = 4, 8
     func = ops.moe_routing(tokens, experts, 2, dtype="float16", with_topk=False)

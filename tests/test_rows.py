@@ -121,6 +121,23 @@ def test_moe_routing_with_top_k_is_one_kernel():
 
 
 @needs_nvcc
+def test_top_k_rounds_read_a_shared_copy_of_the_rows():
+    """Where reductions over the row follow the chain (top-k's rounds), the block's rows
+    are copied once into shared memory (16-byte loads, then a barrier) and the rounds
+    read the copy; with a symbolic token count the rows stay in memory. The softmax
+    chain is the row chain, the rounds (no repair) follow it."""
+    func = cascades.moe_routing(8, 1024, 4, "float16")
+    assert [(c.root, c.dependents) for c in row_chains(func)] == [("max", ("sum",))]
+    plan = plan_rows(1024, "float16")
+    _, source = _kernel_source(func, **plan)
+    copy = f"__shared__ alignas(64) half logits_shared_ptr[{plan['rows_per_block'] * 1024}];"
+    assert copy in source and "*(uint4*)(logits_shared_ptr" in source and "__syncthreads();" in source
+    assert re.search(r"half v_\w* = logits_shared_ptr\[", source)  # a round reads the copy for its key
+    _, source = _kernel_source(cascades.moe_routing(tvm.tirx.Var("tokens", "int32"), 1024, 4, "float16"), **plan)
+    assert "logits_shared" not in source and len(_kernels(source)) == 1
+
+
+@needs_nvcc
 def test_meta_schedule_proposes_one_block_per_row_on_gpus():
     """On a CUDA target ``CascadeFusion`` proposes the chain split across a row's threads and
     rolled within each (both fusions in one trace), with its sampled threads, tile and
@@ -149,3 +166,18 @@ def test_meta_schedule_proposes_one_block_per_row_on_gpus():
             assert len(_kernels(tvm.compile(sch.mod, target=TARGET).mod.imports[0].inspect_source())) == 1
             built += 1
     assert built
+
+
+def test_meta_schedule_samples_the_plan():
+    """The tuning space holds the hand plan: MoE routing over 256 experts is planned as
+    8 rows of 16 threads a block, and 8 is among the rows per block sampled."""
+    func = cascades.moe_routing(64, 256, 8, "float16")
+    assert plan_rows(256, "float16")["rows_per_block"] == 8
+    space = ms.space_generator.PostOrderApply(sch_rules=[CascadeFusion(unfused=False)], postprocs=[], mutator_probs={})
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=TARGET, space_generator=space, task_name="moe")
+    (rows,) = [
+        s for s in context.generate_design_space()
+        if {"RollingUpdate", "SplitKUpdate"} <= {i.kind.name for i in s.trace.insts}
+    ]
+    options = [tuple(int(c) for c in inst.attrs[0]) for inst in rows.trace.insts if inst.kind.name == "SampleCategorical"]
+    assert (1, 4, 8, 16) in options

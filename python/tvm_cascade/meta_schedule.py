@@ -77,7 +77,15 @@ from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
 from .schedules.warp_specialized import serves_target
 from .trace import JSONDatabase, sample_uniform
 from .transform.detect import find_candidates
-from .transform.fuse import FusedChain, blocks_along_key_axis, compute_producers_at, key_loop, only_func, reason
+from .transform.fuse import (
+    FusedChain,
+    blocks_along_key_axis,
+    compute_producers_at,
+    fusing_dependents,
+    key_loop,
+    only_func,
+    reason,
+)
 
 logger = logging.getLogger("tvm_cascade.meta_schedule")
 
@@ -88,8 +96,8 @@ CHUNKS = (2, 4, 8, 16, 32)
 #: Threads a row of a fused nest spreads its spatial loops over on a GPU, sampled from.
 GPU_LANES = (32, 64, 128)
 #: Positions a thread folds between repairs, threads per row and rows per CUDA block that
-#: the one-block-per-row GPU schedule samples from (the chunk counts that divide the row
-#: into whole tiles are added).
+#: the one-block-per-row GPU schedule samples from (the plan's own choices, :func:`plan_chain`,
+#: and the chunk counts that divide the row into whole tiles are added).
 ROW_TILES = (16, 32, 64, 128)
 ROW_THREADS = (64, 128, 256)
 ROWS_PER_BLOCK = (1, 4, 16)
@@ -193,7 +201,8 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             c for c in {plan_chunks(length, t) for t in tiles} | set(ROW_THREADS)
             if all((c - 1) * -(-length // (c * t)) * t < length for t in tiles)
         )
-        sampled = [sample_uniform(sch, c) for c in (chunks, tiles, ROWS_PER_BLOCK)]
+        per_block = sorted({plan["rows_per_block"]} | set(ROWS_PER_BLOCK))
+        sampled = [sample_uniform(sch, c) for c in (chunks, tiles, per_block)]
         schedule_rows(sch, *sampled)
         for site in collect_sites(only_func(sch).body.block):
             sch.annotate(sch.get_sblock(site.name), *SKIP)
@@ -255,8 +264,8 @@ class TargetDefault(ms.schedule_rule.PyScheduleRule):
     """The target's ``position``-th default rule (MetaSchedule's, as ``"from-target"``
     gives them once the tuning context names the target; nothing past the last), except
     that a block it fails on (a ScheduleError) is left as it was, and that on a reduction
-    outside every cascaded chain (top-k's arg-max rounds after a softmax) it keeps only
-    its first alternative.
+    no fusion takes (top-k's rounds after a softmax: chained, but with no repair) it
+    keeps only its first alternative.
 
     MetaSchedule's default rules stop the whole design space on some blocks of an
     unfused chain: MultiLevelTiling moves the consumer of P·V, which also reads the
@@ -280,7 +289,8 @@ class TargetDefault(ms.schedule_rule.PyScheduleRule):
             self.rule._initialize_with_tune_context(context)
         self.chained = {
             name for func in context.mod.functions.values() if isinstance(func, PrimFunc)
-            for chain in find_candidates(func) for name in (chain.root, *chain.dependents)
+            for chain in find_candidates(func)
+            for name in (chain.root, *fusing_dependents(func, chain, "rolling"), *fusing_dependents(func, chain, "split_k"))
         }
 
     def apply(self, sch, block):

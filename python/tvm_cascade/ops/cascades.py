@@ -269,16 +269,19 @@ def moe_routing(
       ``rolling_update`` can fuse.
     * top-k is **not** a commutative/associative scalar reduction for
       ``k > 1`` (its state is a sorted list of k pairs). With ``with_topk=True`` it
-      is ``top_k`` arg-max reductions over the experts, ``top0`` ... ``top{k-1}``:
-      round ``r`` takes the largest ``x - m`` (logit less the row's maximum) among the
-      experts that come after round ``r - 1``'s in the order (descending, index
-      ascending), so ties go to the lower expert index. The probability
-      ``exp(x - m) / l`` is increasing in ``x - m``, so that is the order of the
-      probabilities, and a round costs a subtraction and comparisons per expert, not
-      an exponential and a division. Each round reads the one before, but no repair
-      lets a round see a partial previous round: they are no chain for the
-      primitives. The blocks ``topk_prob`` (``exp(x - m) / l`` of each round's
-      ``x - m``) and ``topk_idx`` gather the rounds into the outputs.
+      is ``top_k`` max reductions over the experts, ``top0`` ... ``top{k-1}``, of one
+      integer key per expert that orders the experts as the probabilities do
+      (:func:`_expert_key`: the logit's bits made monotone, then the expert's place
+      in reverse, so that on equal logits the lower index ranks first). Round ``r``
+      takes the largest key below round ``r - 1``'s; round 0 the largest not above
+      the row maximum's. The probability ``exp(x - m) /
+      l`` is increasing in the logit ``x``, so ranking the logits ranks the
+      probabilities, and exactly (no rounding of ``x - m`` merges two logits); a
+      round costs an integer comparison per expert, not an exponential and a
+      division. Each round reads the one before, but no repair lets a round see a
+      partial previous round: they are no chain for the primitives. The blocks
+      ``topk_prob`` (``exp(x - m) / l`` of each round's logit, decoded from its key)
+      and ``topk_idx`` gather the rounds into the outputs.
       Everything is TIR: the function runs on any target.
     * ``with_topk=False`` gives the pure softmax cascade ``main(logits, prob)``;
       the numpy reference :func:`tvm_cascade.ops.reference.moe_routing_ref`
@@ -286,8 +289,8 @@ def moe_routing(
     """
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
-    if with_topk and experts >= 1 << 24:
-        raise ValueError(f"experts={experts}: the top-k rounds count experts in float32, exact below 2**24")
+    if with_topk and experts > 1 << 32:
+        raise ValueError(f"experts={experts}: the top-k keys hold an expert's place in 32 bits")
     acc = accum_dtype
     logits = te.placeholder((tokens, experts), dtype, name="logits")
     m, e, l = _softmax_stats(logits, tokens, experts, acc)
@@ -298,54 +301,80 @@ def moe_routing(
     return te.create_prim_func([logits, prob, vals, idx] if with_prob else [logits, vals, idx])
 
 
-#: The type of the arg-max rounds' expert index (see :func:`_top_k_rounds`).
-_ROUND_INDEX = "float32"
-
-
 def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
-    """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` arg-max rounds over
-    the logits less their row's maximum ``m`` (``l``: the softmax's sum)."""
-
-    def combine(x, y):  # (index, value): the larger value, on a tie the lower index
-        # TVM's arg-max form, so that its cross-thread reduction recognises it. The index
-        # is carried as a float (exact below 2**24 experts): an integer one is bound, with
-        # the selects that compute it, into the analyzer of TVM's CompactBufferAllocation,
-        # which then took seconds per compile (8.6 s for 8 rounds, 0.2 s as a float).
-        keep_x = tirx.Or(x[1] > y[1], tirx.And(x[1] == y[1], x[0] < y[0]))
-        return tirx.Select(keep_x, x[0], y[0]), tirx.Select(x[1] > y[1], x[1], y[1])
-
-    def identity(index_t, value_t):
-        return tirx.const(-1, index_t), tirx.min_value(value_t)
-
-    argmax = te.comm_reducer(combine, identity, name="argmax")
+    """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` max reductions over
+    the experts' keys (:func:`_expert_key`; ``m``, ``l``: the softmax's max and sum)."""
+    key = _expert_key(logits, experts)
     rounds = []
     for r in range(top_k):
-        rule = _round(logits, m, experts, rounds[-1] if rounds else None, argmax, acc)
-        rounds.append(te.compute((tokens,), rule, name=f"top{r}"))
+        rounds.append(te.compute((tokens,), _round(key, rounds[-1] if rounds else None, m), name=f"top{r}"))
 
-    def gather(part):
+    def gather(decode):
         def rule(t, k):
-            picked = rounds[-1][part][t]
+            picked = rounds[-1][t]
             for r in range(top_k - 2, -1, -1):
-                picked = tirx.Select(k == r, rounds[r][part][t], picked)
-            return te.exp(picked) / l[t] if part == 1 else picked.astype(index_dtype)
+                picked = tirx.Select(k == r, rounds[r][t], picked)
+            return decode(t, picked)
 
         return rule
 
-    parts = ((1, "topk_prob"), (0, "topk_idx"))
-    return tuple(te.compute((tokens, top_k), gather(part), name=name) for part, name in parts)
+    prob = gather(lambda t, k: te.exp(key.logit(k).astype(acc) - m[t]) / l[t])
+    index = gather(lambda t, k: key.expert(k).astype(index_dtype))
+    return te.compute((tokens, top_k), prob, name="topk_prob"), te.compute((tokens, top_k), index, name="topk_idx")
 
 
-def _round(logits, m, experts: int, prev, argmax, acc: str):
-    """The compute rule of one arg-max round, after round ``prev`` (None for the first);
-    its index is a float32."""
-    j = te.reduce_axis((0, experts), name="rj")
+def _round(key, prev, m):
+    """The compute rule of a round: the largest key below round ``prev``'s, or for the
+    first round (``prev`` None) the largest not above the row maximum ``m``'s largest."""
+    j = te.reduce_axis((0, key.experts), name="rj")
 
-    def pair(t):
-        index, value = j.var.astype(_ROUND_INDEX), logits[t, j].astype(acc) - m[t]
-        if prev is not None:
-            after = tirx.Or(value < prev[1][t], tirx.And(value == prev[1][t], index > prev[0][t]))
-            value = tirx.Select(after, value, tirx.min_value(acc))
-        return argmax((index, value), axis=j)
+    def rule(t):
+        k = key.encode(t, j)
+        below = k < prev[t] if prev is not None else k <= key.ceiling(m[t])
+        return te.max(tirx.Select(below, k, tirx.min_value(key.dtype)), axis=j)
 
-    return pair
+    return rule
+
+
+class _expert_key:
+    """An integer per (token, expert) whose order is the order of the logits, ties to
+    the lower expert index: the logit's bits made monotone (a float's bits order its
+    magnitude; a negative float's are negated, and -0 meets +0 at 0) in the high half,
+    ``experts - 1 - j`` in the low half. 16-bit logits of at most 2**16 experts fit an
+    int32 (one comparison on a GPU); others take an int64 of the float32 logit."""
+
+    def __init__(self, logits, experts: int):
+        self.experts = experts
+        self.float = str(logits.dtype) if tvm.DataType(logits.dtype).bits == 16 and experts <= 1 << 16 else "float32"
+        self.bits = tvm.DataType(self.float).bits
+        self.dtype = "int32" if self.bits == 16 else "int64"
+        self.logits = logits
+
+    def encode(self, t, j):
+        place = tirx.const(self.experts - 1, self.dtype) - j.var.astype(self.dtype)
+        return self._ordered(self.logits[t, j]) * tirx.const(1 << self.bits, self.dtype) + place
+
+    def ceiling(self, peak):
+        """The largest key a logit of at most ``peak`` (a logit's value, in any float
+        type that holds it exactly) has."""
+        return self._ordered(peak) * tirx.const(1 << self.bits, self.dtype) + tirx.const((1 << self.bits) - 1, self.dtype)
+
+    def _ordered(self, x):
+        if self.float == "bfloat16":  # the high half of its float32 (LLVM bitcasts no bfloat16)
+            raw = tirx.shift_right(tirx.reinterpret("int32", x.astype("float32")), tirx.const(16, "int32"))
+        else:
+            raw = tirx.reinterpret(f"int{self.bits}", x.astype(self.float)).astype(self.dtype)
+        magnitude = raw & tirx.const((1 << (self.bits - 1)) - 1, self.dtype)
+        return tirx.Select(raw < 0, tirx.const(0, self.dtype) - magnitude, raw)
+
+    def logit(self, key):
+        ordered = tirx.floordiv(key, tirx.const(1 << self.bits, self.dtype))
+        magnitude = tirx.Select(ordered < 0, tirx.const(0, self.dtype) - ordered, ordered)
+        if self.float == "bfloat16":  # the high half of a float32
+            x = tirx.reinterpret("float32", magnitude.astype("int32") * tirx.const(1 << 16, "int32"))
+        else:
+            x = tirx.reinterpret(self.float, magnitude.astype(f"int{self.bits}"))
+        return tirx.Select(ordered < 0, -x, x)
+
+    def expert(self, key):
+        return tirx.const(self.experts - 1, self.dtype) - tirx.floormod(key, tirx.const(1 << self.bits, self.dtype))

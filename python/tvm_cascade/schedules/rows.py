@@ -10,7 +10,9 @@ cross-thread reduction), and what follows per row (the log, the softmax's
 normalisation) runs in the same kernel. Chunks are whole tiles; where they do not divide
 the row, the last chunk reads the tiles that end the row and skips those the chunk
 before it folded. Each tile is loaded into registers, 16 bytes at a time where the row
-is a whole number of such loads.
+is a whole number of such loads. Reductions over the row that no repair lets fuse (MoE
+routing's top-k rounds) follow in the same block, each across the row's threads; they
+read a copy of the block's rows that is made once in shared memory.
 
 Before::
 
@@ -47,12 +49,14 @@ by ``rows_per_block`` over ``blockIdx.x`` and ``threadIdx.y``, here 1)::
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 
 from ..analysis.scope import REDUCE, buffer_params, collect_sites
 from ..relax.gpu_schedule import UnsupportedOnGpu, inline_spatial
 from ..transform.detect import find_candidates
-from ..transform.fuse import key_loop, named_site, only_func
+from ..transform.fuse import fusing_dependents, key_loop, named_site, only_func
 
 #: The most threads one row's block uses.
 MAX_THREADS = 256
@@ -64,13 +68,17 @@ def row_chains(func) -> list:
     """The candidate chains (:func:`~tvm_cascade.transform.detect.find_candidates`) of
     ``func`` that fold each row to values of their own: every block of the chain has the
     root's row iterators and the reduced one, nothing else (softmax statistics, not
-    P·V)."""
+    P·V). A chain keeps the dependents that ``split_k_update`` fuses (MoE routing's
+    top-k rounds, each a maximum below a bound the one before sets, have no repair:
+    they follow the chain in the row's block)."""
     sites = {s.name: s for s in collect_sites(func.body.block)}
     chains = []
     for candidate in find_candidates(func):
         spatial = _spatial_count(sites[candidate.root])
         if all(_spatial_count(sites[n]) == spatial for n in candidate.dependents):
-            chains.append(candidate)
+            fused = fusing_dependents(func, candidate, "split_k")
+            if fused:
+                chains.append(dataclasses.replace(candidate, dependents=fused))
     return chains
 
 
@@ -158,7 +166,8 @@ def schedule_rows(sch, chunks=None, tile: int = 32, rows_per_block: int = 1) -> 
         sch.reverse_compute_at(combine, rows)
         sch.bind(sch.get_loops(combine)[-1], "threadIdx.x")
         sch.set_scope(combine, 0, _scope_across_threads(named_site(sch, name)))
-    _epilogue(sch, rows, chunks, depth=2)
+    whole = chain.rows is not None and chain.rows % _value(sch, rows_per_block) == 0
+    _epilogue(sch, rows, chunks, depth=2, whole_blocks=whole)
 
 
 def _scope_across_threads(site) -> str:
@@ -200,13 +209,16 @@ def _load_tiles(sch, partials, tile_loop, length: int, tile: int) -> None:
             sch.vectorize(sch.split(sch.get_loops(cache)[-1], [None, lanes])[-1])
 
 
-def _epilogue(sch, rows, chunks, depth) -> None:
+def _epilogue(sch, rows, chunks, depth, whole_blocks: bool) -> None:
     """What follows the combines (per row, per element of the row as a softmax's
     normalisation, or reductions over the row as top-k's rounds) in the row's block, its
     loops over the row's threads; what it writes for later blocks where
-    :func:`_scope_across_threads` says."""
+    :func:`_scope_across_threads` says. ``whole_blocks``: every block's rows exist (a
+    static number of rows that the rows per block divide), which
+    :func:`_row_in_shared` needs."""
     params = buffer_params(only_func(sch))
     in_row = set()
+    along_row, folds_row = [], False
     for site in collect_sites(only_func(sch).body.block):
         if site.under(sch.get(rows)):
             in_row.update(site.write_buffers())
@@ -221,6 +233,46 @@ def _epilogue(sch, rows, chunks, depth) -> None:
         if inner:
             fused = sch.fuse(*inner) if len(inner) > 1 else inner[0]
             sch.bind(sch.split(fused, [None, chunks])[1], "threadIdx.x")
+            along_row.append(block)
+            folds_row |= site.is_reduction
         for index, buf in enumerate(site.write_buffers()):
             if not any(buf.same_as(p) for p in params):
                 sch.set_scope(block, index, _scope_across_threads(site))
+    if folds_row and whole_blocks:
+        _row_in_shared(sch, along_row, rows, chunks, depth)
+
+
+#: The most bytes of shared memory the rows of one block take in :func:`_row_in_shared`.
+ROW_CACHE_BYTES = 32 * 1024
+
+
+def _row_in_shared(sch, readers, rows, chunks, depth) -> None:
+    """Where a reduction over the row follows the chain (top-k's rounds), the inputs the
+    blocks ``readers`` read along the row, loaded once per row into shared memory
+    (16 bytes a load where the row is whole loads): each later pass over the row reads
+    it there, not again from memory. Rows of a block that would take more than
+    :data:`ROW_CACHE_BYTES` are left in memory. (The copy of a block's rows is sized by
+    them: where a block's last rows lie past the input's, TVM's buffer compaction
+    cannot size it.)"""
+    params = buffer_params(only_func(sch))
+    per_block = int(sch.get(rows).extent)
+    for index, region in enumerate(sch.get(readers[0]).reads):
+        buf = region.source
+        length = buf.shape[-1]
+        if not any(buf.same_as(p) for p in params) or not isinstance(length, tvm.tirx.IntImm):
+            continue
+        if per_block * int(length) * tvm.DataType(buf.ty.dtype).bits // 8 > ROW_CACHE_BYTES:
+            continue
+        users = [r for r in readers if any(x.source.same_as(buf) for x in sch.get(r).reads)]
+        cache = sch.cache_read(readers[0], index, "shared", consumer_blocks=users)
+        # At the block's level, the block's threads sharing the copy of its rows.
+        sch.compute_at(cache, sch.get_loops(readers[0])[depth - 2], preserve_unit_loops=True)
+        row, along = sch.get_loops(cache)[depth - 1:]
+        sch.bind(sch.split(row, [None, per_block])[1], "threadIdx.y")
+        lanes = _lanes(str(buf.ty.dtype))
+        if isinstance(chunks, int) and int(length) % (chunks * lanes) == 0:
+            _, threads, vector = sch.split(along, [None, chunks, lanes])
+            sch.vectorize(vector)
+        else:
+            threads = sch.split(along, [None, chunks])[1]
+        sch.bind(threads, "threadIdx.x")

@@ -65,6 +65,13 @@ def fuse_cascaded_reductions(sch, tile: int = 64, method: str = "auto", chunks: 
     return fused
 
 
+def fusing_dependents(func, candidate: Candidate, how: str) -> tuple:
+    """The dependents of ``candidate`` (a structural chain of ``func``) that ``how``
+    (``"rolling"`` or ``"split_k"``) fuses into its root's key loop: those with a
+    proven repair. Tried on a schedule of its own."""
+    return tuple(_apply(tvm.s_tir.Schedule(func), candidate, how, 64, 8, candidate.dependents)[1])
+
+
 def _apply(sch, candidate: Candidate, how: str, tile: int, chunks: int, names):
     """Split the root's key loop and fuse the dependents ``names`` into it; returns the
     key loop and the names that fused (those refused are logged)."""
