@@ -30,7 +30,26 @@ def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of):
     target = tvm.target.Target.from_device(tvm.cuda(0))
     if not warp_specialized.serves_target(target):
         pytest.skip("the fp8 kernel needs an H100 or H200 (sm_90)")
-    torch = pytest.importorskip("torch")  # float8 and bfloat16 tensors
+    pytest.importorskip("torch")  # float8 and bfloat16 tensors
+    rows = tvm.tirx.Var("m", "int64") if symbolic else m
+    _compare(fp8.build(kernel_of(rows), target)["main"], m, n, k, dtype, out_dtype)
+
+
+def test_one_function_serves_every_token_count():
+    """``kernel_for`` of a variable token count: one build, run at counts that each of
+    its kernels serves (16 tokens a block up to 16, 32 up to 32, 128-row tiles past)."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    if not warp_specialized.serves_target(target):
+        pytest.skip("the fp8 kernel needs an H100 or H200 (sm_90)")
+    pytest.importorskip("torch")
+    kernel = fp8.build(fp8.kernel_for(tvm.tirx.Var("m", "int64"), 256, 512), target)["main"]
+    for m in (1, 16, 17, 32, 33, 300):
+        _compare(kernel, m, 256, 512, "float16", "float16")
+
+
+def _compare(kernel, m, n, k, dtype, out_dtype):
+    """``kernel`` on random inputs of ``m`` tokens against the definition."""
+    import torch
 
     rng = np.random.default_rng(m + n + k)
     # rows of different magnitudes, a few large values late in the row (the running max moves)
@@ -39,15 +58,13 @@ def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of):
     x = torch.from_numpy(x).to(getattr(torch, dtype)).cuda()
     w = torch.from_numpy(np.clip(rng.standard_normal((n, k)) * 100, -448, 448)).float().cuda().to(torch.float8_e4m3fn)
     w_scale = torch.from_numpy(rng.uniform(1e-4, 1e-2, n)).float().cuda()
-    rows = tvm.tirx.Var("m", "int64") if symbolic else m
-    kernel = fp8.build(kernel_of(rows), target)["main"]
     out = torch.zeros((m, n), dtype=getattr(torch, out_dtype), device="cuda")
     kernel(*(tvm.runtime.from_dlpack(a) for a in (x, w, w_scale, out)))
     x64, w64, s64 = (a.double().cpu().numpy() for a in (x, w, w_scale))
     got = out.double().cpu().numpy()
     ref = R.fp8_quant_gemm_ref(x64, w64, s64, tile=fp8.DEPTH)
     error = lambda r: np.abs(got - r).max() / np.abs(r).max()  # noqa: E731
-    assert error(ref) < (1e-3 if out_dtype == "float32" else 4e-3)
+    assert error(ref) < (1e-3 if out_dtype == "float32" else 4e-3), (m, error(ref))
     assert error(x64 @ (w64 * s64[:, None]).T) < 5e-2
 
 

@@ -361,7 +361,9 @@ def build(mod, target):
         symbol = scheduled.attrs["global_symbol"] if "global_symbol" in scheduled.attrs else gvar.name_hint
         func = _kernel(problem, form, choices)
     target = sm90a(target)
-    with target:  # TVM's CUDA compile callback takes the arch from the current target
+    config = {"tirx.disable_cse_tir": True} if CHOOSES_AT_RUN_TIME in (func.attrs or {}) else {}
+    # TVM's CUDA compile callback takes the arch from the current target
+    with target, tvm.transform.PassContext(config=config):
         return tvm.compile(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target=target)
 
 
@@ -394,20 +396,38 @@ SKINNY_TOKENS = 32
 
 def kernel_for(m, n, k, dtype="float16", out_dtype="float16"):
     """The kernel that serves ``m`` tokens: :func:`skinny_kernel` up to
-    :data:`SKINNY_TOKENS` (a static count), else :func:`kernel`."""
-    form, choices = default_choices(Fp8QuantGemm(m, n, k, dtype, out_dtype))
-    return _kernel(Fp8QuantGemm(m, n, k, dtype, out_dtype), form, choices)
+    :data:`SKINNY_TOKENS` (16 tokens a block up to 16), else :func:`kernel`. For a
+    variable ``m``, one function that chooses among the three at run time (one launch
+    of one of them, over the same parameters)."""
+    problem = Fp8QuantGemm(m, n, k, dtype, out_dtype)
+    if isinstance(m, int):
+        return _kernel(problem, *default_choices(problem))
+    params = _params(m, n, k, dtype, out_dtype)
+    body = kernel(m, n, k, dtype, out_dtype, params=params).body
+    for most in (SKINNY_TOKENS, 16):
+        skinny = skinny_kernel(m, n, k, dtype, out_dtype, tokens=most, params=params)
+        body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
+    return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main", CHOOSES_AT_RUN_TIME: True})
 
 
-def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()):
+#: The attribute of :func:`kernel_for`'s function of a variable token count, which
+#: :func:`build` compiles without TIR's common subexpression elimination: it would
+#: compute what the three kernels share (their descriptors' constant fields) once on
+#: the host, and pass it to each as a 64-bit unsigned argument, which TVM's CUDA
+#: launcher cannot pass.
+CHOOSES_AT_RUN_TIME = "tvm_cascade.fp8_chooses_at_run_time"
+
+
+def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig(), params=None):
     """The kernel's PrimFunc ``main(X[m, k], W[n, k], w_scale[n], out[m, n])``: X
     ``dtype`` (float16 or bfloat16), W float8_e4m3fn, ``w_scale`` float32 (W's
-    per-channel scales); ``m`` an int or a variable."""
+    per-channel scales); ``m`` an int or a variable. ``params``: those buffers, where
+    another function's body shares them."""
     reason = unsupported(n, k, dtype, out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
     cols, stages, group = config.cols, config.stages, config.group
-    X, W, w_scale, out = params = _params(m, n, k, dtype, out_dtype)
+    X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
     m_tiles = (m + ROWS - 1) // ROWS
     n_tiles = -(-n // cols)
     k_tiles = -(-k // DEPTH)
@@ -622,7 +642,7 @@ def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages):
     return None
 
 
-def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4):
+def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None):
     """:func:`kernel`'s function for few tokens (decode, small batches): the same
     ``main(X[m, k], W[n, k], w_scale[n], out[m, n])`` and definition, computed as
     ``outᵀ = W · qᵀ`` so that the tokens are the wgmma's N (``tokens`` a block) and W's
@@ -636,7 +656,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages)
     if reason is not None:
         raise ValueError(reason)
-    X, W, w_scale, out = params = _params(m, n, k, dtype, out_dtype)
+    X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
     t_tiles = (m + tokens - 1) // tokens
     n_tiles = -(-n // W_ROWS)
     k_tiles = -(-k // DEPTH)
