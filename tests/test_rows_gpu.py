@@ -55,13 +55,16 @@ def test_row_statistics(workload, n, dtype):
     np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("experts, top_k", [(64, 2), (128, 8), (256, 8), (4096, 8), (40, 3)])
-def test_moe_routing_with_top_k(experts, top_k):
-    tokens = 37
-    x = _logits(tokens, experts, "float16", experts)
+@pytest.mark.parametrize("experts, top_k, dtype", [
+    (64, 2, "float16"), (128, 8, "float16"), (256, 8, "float16"), (4096, 8, "float16"), (40, 3, "float16"),
+    (300, 4, "float32"), (256, 8, "bfloat16"),  # float32: int64 keys; bfloat16: its bits from its float32
+])
+@pytest.mark.parametrize("tokens", [37, 64])  # 64: whole blocks, whose rows the rounds read from shared memory
+def test_moe_routing_with_top_k(experts, top_k, dtype, tokens):
+    x = _logits(tokens, experts, dtype, experts)
     x[0, [3, 7]] = x[0].max() + 1  # a tie: the lower expert index first
-    sch = tvm.s_tir.Schedule(cascades.moe_routing(tokens, experts, top_k, "float16"))
-    schedule_rows(sch, **plan_rows(experts, "float16"))
+    sch = tvm.s_tir.Schedule(cascades.moe_routing(tokens, experts, top_k, dtype))
+    schedule_rows(sch, **plan_rows(experts, dtype))
     prob, top_prob, top_idx = _run(
         sch, [x], [((tokens, experts), "float32"), ((tokens, top_k), "float32"), ((tokens, top_k), "int32")]
     )
