@@ -120,6 +120,16 @@ def test_refusals_say_why(args, config, reason):
         fp8.kernel(16, *args, config=config)
 
 
+@pytest.mark.parametrize("choices, reason", [
+    ([32, 16], "ascending order"), ([], "ascending order"), ([16, 48], "one of (16, 32, 64)"),
+])
+def test_a_run_time_choice_refuses_what_it_cannot_launch(choices, reason):
+    problem = fp8.Fp8QuantGemm(tvm.tirx.Var("m", "int64"), 512, 1024, "float16", "float16")
+    assert reason in fp8.unsupported_choices(problem, "by_tokens", choices)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        fp8.schedule(problem.function(), "by_tokens", choices)
+
+
 def test_build_refuses_a_gpu_without_wgmma():
     with pytest.raises(ValueError, match="needs sm_90a"):
         fp8.build(fp8.kernel(16, 64, 64), {"kind": "cuda", "arch": "sm_80"})
@@ -181,13 +191,13 @@ def test_schedule_annotates_the_form_and_replays_from_json():
     assert fp8.fp8_quant_gemm_of(func) == fp8.Fp8QuantGemm(rows, 512, 1024, "float16", "float32")
     sch = fp8.schedule(func)
     expected = tvm.s_tir.Schedule(func)
-    expected.annotate(expected.get_sblock("gemm"), fp8.FORM, "tiles")
-    expected.annotate(expected.get_sblock("gemm"), fp8.CHOICES, [128, 4, 16])
+    expected.annotate(expected.get_sblock("gemm"), fp8.FORM, "by_tokens")
+    expected.annotate(expected.get_sblock("gemm"), fp8.CHOICES, [16, 32])
     tvm.ir.assert_structural_equal(sch.mod, expected.mod)
     replayed = tvm.s_tir.Schedule(func)
     cascade_trace.apply_json_to_schedule(json.loads(json.dumps(cascade_trace.to_plain_json(sch.trace.as_json()))), replayed)
     tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
-    assert _source(sch.mod) == _source(fp8.kernel(rows, 512, 1024, "float16", "float32"))
+    assert _source(sch.mod) == _source(fp8.kernel_for(rows, 512, 1024, "float16", "float32"))
     few = fp8.schedule(cascades.fp8_quant_gemm(20, 512, 1024), "skinny", [32, 3])
     assert _source(few.mod) == _source(fp8.skinny_kernel(20, 512, 1024, tokens=32, stages=3))
 
@@ -231,3 +241,22 @@ def test_metaschedule_proposes_the_kernels_and_its_builder_lowers_them():
         assert f"m64n{columns}k32_f32_e4m3_e4m3" in source
     assert sorted(forms) == ["skinny", "tiles"]
     assert sum(inst.kind.name == "SampleCategorical" for inst in samples[0].trace.insts) >= 2  # columns, grouping
+
+
+def test_metaschedule_proposes_the_run_time_choice_for_a_variable_token_count():
+    """For a variable token count ``CascadeFusion`` proposes the 128-row kernel and the
+    function that picks its kernel at run time, which the candidate builder lowers to
+    three kernels."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.meta_schedule import BUILD_FUNC, CascadeFusion
+
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    func = cascades.fp8_quant_gemm(tvm.tirx.Var("m", "int64"), 512, 1024)
+    space = ms.space_generator.PostOrderApply(sch_rules=[CascadeFusion(unfused=False)], postprocs=[], mutator_probs={})
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=space, task_name="t")
+    samples = {str(b.annotations[fp8.FORM]): s for s in context.generate_design_space()
+               for _, _, b in annotated_blocks(s.mod, fp8.FORM)}
+    assert sorted(samples) == ["by_tokens", "tiles"]
+    source = tvm.get_global_func(BUILD_FUNC)(samples["by_tokens"].mod, target, None).imports[0].inspect_source()
+    assert source.count("__global__") == 6

@@ -234,12 +234,15 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         """On an H100 or H200, an ``ops.fp8_quant_gemm`` as the kernels of
         :mod:`~tvm_cascade.schedules.warp_specialized_fp8_gemm` that can serve it: 128-row
         tiles (columns and row-tile grouping sampled) and, for up to 64 static tokens,
-        the skinny form (tokens a block sampled)."""
+        the skinny form (tokens a block sampled); for a variable token count, the form
+        that picks among the skinny kernels and the 128-row one at run time."""
         fp8 = warp_specialized_fp8_gemm
         forms = [("tiles", (fp8.COLS_CHOICES, (fp8.Fp8GemmConfig.stages,), fp8.GROUP_CHOICES))]
         if isinstance(problem.m, int) and problem.m <= max(fp8.TOKEN_CHOICES):
             tokens = tuple(t for t in fp8.TOKEN_CHOICES if t < 2 * max(problem.m, 16))
             forms.append(("skinny", (tokens, (4 if max(tokens) < 64 else 3,))))
+        if not isinstance(problem.m, int):
+            forms.append(("by_tokens", tuple((t,) for t in fp8.RUN_TIME_TOKENS)))
         proposals = []
         for form, options in forms:
             if fp8.unsupported_choices(problem, form, [max(o) for o in options]) is not None:

@@ -227,12 +227,14 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect):
 
 #: Annotations of ``ops.fp8_quant_gemm``'s GEMM block that ask :func:`build` for a kernel:
 #: its form (:data:`FORMS`) and that form's choices, ``[cols, stages, group]``
-#: (:class:`Fp8GemmConfig`) for "tiles", ``[tokens, stages]`` for "skinny". On the block,
-#: not a loop: MetaSchedule's postprocessors bind and split the loops of a sample's
-#: unscheduled blocks.
+#: (:class:`Fp8GemmConfig`) for "tiles", ``[tokens, stages]`` for "skinny", and for
+#: "by_tokens" (a variable token count) the skinny kernels' tokens a block, ascending,
+#: each taking the counts up to it at run time, the 128-row kernel the rest
+#: (:func:`by_tokens`). On the block, not a loop: MetaSchedule's postprocessors bind and
+#: split the loops of a sample's unscheduled blocks.
 FORM = "tvm_cascade.fp8_gemm_form"
 CHOICES = "tvm_cascade.fp8_gemm_choices"
-FORMS = ("tiles", "skinny")
+FORMS = ("tiles", "skinny", "by_tokens")
 #: The choices a design space samples (:class:`~tvm_cascade.meta_schedule.CascadeFusion`).
 COLS_CHOICES = (64, 128)
 GROUP_CHOICES = (8, 16)
@@ -270,7 +272,9 @@ def fp8_quant_gemm_of(func) -> Optional[Fp8QuantGemm]:
 def default_choices(problem: Fp8QuantGemm):
     """The form and choices :func:`kernel_for` takes for ``problem``."""
     m = problem.m
-    if isinstance(m, int) and m <= SKINNY_TOKENS:
+    if not isinstance(m, int):
+        return "by_tokens", list(RUN_TIME_TOKENS)
+    if m <= SKINNY_TOKENS:
         return "skinny", [16 if m <= 16 else 32, 4]
     config = Fp8GemmConfig()
     return "tiles", [config.cols, config.stages, config.group]
@@ -315,6 +319,12 @@ def unsupported_choices(problem, form, choices):
     if form == "skinny":
         tokens, stages = (int(c) for c in choices)
         return skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
+    if form == "by_tokens":
+        tokens = [int(c) for c in choices]
+        if not tokens or tokens != sorted(set(tokens)):
+            return f"by_tokens takes the skinny kernels' tokens a block in ascending order, not {tokens}"
+        reasons = [skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, t, 4) for t in tokens]
+        return next((r for r in reasons if r is not None), unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype))
     return f"the fp8 GEMM's forms are {FORMS}, not {form!r}"
 
 
@@ -322,13 +332,15 @@ def _kernel(problem, form, choices):
     if form == "tiles":
         cols, stages, group = (int(c) for c in choices)
         return kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
+    if form == "by_tokens":
+        return by_tokens(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, [int(c) for c in choices])
     tokens, stages = (int(c) for c in choices)
     return skinny_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
 
 
 def build(mod, target):
     """Compile for ``target`` (an H100 or H200: sm_90a is named for it) either one of
-    :func:`kernel`, :func:`skinny_kernel` or :func:`kernel_for`'s functions (a PrimFunc)
+    :func:`kernel`, :func:`skinny_kernel`, :func:`by_tokens` or :func:`kernel_for`'s functions (a PrimFunc)
     as ``main``, or a module whose one function is a schedule of ``ops.fp8_quant_gemm``
     that :func:`apply_schedule` annotated (:func:`schedule`, or a sample of
     MetaSchedule's :class:`~tvm_cascade.meta_schedule.CascadeFusion` after the target's
@@ -394,23 +406,31 @@ def _problem_of_params(func, kernel_dtypes=False) -> Optional[Fp8QuantGemm]:
 SKINNY_TOKENS = 32
 
 
+#: :func:`by_tokens`' skinny kernels for a variable token count in :func:`kernel_for`.
+RUN_TIME_TOKENS = (16, SKINNY_TOKENS)
+
+
 def kernel_for(m, n, k, dtype="float16", out_dtype="float16"):
     """The kernel that serves ``m`` tokens: :func:`skinny_kernel` up to
-    :data:`SKINNY_TOKENS` (16 tokens a block up to 16), else :func:`kernel`. For a
-    variable ``m``, one function that chooses among the three at run time (one launch
-    of one of them, over the same parameters)."""
+    :data:`SKINNY_TOKENS` (16 tokens a block up to 16), else :func:`kernel`; for a
+    variable ``m``, :func:`by_tokens` of :data:`RUN_TIME_TOKENS`."""
     problem = Fp8QuantGemm(m, n, k, dtype, out_dtype)
-    if isinstance(m, int):
-        return _kernel(problem, *default_choices(problem))
+    return _kernel(problem, *default_choices(problem))
+
+
+def by_tokens(m, n, k, dtype="float16", out_dtype="float16", tokens=RUN_TIME_TOKENS):
+    """One function for a variable token count ``m`` that launches, at run time, the
+    :func:`skinny_kernel` of the first of ``tokens`` (ascending) that ``m`` does not
+    exceed, else :func:`kernel`: each over the same parameters."""
     params = _params(m, n, k, dtype, out_dtype)
     body = kernel(m, n, k, dtype, out_dtype, params=params).body
-    for most in (SKINNY_TOKENS, 16):
+    for most in sorted(tokens, reverse=True):
         skinny = skinny_kernel(m, n, k, dtype, out_dtype, tokens=most, params=params)
         body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
     return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main", CHOOSES_AT_RUN_TIME: True})
 
 
-#: The attribute of :func:`kernel_for`'s function of a variable token count, which
+#: The attribute of :func:`by_tokens`' function, which
 #: :func:`build` compiles without TIR's common subexpression elimination: it would
 #: compute what the three kernels share (their descriptors' constant fields) once on
 #: the host, and pass it to each as a 64-bit unsigned argument, which TVM's CUDA
