@@ -167,7 +167,7 @@ def schedule_rows(sch, chunks=None, tile: int = 32, rows_per_block: int = 1) -> 
         sch.bind(sch.get_loops(combine)[-1], "threadIdx.x")
         sch.set_scope(combine, 0, _scope_across_threads(named_site(sch, name)))
     whole = chain.rows is not None and chain.rows % _value(sch, rows_per_block) == 0
-    _epilogue(sch, rows, chunks, depth=2, whole_blocks=whole)
+    _epilogue(sch, rows, chunks, depth=2, rows_per_block=rows_per_block if whole else None)
 
 
 def _scope_across_threads(site) -> str:
@@ -209,13 +209,13 @@ def _load_tiles(sch, partials, tile_loop, length: int, tile: int) -> None:
             sch.vectorize(sch.split(sch.get_loops(cache)[-1], [None, lanes])[-1])
 
 
-def _epilogue(sch, rows, chunks, depth, whole_blocks: bool) -> None:
+def _epilogue(sch, rows, chunks, depth, rows_per_block) -> None:
     """What follows the combines (per row, per element of the row as a softmax's
     normalisation, or reductions over the row as top-k's rounds) in the row's block, its
     loops over the row's threads; what it writes for later blocks where
-    :func:`_scope_across_threads` says. ``whole_blocks``: every block's rows exist (a
-    static number of rows that the rows per block divide), which
-    :func:`_row_in_shared` needs."""
+    :func:`_scope_across_threads` says. ``rows_per_block`` (an int or a sampled value)
+    where every block's rows exist (a static number of rows that it divides), which
+    :func:`_row_in_shared` needs; else None."""
     params = buffer_params(only_func(sch))
     in_row = set()
     along_row, folds_row = [], False
@@ -238,15 +238,15 @@ def _epilogue(sch, rows, chunks, depth, whole_blocks: bool) -> None:
         for index, buf in enumerate(site.write_buffers()):
             if not any(buf.same_as(p) for p in params):
                 sch.set_scope(block, index, _scope_across_threads(site))
-    if folds_row and whole_blocks:
-        _row_in_shared(sch, along_row, rows, chunks, depth)
+    if folds_row and rows_per_block is not None:
+        _row_in_shared(sch, along_row, rows_per_block, chunks, depth)
 
 
 #: The most bytes of shared memory the rows of one block take in :func:`_row_in_shared`.
 ROW_CACHE_BYTES = 32 * 1024
 
 
-def _row_in_shared(sch, readers, rows, chunks, depth) -> None:
+def _row_in_shared(sch, readers, rows_per_block, chunks, depth) -> None:
     """Where a reduction over the row follows the chain (top-k's rounds), the inputs the
     blocks ``readers`` read along the row, loaded once per row into shared memory
     (16 bytes a load where the row is whole loads): each later pass over the row reads
@@ -255,7 +255,7 @@ def _row_in_shared(sch, readers, rows, chunks, depth) -> None:
     them: where a block's last rows lie past the input's, TVM's buffer compaction
     cannot size it.)"""
     params = buffer_params(only_func(sch))
-    per_block = int(sch.get(rows).extent)
+    per_block = _value(sch, rows_per_block)
     for index, region in enumerate(sch.get(readers[0]).reads):
         buf = region.source
         length = buf.shape[-1]
@@ -268,7 +268,7 @@ def _row_in_shared(sch, readers, rows, chunks, depth) -> None:
         # At the block's level, the block's threads sharing the copy of its rows.
         sch.compute_at(cache, sch.get_loops(readers[0])[depth - 2], preserve_unit_loops=True)
         row, along = sch.get_loops(cache)[depth - 1:]
-        sch.bind(sch.split(row, [None, per_block])[1], "threadIdx.y")
+        sch.bind(sch.split(row, [None, rows_per_block])[1], "threadIdx.y")
         lanes = _lanes(str(buf.ty.dtype))
         if isinstance(chunks, int) and int(length) % (chunks * lanes) == 0:
             _, threads, vector = sch.split(along, [None, chunks, lanes])
