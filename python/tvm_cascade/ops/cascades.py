@@ -271,7 +271,7 @@ def moe_routing(
       ``k > 1`` (its state is a sorted list of k pairs). With ``with_topk=True`` it
       is ``top_k`` max reductions over the experts, ``top0`` ... ``top{k-1}``, of one
       integer key per expert that orders the experts as the probabilities do
-      (:func:`_expert_key`: the logit's bits made monotone, then the expert's place
+      (:class:`_ExpertKey`: the logit's bits made monotone, then the expert's place
       in reverse, so that on equal logits the lower index ranks first). Round ``r``
       takes the largest key below round ``r - 1``'s; round 0 the largest not above
       the row maximum's. The probability ``exp(x - m) /
@@ -303,8 +303,8 @@ def moe_routing(
 
 def _top_k_rounds(logits, m, l, tokens: int, experts: int, top_k: int, acc: str, index_dtype: str):
     """``topk_prob[tokens, top_k]`` and ``topk_idx`` from ``top_k`` max reductions over
-    the experts' keys (:func:`_expert_key`; ``m``, ``l``: the softmax's max and sum)."""
-    key = _expert_key(logits, experts)
+    the experts' keys (:class:`_ExpertKey`; ``m``, ``l``: the softmax's max and sum)."""
+    key = _ExpertKey(logits, experts)
     rounds = []
     for r in range(top_k):
         rounds.append(te.compute((tokens,), _round(key, rounds[-1] if rounds else None, m), name=f"top{r}"))
@@ -336,7 +336,7 @@ def _round(key, prev, m):
     return rule
 
 
-class _expert_key:
+class _ExpertKey:
     """An integer per (token, expert) whose order is the order of the logits, ties to
     the lower expert index: the logit's bits made monotone (a float's bits order its
     magnitude; a negative float's are negated, and -0 meets +0 at 0) in the high half,
