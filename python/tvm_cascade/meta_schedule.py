@@ -56,6 +56,7 @@ servers registered under that key with TVM's tracker
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -291,9 +292,7 @@ class TargetDefault(ms.schedule_rule.PyScheduleRule):
         if self.rule is not None:
             self.rule._initialize_with_tune_context(context)
         self.chained = {
-            name for func in context.mod.functions.values() if isinstance(func, PrimFunc)
-            for chain in find_candidates(func)
-            for name in (chain.root, *fusing_dependents(func, chain, "rolling"), *fusing_dependents(func, chain, "split_k"))
+            name for func in context.mod.functions.values() if isinstance(func, PrimFunc) for name in _fused_blocks(func)
         }
 
     def apply(self, sch, block):
@@ -314,6 +313,16 @@ class TargetDefault(ms.schedule_rule.PyScheduleRule):
         twin = TargetDefault(self.position)
         twin.rule, twin.chained = self.rule, set(self.chained)
         return twin
+
+
+@functools.lru_cache(maxsize=16)
+def _fused_blocks(func) -> frozenset:
+    """The blocks of ``func``'s chains that a fusion takes: the roots and the dependents
+    that rolling or split-k fuses (asked once per function, not once per default rule)."""
+    return frozenset(
+        name for chain in find_candidates(func)
+        for name in (chain.root, *fusing_dependents(func, chain, "rolling"), *fusing_dependents(func, chain, "split_k"))
+    )
 
 
 def _most_default_rules() -> int:
