@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels, ops
@@ -54,6 +55,53 @@ def test_kind_follows_the_query_length():
     ]
 
 
+def test_schedules_of_static_lengths_come_from_the_family_list(monkeypatch, caplog):
+    """``compile_attention``'s schedules are those of ``library.families.FAMILIES``: the
+    first family whose schedule serves and is preferred (passed-over families logged);
+    a family that stops serving is passed over; a module is built by the family whose
+    schedule it is; a config picks its family."""
+    import logging
+
+    from tvm_cascade.library import families
+    from tvm_cascade.library.spec import AttentionSpec
+    from tvm_cascade.library.warp_specialized_prefill import WarpSpecializedPrefill
+    from tvm_cascade.schedules import warp_specialized as ws
+    from tvm_cascade.schedules.decode import DecodeConfig
+    from tvm_cascade.schedules.prefill import PrefillConfig
+
+    ampere = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
+
+    def served(target, seq_q, variant="causal", head_dim=128, dtype="float16", with_variant=True):
+        spec = AttentionSpec.make(8, 2, head_dim, variant=VARIANTS[variant], dtype=dtype, target=target)
+        chosen = families.schedule_families(spec, kernels.kind_of(seq_q), seq_q, 512, with_variant)
+        return [family.name for family in chosen]
+
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.library"):
+        assert served(CUDA, 256) == ["warp_specialized_prefill", "tensor_core_prefill"]
+        assert served(CUDA, 256, with_variant=False) == ["tensor_core_prefill"]
+        assert served(CUDA, 256, head_dim=64) == ["tensor_core_prefill"]
+        assert served(ampere, 256) == ["tensor_core_prefill"]
+        assert served(CUDA, 1) == ["split_k_decode"]
+        assert served("llvm", 1) == [] and served("llvm", 256) == []
+    assert "not the warp_specialized_prefill schedule: the warp-specialised kernel needs sm_90a" in caplog.text
+    assert families.config_family("prefill", PrefillConfig()).name == "tensor_core_prefill"
+    assert families.config_family("prefill", ws.WarpSpecializedConfig()).name == "warp_specialized_prefill"
+    assert families.config_family("decode", DecodeConfig()).name == "split_k_decode"
+    with pytest.raises(ValueError, match="config must be a DecodeConfig for the decode schedules, not a Prefill"):
+        families.config_family("decode", PrefillConfig())
+
+    func = ops.attention(1, 8, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["causal"],
+                         pad_to=kernels.PAD_TO["prefill"])
+    hopper = kernels.schedule(func, CUDA, [], VARIANTS["causal"])
+    assert families.scheduled_by(hopper.mod, "prefill").name == "warp_specialized_prefill"
+    assert tvm_ffi.structural_equal(hopper.mod, ws.schedule(func, VARIANTS["causal"]).mod)
+    monkeypatch.setattr(WarpSpecializedPrefill, "schedule_supports", lambda self, spec, q, kv: "withdrawn")
+    passed_over = kernels.schedule(func, CUDA, [], VARIANTS["causal"])
+    assert families.scheduled_by(passed_over.mod, "prefill").name == "tensor_core_prefill"
+    with pytest.raises(ValueError, match="no schedule serves .* on llvm"):
+        kernels.schedule(func, "llvm", [], VARIANTS["causal"])
+
+
 def test_records_default_to_the_package_and_follow_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("TVM_CASCADE_TUNED_PREFILL", raising=False)
     assert kernels.default_records("prefill").parts[-3:] == ("tvm_cascade", "tuned", "prefill")
@@ -68,6 +116,7 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
     """``compile_attention(config=...)`` compiles the heuristic schedule with those choices
     (not a tuned record); a prefill config for a decode configuration is refused."""
     from tvm_cascade.cuda import tensor_cores
+    from tvm_cascade.library.split_k_decode import multiprocessors
     from tvm_cascade.schedules.decode import DecodeConfig, schedule_decode
     from tvm_cascade.schedules.prefill import PrefillConfig
 
@@ -76,8 +125,8 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
         1, 8, 2, 1, 512, 128, variant=VARIANTS["gqa"], target=CUDA, records=tmp_path, config=config
     )
     func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"], pad_to=kernels.PAD_TO["decode"])
-    expected = tensor_cores.build(schedule_decode(func, 8, 2, 128, kernels._multiprocessors(), config).mod, CUDA)
-    default = tensor_cores.build(schedule_decode(func, 8, 2, 128, kernels._multiprocessors()).mod, CUDA)
+    expected = tensor_cores.build(schedule_decode(func, 8, 2, 128, multiprocessors(), config).mod, CUDA)
+    default = tensor_cores.build(schedule_decode(func, 8, 2, 128, multiprocessors()).mod, CUDA)
     source = compiled.mod.imports[0].inspect_source()
     assert source == expected.mod.imports[0].inspect_source() != default.mod.imports[0].inspect_source()
     with pytest.raises(ValueError, match="config must be a DecodeConfig"):

@@ -1057,7 +1057,7 @@ def test_tuning_builder_processes_build_design_space_samples():
     sch = tvm.s_tir.Schedule(func, seed=1)
     prefill.prefill_design_space()(sch)
     builder = ms.builder.LocalBuilder(
-        f_build=tensor_cores.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, "prefill"), timeout_sec=120, max_workers=1
+        f_build=tensor_cores.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, ("tensor_core_prefill",)), timeout_sec=120, max_workers=1
     )
     result, = builder.build([ms.builder.BuilderInput(sch.mod, CUDA)])
     assert result.error_msg is None, result.error_msg

@@ -129,7 +129,7 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         kernels.compile_attention(
             1, 4, 2, 256, 128, 128, variant=VARIANTS["causal"], target=HOPPER, config=ws.WarpSpecializedConfig()
         )
-    with pytest.raises(ValueError, match="config must be a PrefillConfig or WarpSpecializedConfig"):
+    with pytest.raises(ValueError, match="config must be a WarpSpecializedConfig or PrefillConfig for the prefill schedules, not a object"):
         kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
 
 
@@ -336,7 +336,7 @@ def test_tuning_builder_processes_build_warp_specialised_samples():
     sch = tvm.s_tir.Schedule(func, seed=1)
     ws.design_space(VARIANTS["global"])(sch)
     builder = ms.builder.LocalBuilder(
-        f_build=prefill.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, "prefill", False),
+        f_build=prefill.BUILD_FUNC, initializer=functools.partial(kernels.builder_init, ("warp_specialized_prefill",)),
         timeout_sec=120, max_workers=1,
     )
     result, = builder.build([ms.builder.BuilderInput(sch.mod, HOPPER)])

@@ -13,10 +13,14 @@ configuration for CUDA with the best known tuning record, tuned first only when 
     exe = compile_attention(8, 64, 8, 1, 4096, 128, variant=AttentionVariant("gqa", causal=True))
     exe["main"](q, k, v, out)  # q[b, hq, sq, d], k/v[b, hkv, skv, d], out like q
 
-Up to :data:`DECODE_QUERIES` query rows the split-k decode schedule
-(:mod:`tvm_cascade.schedules.decode`) is used, beyond it the tensor-core prefill schedule
-(:mod:`tvm_cascade.schedules.prefill`) or, on sm_90 GPUs, the warp-specialised prefill
-kernel (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies. Records are
+The schedules are those of the kernel families of
+:data:`tvm_cascade.library.families.FAMILIES`, the list the runtime-length kernels are
+chosen from, asked once per configuration
+(:func:`~tvm_cascade.library.families.schedule_families`): up to
+:data:`DECODE_QUERIES` query rows the split-k decode family's
+(:mod:`tvm_cascade.schedules.decode`), beyond it, on sm_90 GPUs, the warp-specialised
+prefill family's (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies, else
+the tensor-core prefill family's (:mod:`tvm_cascade.schedules.prefill`). Records are
 MetaSchedule JSON databases
 (:class:`tvm_cascade.trace.JSONDatabase`): the user's own, ``tuned/decode`` and
 ``tuned/prefill`` under the cache directory (:func:`user_records`), are consulted first,
@@ -28,7 +32,6 @@ the xgboost cost model over the schedule's design space on the GPU first and add
 records to the user's database.
 """
 import functools
-import math
 import os
 from pathlib import Path
 
@@ -37,13 +40,12 @@ import tvm_ffi
 
 from . import ops
 from .analysis.scope import buffer_params
-from .cuda import mma16x8, tensor_cores
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
+from .library.families import FAMILIES, config_family, schedule_families, scheduled_by
+from .library.spec import AttentionSpec
 from .ops.variants import AttentionVariant
-from .schedules import decode, prefill, warp_specialized
-from .schedules.decode import DecodeConfig, decode_design_space, schedule_decode
-from .schedules.warp_specialized import WarpSpecializedConfig
+from .schedules import decode, prefill
 from .trace import JSONDatabase
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
@@ -53,11 +55,9 @@ _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PRE
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
 #: schedules and of every choice of their design spaces; padded keys are masked. Decode
 #: may pad its query rows further (:func:`padding`).
-PAD_TO = {
-    "decode": (1, decode.PAD_KEYS),
-    "prefill": (prefill.PrefillConfig().rows, max(prefill.KEY_TILES)),
-}
-#: Prefill design spaces :func:`tune` searches: the tensor-core schedule's
+PAD_TO = {"decode": (1, decode.PAD_KEYS), "prefill": prefill.PADDING}
+#: Prefill design spaces :func:`tune` searches (the ``space`` of the prefill families):
+#: the tensor-core schedule's
 #: (:func:`~tvm_cascade.schedules.prefill.prefill_design_space`) and the warp-specialised
 #: kernel's (:func:`~tvm_cascade.schedules.warp_specialized.design_space`).
 PREFILL_SPACES = ("mma", "warp-specialized")
@@ -72,21 +72,17 @@ _SEARCH = {"decode": {}, "prefill": {"population_size": 32, "init_min_unmeasured
 
 
 def kind_of(seq_q):
-    """``"decode"`` or ``"prefill"``: which schedule serves ``seq_q`` query rows."""
+    """``"decode"`` or ``"prefill"``: which schedules serve ``seq_q`` query rows."""
     return "decode" if seq_q <= DECODE_QUERIES else "prefill"
 
 
 def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
     """``ops.attention``'s ``pad_to`` for this configuration: :data:`PAD_TO`, with
     decode's query rows padded to fill tensor-core tiles where that serves them better
-    (:func:`~tvm_cascade.schedules.decode.query_rows`), and prefill's lengths to whole
-    tiles of ``config``'s as well."""
-    rows, keys = PAD_TO[kind]
-    if kind == "decode":
-        rows = decode.query_rows(heads_q // heads_kv, seq_q, head_dim, config or DecodeConfig())
-    elif config is not None:
-        rows, keys = math.lcm(rows, config.rows), math.lcm(keys, config.keys)
-    return rows, keys
+    (:func:`~tvm_cascade.schedules.decode.query_rows`), and to whole tiles of
+    ``config``'s as well (the padding of the family whose schedule takes ``config``)."""
+    family = _families(kind)[0] if config is None else config_family(kind, config)
+    return family.padding(heads_q // heads_kv, seq_q, head_dim, config)
 
 
 def default_records(kind):
@@ -119,13 +115,17 @@ def compile_attention(
     """Compile ``ops.attention`` of this configuration for a CUDA ``target`` (default: the
     GPU of this machine) with the best record of the database at ``records`` (default:
     the user's, :func:`user_records`, then the shipped one, :func:`default_records`),
-    else the heuristic schedule. Lengths need not be multiples of the schedules' tiles:
+    else the heuristic schedule: that of the first family of
+    :data:`~tvm_cascade.library.families.FAMILIES` whose schedule serves the
+    configuration (:func:`~tvm_cascade.library.families.schedule_families`; those passed
+    over are logged on ``tvm_cascade.library``). Lengths need not be multiples of the schedules' tiles:
     the function computes over lengths padded to :data:`PAD_TO`. With ``tune_trials`` >
     0 the configuration is tuned first (on this machine's GPU), its records written to
     ``records`` (default: the user's database). ``config`` (a
     :class:`~tvm_cascade.schedules.decode.DecodeConfig` for :data:`DECODE_QUERIES` query
-    rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) sets the
-    heuristic schedule's choices and skips the records. A target other than CUDA raises
+    rows or fewer, else a :class:`~tvm_cascade.schedules.prefill.PrefillConfig`) asks
+    for the schedule of the family that takes it with those choices and skips the
+    records. A target other than CUDA raises
     ``ValueError``.
 
     On an sm_90 GPU (H100, H200) prefill may take the warp-specialised kernel
@@ -139,10 +139,7 @@ def compile_attention(
     with those choices (a configuration it does not support is then refused). Returns
     the compiled module; its ``"main"`` takes ``q, k, v, out``."""
     kind = kind_of(seq_q)
-    expected = (DecodeConfig,) if kind == "decode" else (prefill.PrefillConfig, WarpSpecializedConfig)
-    if config is not None and not isinstance(config, expected):
-        names = " or ".join(c.__name__ for c in expected)
-        raise ValueError(f"{seq_q} query rows take the {kind} schedule: config must be a {names}")
+    family = None if config is None else config_family(kind, config)
     if target is None:
         target = tvm.target.Target.from_device(tvm.cuda(0))
     target = tvm.target.Target(target)
@@ -152,73 +149,76 @@ def compile_attention(
             "ones: on other targets fuse with tvm_cascade.transform.FuseCascadedReductions or the Relax "
             "FuseAttention pass"
         )
-    warp_specialize = isinstance(config, WarpSpecializedConfig)
-    if warp_specialize:
-        reason = warp_specialized.unsupported(heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, dtype, target)
+    spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout="bhsd", target=target)
+    if family is not None:
+        reason = family.schedule_supports(spec, seq_q, seq_kv)
         if reason is not None:
             raise ValueError(reason)
     func = ops.attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype=dtype, variant=variant,
-        pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, None if warp_specialize else config),
+        pad_to=padding(kind, heads_q, heads_kv, seq_q, head_dim, config),
     )
     read = [Path(records)] if records is not None else [user_records(kind), default_records(kind)]
     if tune_trials:
         tune(func, target, read[0], tune_trials, variant)
-    if warp_specialize:
-        sch = warp_specialized.schedule(func, variant, config)
-    elif config is None:
-        sch = schedule(func, target, read, variant)
-    else:
-        sch = heuristic_schedule(func, config)
-    return prefill.build(sch.mod, target) if kind == "prefill" else tensor_cores.build(sch.mod, target)
+    sch = schedule(func, target, read, variant) if family is None else family.schedule(func, spec, config)
+    return build(sch.mod, target)
+
+
+def build(mod, target):
+    """Compile ``mod``, a schedule of an ``ops.attention`` function (of
+    :func:`schedule`, a record, a family's), for ``target`` with the build of the family
+    whose schedule it is."""
+    func = next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    kind = kind_of(_dims(func)[2])
+    family = scheduled_by(mod, kind)
+    if family is None:
+        raise ValueError(f"the module is not a schedule of any {kind} family's")
+    return family.compile(mod, target)
 
 
 def schedule(func, target, records, variant=None):
     """The schedule of ``ops.attention`` function ``func``: the best record that serves
     ``target`` of the first database at ``records`` (a path, or several) that has one,
-    else the heuristic one: for prefill
-    of ``variant`` on an sm_90 ``target`` the warp-specialised kernel's
-    (:func:`~tvm_cascade.schedules.warp_specialized.schedule`) where it supports the
-    function and is preferred for the variant, else the tensor-core schedule's."""
+    else the heuristic one: the schedule of the first family whose schedule serves the
+    function on ``target`` and is preferred for ``variant``
+    (:func:`~tvm_cascade.library.families.schedule_families`; without ``variant``, of
+    the families whose schedules are made from the function alone): for prefill on an
+    sm_90 ``target`` the warp-specialised kernel's where it supports the function and
+    is preferred for the variant
+    (:func:`~tvm_cascade.schedules.warp_specialized.preferred`), else the tensor-core
+    schedule's."""
     for path in [records] if isinstance(records, (str, Path)) else records:
         tuned = tuned_schedule(func, target, path)
         if tuned is not None:
             return tuned
-    if variant is not None and _warp_specialized(func, variant, target) and warp_specialized.preferred(variant):
-        return warp_specialized.schedule(func, variant)
-    return heuristic_schedule(func)
-
-
-def _warp_specialized(func, variant, target):
-    """Whether the warp-specialised kernel serves ``ops.attention`` function ``func``."""
-    return kind_of(_dims(func)[2]) == "prefill" and warp_specialized.function_unsupported(func, variant, target) is None
-
-
-def heuristic_schedule(func, config=None):
-    """The heuristic schedule of ``ops.attention`` function ``func`` with the choices of
-    ``config`` (default: the schedule's defaults)."""
-    heads_q, heads_kv, seq_q, head_dim = _dims(func)
-    if kind_of(seq_q) == "prefill":
-        return prefill.schedule_prefill(func, config or prefill.PrefillConfig())
-    return schedule_decode(func, heads_q, heads_kv, head_dim, _multiprocessors(), config or DecodeConfig())
+    spec, seq_q, seq_kv = _spec(func, target, variant)
+    families = schedule_families(spec, kind_of(seq_q), seq_q, seq_kv, with_variant=variant is not None)
+    preferred = [family for family in families if family.prefers(spec)]
+    if not preferred:
+        raise ValueError(f"no schedule serves {spec.describe()} at {seq_q} queries and {seq_kv} keys on {target}")
+    return preferred[0].schedule(func, spec)
 
 
 def tuned_schedule(func, target, records):
     """The best tuned schedule of ``func`` for ``target`` in the database at ``records``,
-    or None (no database, or no valid record of this workload): records of the
-    warp-specialised kernel (:func:`~tvm_cascade.schedules.warp_specialized.lowers`)
-    serve only an sm_90 ``target``."""
+    or None (no database, or no valid record of this workload): a record serves where
+    the schedule of the family it comes from serves the function on ``target`` (records
+    of the warp-specialised kernel an sm_90 ``target`` only)."""
     records = Path(records)
     if not (records / "database_tuning_record.json").exists():
         return None
-    database = _database(records, kind_of(_dims(func)[2]), allow_missing=False)
+    spec, seq_q, seq_kv = _spec(func, target)
+    kind = kind_of(seq_q)
+    database = _database(records, kind, allow_missing=False)
     mod = tvm.IRModule({"main": func})
     if not database.has_workload(mod):
         return None
     for record in database.get_top_k(database.commit_workload(mod), _RECORDS_READ):
         sch = tvm.s_tir.Schedule(func)
         record.trace.apply_to_schedule(sch, remove_postproc=False)
-        if warp_specialized.serves_target(target) or not warp_specialized.lowers(sch.mod):
+        family = scheduled_by(sch.mod, kind)
+        if family is not None and family.schedule_supports(spec, seq_q, seq_kv) is None:
             return sch
     return None
 
@@ -226,7 +226,8 @@ def tuned_schedule(func, target, records):
 def _database(records, kind, allow_missing=True):
     """The JSON database at ``records`` of ``kind`` kernels, read once the tensor
     intrinsics its records' tensorize instructions name are registered."""
-    _register_intrinsics(kind)
+    for family in _families(kind):
+        family.register_intrinsics()
     return JSONDatabase(work_dir=str(records), allow_missing=allow_missing)
 
 
@@ -241,11 +242,12 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
 
     if runner is None and not tvm.cuda(0).exist:
         raise RuntimeError("tuning measures candidates on a CUDA GPU; this machine has none")
-    kind = kind_of(_dims(func)[2])
-    space = design_space(func, target, variant, spaces)
+    families = _space_families(func, target, variant, spaces)
+    kind = families[0].kind
+    (build_func,) = {family.build_func for family in families}
     builder = ms.builder.LocalBuilder(
-        f_build=prefill.BUILD_FUNC if kind == "prefill" else tensor_cores.BUILD_FUNC,
-        initializer=functools.partial(builder_init, kind, "mma" in spaces),
+        f_build=build_func,
+        initializer=functools.partial(builder_init, tuple(family.name for family in families)),
         timeout_sec=120,
     )
     records = Path(records)
@@ -257,7 +259,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
         work_dir=str(records / "logs" / _workload_name(func)),
         max_trials_global=trials,
         num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
-        space=space,
+        space=_space_generator(families, _spec(func, target, variant)[0]),
         builder=builder,
         runner="local" if runner is None else runner,
         strategy=ms.search_strategy.EvolutionarySearch(**_SEARCH[kind]),
@@ -271,44 +273,70 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
 
 def design_space(func, target, variant=None, spaces=PREFILL_SPACES):
     """The MetaSchedule space generator :func:`tune` searches for ``ops.attention``
-    function ``func`` (of ``variant``) on ``target``: decode's design space, or the union
-    of the prefill ``spaces`` that serve the function there."""
+    function ``func`` (of ``variant``) on ``target``: the design space of each family
+    whose schedule serves the function there (for prefill, those of ``spaces``, in that
+    order), their union where there are several."""
+    families = _space_families(func, target, variant, spaces)
+    return _space_generator(families, _spec(func, target, variant)[0])
+
+
+def _space_families(func, target, variant, spaces):
+    """The families whose design spaces :func:`design_space` joins."""
+    spec, seq_q, seq_kv = _spec(func, target, variant)
+    kind = kind_of(seq_q)
+    families = schedule_families(spec, kind, seq_q, seq_kv, with_variant=variant is not None)
+    if kind == "prefill":
+        families = sorted((family for family in families if family.space in spaces),
+                          key=lambda family: spaces.index(family.space))
+    if not families:
+        raise ValueError(f"no design space of {list(spaces) if kind == 'prefill' else kind} serves this "
+                         f"function on {target}")
+    return families
+
+
+def _space_generator(families, spec):
     from tvm.s_tir import meta_schedule as ms
 
-    heads_q, heads_kv, seq_q, head_dim = _dims(func)
-    if kind_of(seq_q) == "decode":
-        return ms.space_generator.ScheduleFn(
-            decode_design_space(heads_q, heads_kv, head_dim),
-            sch_rules=[], postprocs=[ms.postproc.VerifyGPUCode()], mutator_probs={},
-        )
-    fns = [prefill.prefill_design_space()] if "mma" in spaces else []
-    if "warp-specialized" in spaces and variant is not None and _warp_specialized(func, variant, target):
-        fns.append(warp_specialized.design_space(variant))
-    if not fns:
-        raise ValueError(f"no design space of {list(spaces)} serves this function on {target}")
-    # No VerifyGPUCode: it holds shared memory to the static 48 KB, and the kernels'
-    # dynamic shared memory is larger by design.
+    def postprocs(verify):
+        # VerifyGPUCode holds shared memory to the static 48 KB: not for the families
+        # whose dynamic shared memory is larger by design.
+        return [ms.postproc.VerifyGPUCode()] if verify else []
+
+    fns = [ms.space_generator.ScheduleFn(family.design_space(spec), sch_rules=[],
+                                         postprocs=postprocs(family.verifies_gpu_code), mutator_probs={})
+           for family in families]
+    if len(fns) == 1:
+        return fns[0]
     return ms.space_generator.SpaceGeneratorUnion(
-        [ms.space_generator.ScheduleFn(fn, sch_rules=[], postprocs=[], mutator_probs={}) for fn in fns],
-        sch_rules=[], postprocs=[], mutator_probs={},
-    )
+        fns, sch_rules=[], postprocs=postprocs(all(f.verifies_gpu_code for f in families)), mutator_probs={})
 
 
-def builder_init(kind, tensor_intrinsics=True):
-    """MetaSchedule builder-process initializer for ``kind`` candidates: importing this
-    module registers the build function; prefill's tensor-core schedules also need TVM's
-    CUDA tensor intrinsics (half a minute, once per process rather than per build), whose
-    index maps the CUDA codegen reads (``tensor_intrinsics``: whether the candidates
-    include them)."""
-    if kind == "prefill" and tensor_intrinsics:
-        tensor_cores.cuda_intrinsics()
+def builder_init(families):
+    """MetaSchedule builder-process initializer for candidates of the named ``families``:
+    importing this module registers the build functions; the tensor intrinsics of the
+    families' schedules (the CUDA ones of the tensor-core prefill: half a minute, once
+    per process rather than per build) are registered, whose index maps the CUDA
+    codegen reads."""
+    for family in FAMILIES:
+        if family.name in families:
+            family.register_intrinsics()
 
 
-def _register_intrinsics(kind):
-    if kind == "prefill":
-        tensor_cores.cuda_intrinsics()
-    else:
-        mma16x8.register()
+def _families(kind):
+    """The families of :data:`~tvm_cascade.library.families.FAMILIES` with schedules of
+    ``kind``."""
+    return [family for family in FAMILIES if family.kind == kind]
+
+
+def _spec(func, target, variant=None):
+    """``(spec, seq_q, seq_kv)``: the ``bhsd`` spec of ``ops.attention`` function
+    ``func`` on ``target`` (of ``variant``, default global: the function does not record
+    it) and its query and key lengths."""
+    q, k = buffer_params(func)[:2]
+    (_, heads_q, seq_q, head_dim), (_, heads_kv, seq_kv, _) = (_shape(p) for p in (q, k))
+    spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=str(q.dtype), layout="bhsd",
+                              target=tvm.target.Target(target))
+    return spec, seq_q, seq_kv
 
 
 def _dims(func):
@@ -325,10 +353,3 @@ def _workload_name(func):
 
 def _shape(buffer):
     return [int(x) for x in buffer.shape]
-
-
-def _multiprocessors():
-    """SMs of this machine's GPU, for the decode schedule's chunk count; H100/H200's 132
-    when compiling without one."""
-    dev = tvm.cuda(0)
-    return dev.multi_processor_count if dev.exist else 132

@@ -9,6 +9,12 @@ symbolic shapes, :mod:`tvm_cascade.relax.dispatch`), and ``compile_target(target
 target its function compiles for (a Hopper family asks for sm_90a's features). Every
 kernel takes runtime lengths.
 
+A family may also have a schedule of ``ops.attention`` of static lengths, what
+:func:`tvm_cascade.kernels.compile_attention` compiles and tunes
+(:mod:`.static_lengths`): :func:`schedule_families` asks the list for those that serve
+a configuration, :func:`config_family` for the one a schedule's config belongs to, and
+:func:`scheduled_by` for the one a scheduled module (a tuning record's) comes from.
+
 :func:`choose` picks, in :data:`FAMILIES` order, the first family that supports a spec
 for each range of query rows: a kernel holds one function per range (decode's few rows,
 and any number), and a call runs the first whose range holds its longest sequence's
@@ -26,13 +32,15 @@ from .compute import VIEW_BLOCKS, attention_chain
 from .layouts import scatter_output
 from .spec import UNIFORM_LAYOUTS, AttentionSpec
 from .split_k_decode import SplitKDecode
+from .static_lengths import RuntimeLengthsOnly
 from .tensor_core_decode import TensorCoreDecode
+from .tensor_core_prefill import TensorCorePrefill
 from .warp_specialized_prefill import WarpSpecializedPrefill
 
 logger = logging.getLogger("tvm_cascade.library")
 
 
-class GenericFused:
+class GenericFused(RuntimeLengthsOnly):
     """Attention fused by the rolling update (:func:`~tvm_cascade.transform.fuse_cascaded_reductions`)
     over the layout's sequence view: on CPUs one query row per iteration of a parallel
     loop over (sequence, head), on GPUs :mod:`tvm_cascade.relax.gpu_schedule`'s one
@@ -79,7 +87,7 @@ def _schedule_rows_on_cpu(sch) -> None:
 
 
 #: The families, asked in order.
-FAMILIES = (TensorCoreDecode(), SplitKDecode(), WarpSpecializedPrefill(), GenericFused())
+FAMILIES = (TensorCoreDecode(), SplitKDecode(), WarpSpecializedPrefill(), TensorCorePrefill(), GenericFused())
 
 
 def choose(spec: AttentionSpec) -> list:
@@ -98,3 +106,36 @@ def choose(spec: AttentionSpec) -> list:
         if family.queries is None:
             return chosen
     raise AssertionError(f"no family serves {spec.describe()}: the last of FAMILIES must serve every spec")
+
+
+def schedule_families(spec: AttentionSpec, kind: str, seq_q, seq_kv, with_variant: bool = True) -> list:
+    """The families of :data:`FAMILIES` whose schedule of ``kind`` serves ``spec`` (a
+    ``bhsd`` spec) at ``seq_q`` queries and ``seq_kv`` keys, in order (those passed over
+    logged with their reasons). Without ``with_variant`` (a function whose variant is not
+    known) the families whose schedules are made from the variant are left out."""
+    served = []
+    for family in FAMILIES:
+        if family.kind != kind or (family.needs_variant and not with_variant):
+            continue
+        reason = family.schedule_supports(spec, seq_q, seq_kv)
+        if reason is None:
+            served.append(family)
+        else:
+            logger.info("%s: not the %s schedule: %s", spec.describe(), family.name, reason)
+    return served
+
+
+def config_family(kind: str, config):
+    """The family of :data:`FAMILIES` whose schedule of ``kind`` takes ``config``
+    (``ValueError`` naming the configs of ``kind`` where none does)."""
+    families = [family for family in FAMILIES if family.kind == kind]
+    for family in families:
+        if isinstance(config, family.config_type):
+            return family
+    names = " or ".join(family.config_type.__name__ for family in families)
+    raise ValueError(f"config must be a {names} for the {kind} schedules, not a {type(config).__name__}")
+
+
+def scheduled_by(mod: tvm.IRModule, kind: str):
+    """The family of :data:`FAMILIES` whose schedule of ``kind`` ``mod`` is, or None."""
+    return next((f for f in FAMILIES if f.kind == kind and f.scheduled(mod)), None)

@@ -51,20 +51,19 @@ from tvm.s_tir.stmt import SBlockRealize
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..primitives.ir import copy_block, replace_buffers, seq
-from .families import GenericFused
+from .families import FAMILIES
 from .layouts import INDEX_DTYPE, views
 from .spec import AttentionSpec
-from .split_k_decode import SplitKDecode
-from .tensor_core_decode import TensorCoreDecode
-from .warp_specialized_prefill import WarpSpecializedPrefill
 
 logger = logging.getLogger("tvm_cascade.library")
 
 #: The cache's kernels this module builds: kind -> (layout, causal).
 KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
          "decode_window": ("kv_decode_window", False)}
-_PREFILL_FAMILIES = (WarpSpecializedPrefill(), GenericFused())
-_DECODE_FAMILIES = (TensorCoreDecode(), SplitKDecode(), GenericFused())
+#: Those of :data:`~.families.FAMILIES` that serve any number of query rows, and the
+#: decode families (a few rows) before the last, which serves every spec.
+_PREFILL_FAMILIES = tuple(family for family in FAMILIES if family.queries is None)
+_DECODE_FAMILIES = tuple(family for family in FAMILIES[:-1] if family.queries is not None) + FAMILIES[-1:]
 #: The families asked, in order, for each kind.
 KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "decode": _DECODE_FAMILIES,
                  "decode_window": _DECODE_FAMILIES}

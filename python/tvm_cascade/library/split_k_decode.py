@@ -16,6 +16,10 @@ units.
 
 The host plans the chunk size from the longest sequence, the blocks it needs and the
 GPU's SMs (:meth:`SplitKDecode.plan`), so short and long contexts fill the GPU alike.
+
+Its schedule of static lengths (:mod:`.static_lengths`) is
+:mod:`tvm_cascade.schedules.decode`'s: ``ops.attention`` split by the traced
+``split_k_update``, on tensor cores where a K/V head has enough query rows.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda import mma16x8, tensor_cores
+from ..schedules import decode
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
@@ -45,6 +51,13 @@ class SplitKDecode:
 
     name = "split_k_decode"
     queries = QUERIES
+    # Its schedule of static lengths (:mod:`.static_lengths`).
+    kind = "decode"
+    space = "decode"
+    config_type = decode.DecodeConfig
+    needs_variant = False
+    verifies_gpu_code = True
+    build_func = tensor_cores.BUILD_FUNC
 
     def supports(self, spec: AttentionSpec):
         reason = unsupported(spec)
@@ -70,6 +83,43 @@ class SplitKDecode:
 
     def compile_target(self, target):
         return target
+
+    def schedule_supports(self, spec: AttentionSpec, seq_q, seq_kv):
+        if spec.target_kind != "cuda":
+            return f"the decode schedule is for CUDA, not {spec.target_kind}"
+        return None
+
+    def padding(self, group, seq_q, head_dim, config=None):
+        """Whole key tiles of every choice, and the query rows that fill tensor-core
+        tiles where that serves better (:func:`~tvm_cascade.schedules.decode.query_rows`)."""
+        return decode.query_rows(group, seq_q, head_dim, config or decode.DecodeConfig()), decode.PAD_KEYS
+
+    def schedule(self, func, spec: AttentionSpec, config=None):
+        config = config or decode.DecodeConfig()
+        return decode.schedule_decode(func, spec.heads_q, spec.heads_kv, spec.head_dim, multiprocessors(), config)
+
+    def design_space(self, spec: AttentionSpec):
+        return decode.decode_design_space(spec.heads_q, spec.heads_kv, spec.head_dim)
+
+    def scheduled(self, mod):
+        # The only decode schedule.
+        return True
+
+    def prefers(self, spec: AttentionSpec):
+        return True
+
+    def compile(self, mod, target):
+        return tensor_cores.build(mod, target)
+
+    def register_intrinsics(self):
+        mma16x8.register()
+
+
+def multiprocessors():
+    """SMs of this machine's GPU, for the decode schedule's chunk count; H100/H200's 132
+    when compiling without one."""
+    dev = tvm.cuda(0)
+    return dev.multi_processor_count if dev.exist else 132
 
 
 def _vec(head_dim):

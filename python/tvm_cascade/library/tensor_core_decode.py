@@ -33,6 +33,7 @@ from tvm.script import tirx as T
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
+from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
     maximum, plan_chunk_keys, score_of, unsupported,
@@ -54,8 +55,9 @@ HEAD_DIMS = (64, 128)
 _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
-class TensorCoreDecode:
-    """Split-k decode on tensor cores for up to :data:`QUERIES` query rows per sequence."""
+class TensorCoreDecode(RuntimeLengthsOnly):
+    """Split-k decode on tensor cores for up to :data:`QUERIES` query rows per sequence
+    (its static-length counterpart is :class:`~.split_k_decode.SplitKDecode`'s schedule)."""
 
     name = "tensor_core_decode"
     queries = QUERIES

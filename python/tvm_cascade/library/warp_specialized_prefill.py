@@ -20,6 +20,10 @@ shorter sequence's rows are skipped. Each layout is a set of TMA maps over its t
 
 Keys past a sequence's end in its last tile are masked, and their V rows cleared in
 shared memory before P·V reads them (a page's unused rows may hold anything).
+
+Its schedule of static lengths (:mod:`.static_lengths`) is
+:mod:`tvm_cascade.schedules.warp_specialized`'s: ``ops.attention`` fused by the traced
+``rolling_update`` over key tiles, the loop annotated for the same kernel (head dim 128).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dataclasses import replace
 
 from tvm import tirx
 
+from ..schedules import prefill
 from ..schedules import warp_specialized as ws
 from .layouts import views
 from .spec import CACHE_LAYOUTS, AttentionSpec
@@ -42,6 +47,14 @@ class WarpSpecializedPrefill:
 
     name = "warp_specialized_prefill"
     queries = None
+    # Its schedule of static lengths (:mod:`.static_lengths`).
+    kind = "prefill"
+    space = "warp-specialized"
+    config_type = ws.WarpSpecializedConfig
+    needs_variant = True
+    # Its shared memory is dynamic and larger than the static 48 KB VerifyGPUCode allows.
+    verifies_gpu_code = False
+    build_func = prefill.BUILD_FUNC
 
     def supports(self, spec: AttentionSpec):
         if not ws.serves_target(spec.target):
@@ -71,6 +84,33 @@ class WarpSpecializedPrefill:
 
     def compile_target(self, target):
         return ws.sm90a(target)
+
+    def schedule_supports(self, spec: AttentionSpec, seq_q, seq_kv):
+        return ws.unsupported(spec.heads_q, spec.heads_kv, seq_q, seq_kv, spec.head_dim, spec.variant, spec.dtype,
+                              spec.target)
+
+    def padding(self, group, seq_q, head_dim, config=None):
+        # The tensor-core schedule's: the two share a tuning database, whose records are
+        # of one padded function.
+        return prefill.PADDING
+
+    def schedule(self, func, spec: AttentionSpec, config=None):
+        return ws.schedule(func, spec.variant, config or ws.WarpSpecializedConfig())
+
+    def design_space(self, spec: AttentionSpec):
+        return ws.design_space(spec.variant)
+
+    def scheduled(self, mod):
+        return ws.lowers(mod)
+
+    def prefers(self, spec: AttentionSpec):
+        return ws.preferred(spec.variant)
+
+    def compile(self, mod, target):
+        return ws.build(mod, target)
+
+    def register_intrinsics(self):
+        """(none: its instructions are written in the kernel)"""
 
 
 def persistent(tiles: ws.Tiles) -> ws.Tiles:

@@ -240,6 +240,12 @@ def build(mod, target):
     return tensor_cores.build(mod, target, register_usage_level=level, min_blocks=min_blocks)
 
 
+def chooses_registers(mod):
+    """Whether ``mod`` is a schedule of this module's: its block loop carries the ptxas
+    register usage level every schedule and sample of the design space chooses."""
+    return _chosen(mod, REGISTER_USAGE_LEVEL, "ptxas register usage levels") is not None
+
+
 def _chosen(mod, annotation, what):
     """The value of loop ``annotation`` in ``mod``'s functions (None if no loop has it)."""
     values = set()
@@ -348,6 +354,9 @@ PIPELINED_TILES = 16
 #: Keys up to which :func:`default_heads` has a thread block take several query heads
 #: of a group.
 SHARED_KV_KEYS = 1024
+#: The multiples of (query rows, keys) ``ops.attention(pad_to=...)`` pads to for the
+#: schedule: whole tiles of every choice of :func:`prefill_design_space`.
+PADDING = (PrefillConfig().rows, max(KEY_TILES))
 
 
 def prefill_design_space(rows=PrefillConfig().rows):
