@@ -621,7 +621,15 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 )
 
     @T.macro
-    def consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase):
+    def release_q(q_empty, last):
+        # Only the score wgmmas read Q: once the row tile's last has completed, the
+        # producer may load the next row tile's Q, and then its K/V tiles, while this
+        # tile's last P·V and its epilogue run.
+        if last:
+            T.ptx.mbarrier.arrive.shared.b64(q_empty.ptr_to([0]), T.uint32(1))
+
+    @T.macro
+    def consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase):
         # `base`: the K/V tiles this block consumed before (stages and phases run on
         # across its row tiles); `q_phase`: the parity of its Q loads before.
         T.cuda.mbarrier_wait(q_full.ptr_to([0]), q_phase)
@@ -632,6 +640,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             T.ptx.wgmma.fence.sync.aligned()
             issue_scores(S, smem, base % stages, cw)
             T.ptx.wgmma.wait_group.sync.aligned(0)
+            release_q(q_empty, n_tiles == 1)
             fence_scores(S, 0)
             softmax(S, m, l, m_new, repair, slope, bias, lo, r0, seq_q, seq_kv, cw, w, lane)
             repair_output(S, P, O_acc, repair)
@@ -654,6 +663,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     if cw == 0 or i < n_tiles - 1:
                         T.ptx.bar.arrive(T.uint32(_PINGPONG + 1) - T.Cast("uint32", cw), T.uint32(256))
                 T.ptx.wgmma.wait_group.sync.aligned(1)
+                release_q(q_empty, i == n_tiles - 1)
                 fence_scores(S, 0)
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -674,6 +684,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 T.ptx.wgmma.fence.sync.aligned()
                 issue_scores(S, smem, (base + i) % stages, cw)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
+                release_q(q_empty, i == n_tiles - 1)
                 fence_scores(S, 0)
                 softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
                 repair_output(S, P, O_acc, repair)
@@ -717,7 +728,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     def produce(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
         q_map, k_map, v_map, located = T.meta_var(state)
         hk = T.meta_var(h // group)
-        # Q waits for the consumers to be done with the block's previous row tile's.
+        # Q waits for the consumers' last score wgmmas of the block's previous row tile.
         T.cuda.mbarrier_wait(q_empty.ptr_to([0]), q_phase ^ 1)
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(q_full.ptr_to([0]), T.uint32(ROWS * head_dim * 2))
         qa, qc = T.meta_var(tiles.q_at(b, h, r0))
@@ -752,8 +763,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         for i in T.unroll(n_output):
             O_acc[i] = T.float32(0)
         if has_keys(n_tiles):
-            consume(smem, full, empty, q_full, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
-            T.ptx.mbarrier.arrive.shared.b64(q_empty.ptr_to([0]), T.uint32(1))
+            consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
         for g in T.unroll(2):
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 1, 32)
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 2, 32)
