@@ -2,6 +2,7 @@
 import numpy as np
 import tvm
 
+from tvm_cascade.library import MaskTensor
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.ops import testing as tt
 from tvm_cascade.ops.reference import sequence_attention_ref
@@ -66,3 +67,36 @@ def check_lengths(kernel, lengths, seed=0):
         sequences = tt.random_sequences(q_lens, kv_lens, spec.heads_q, spec.heads_kv, spec.head_dim, spec.dtype, rng)
         for out, ref in zip(run(kernel, sequences), reference(sequences, spec.variant, spec.scale)):
             check(out, ref, spec.dtype)
+
+
+#: Mask tensors of the tests: boolean over every dimension, float16 the same for every
+#: query (a padding mask), float32 per head.
+MASKS = [
+    MaskTensor("bool"),
+    MaskTensor("float16", queries=False),
+    MaskTensor("float32", batch=False, heads=True),
+]
+
+
+def masked_case(mask, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, rng):
+    """bhsd ``q, k, v`` and a ``mask`` tensor of its form (numpy; a boolean mask hides
+    every key of query row 0 of sequence 0 and some of the others'), and the float64
+    reference output (a row that sees no key: zeros)."""
+    q = rng.standard_normal((batch, heads_q, seq_q, head_dim)).astype(dtype)
+    k, v = (rng.standard_normal((batch, heads_kv, seq_kv, head_dim)).astype(dtype) for _ in range(2))
+    shape = (batch if mask.batch else 1, heads_q if mask.heads else 1, seq_q if mask.queries else 1, seq_kv)
+    if mask.dtype == "bool":
+        m = rng.random(shape) < 0.7
+        m[0, :, 0] = False
+        term = np.where(m, 0.0, -np.inf)
+    else:
+        m = np.where(rng.random(shape) < 0.3, -1e4, rng.standard_normal(shape)).astype(mask.dtype)
+        term = m.astype(np.float64)
+    group = heads_q // heads_kv
+    k64, v64 = (np.repeat(x.astype(np.float64), group, axis=1) for x in (k, v))
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k64) / np.sqrt(head_dim) + term
+    top = s.max(-1, keepdims=True)
+    p = np.where(np.isfinite(top), np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
+    total = p.sum(-1, keepdims=True)
+    ref = np.einsum("bhij,bhjd->bhid", np.divide(p, total, out=np.zeros_like(p), where=total > 0), v64)
+    return (q, k, v, m), ref

@@ -7,10 +7,10 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import LAYOUTS, VARIANTS, check, check_lengths, pack, reference, run
+from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, pack, reference, run
 from ptxas import ptxas_report
 from tvm_cascade.kernels import attention_kernel
-from tvm_cascade.library import AttentionSpec, KernelArgumentError
+from tvm_cascade.library import AttentionSpec, KernelArgumentError, MaskTensor
 from tvm_cascade.library.spec import UNIFORM_LAYOUTS
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.ops import testing as tt
@@ -373,3 +373,37 @@ def test_split_k_decode_plans_its_chunks():
     assert "CUDA only" in family.supports(AttentionSpec.make(32, 8, 128, target="llvm"))
     assert "fp16 and bf16" in family.supports(AttentionSpec.make(32, 8, 128, dtype="float32", target="cuda"))
     assert "head dim 72" in family.supports(AttentionSpec.make(4, 4, 72, target="cuda"))
+
+
+@pytest.mark.parametrize("layout", UNIFORM_LAYOUTS)
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.describe())
+def test_mask_tensor(layout, mask):
+    """A mask tensor input: boolean or added to the scores, broadcast over the batch,
+    the heads or the queries; a row the mask hides entirely gives zeros."""
+    kernel = _kernel(layout, variant="global", mask=mask)
+    (q, k, v, m), ref = masked_case(mask, 2, 4, 2, 5, 37, 16, "float32", np.random.default_rng(3))
+    if layout == "bshd":
+        q, k, v = (x.transpose(0, 2, 1, 3).copy() for x in (q, k, v))
+    out = kernel(q, k, v, m)
+    check(out if layout == "bhsd" else out.transpose(0, 2, 1, 3), ref, "float32")
+    assert "mask" in kernel.spec.describe() and [p.name for p in kernel.mod["generic"].params][3] == "mask"
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda a: a[:3], r"takes \(q, k, v, mask\[, out\]\); got 3"),
+        (lambda a: _with(a, 3, a[3][:, :, :, :-1].copy()), r"mask: expected shape \[2, 1, 5, 37\], got \[2, 1, 5, 36\]"),
+        (lambda a: _with(a, 3, np.repeat(a[3], 4, axis=1)), r"mask: expected shape \[2, 1, 5, 37\], got \[2, 4, 5, 37\]"),
+        (lambda a: _with(a, 3, a[3].astype("float32")), "mask: expected dtype bool, got float32"),
+    ],
+)
+def test_mask_tensor_call_refusals(make, message):
+    kernel = _kernel("bhsd", variant="global", mask=MASKS[0])
+    (q, k, v, m), _ = masked_case(MASKS[0], 2, 4, 2, 5, 37, 16, "float32", np.random.default_rng(4))
+    with pytest.raises(KernelArgumentError, match=message):
+        kernel(*make([q, k, v, m]))
+    with pytest.raises(ValueError, match="a mask tensor is read by the .* layouts' kernels, not ragged's"):
+        AttentionSpec.make(4, 2, 16, layout="ragged", mask=MASKS[0])
+    with pytest.raises(ValueError, match="a mask tensor's dtype must be one of"):
+        AttentionSpec.make(4, 2, 16, mask=MaskTensor("int8"))

@@ -6,7 +6,7 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import LAYOUTS, VARIANTS, check, check_lengths, reference
+from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, reference
 from tvm_cascade.library import KernelArgumentError, attention_kernel
 from tvm_cascade.library.spec import UNIFORM_LAYOUTS
 from tvm_cascade.ops import testing as tt
@@ -141,3 +141,21 @@ def test_warp_specialized_prefill_reads_only_the_sequences_keys(page_size):
     q_indptr = args[2]
     for b, ref in enumerate(reference(sequences, "causal")):
         check(out[q_indptr[b] : q_indptr[b + 1]], ref, "float16")
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.describe())
+@pytest.mark.parametrize(
+    "head_dim, seq_q, seq_kv, family",
+    [(128, 1, 1000, "tensor_core_decode"), (64, 4, 300, "tensor_core_decode"), (256, 1, 513, "split_k_decode"),
+     (64, 37, 90, "generic")],
+)
+def test_mask_tensor(mask, head_dim, seq_q, seq_kv, family):
+    """A mask tensor input on the decode families (tensor cores, CUDA cores) and, for
+    prefill, the generic kernel; a row the mask hides entirely gives zeros."""
+    kernel = attention_kernel(8, 2, head_dim, variant="global", dtype="float16", layout="bhsd", target="cuda",
+                              mask=mask)
+    (q, k, v, m), ref = masked_case(mask, 3, 8, 2, seq_q, seq_kv, head_dim, "float16", np.random.default_rng(5))
+    dev = tvm.cuda(0)
+    args = [tvm.runtime.tensor(x, dev) for x in (q, k, v, m)]
+    assert kernel.plan(*args).family.name == family
+    check(kernel(*args).numpy(), ref, "float16")

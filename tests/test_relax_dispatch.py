@@ -3,6 +3,7 @@ target becomes a call of the kernel library's family for it, lengths symbolic or
 what no fast family serves is left as it is, with the reason logged. Compiled here with
 nvcc (no GPU needed); the numerics run in ``test_relax_dispatch_gpu.py``."""
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from tvm import relax, tirx
 
 import tvm_cascade  # noqa: F401  (registers the "cascade" pipeline)
 from tvm_cascade.analysis.chain import substitute
-from tvm_cascade.library import AttentionSpec
+from tvm_cascade.library import AttentionSpec, MaskTensor
 from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.chain_spec import ChainAttention, read_chain
@@ -187,7 +188,6 @@ def test_chains_read_as_library_variants(kwargs, variant):
     "kwargs, reason",
     [
         (dict(mask="bias"), "values other than 0 and -inf (a bias)"),
-        (dict(mask_input=True), "not computed from constants and the lengths (a mask tensor input)"),
     ],
 )
 def test_chains_the_library_does_not_express(kwargs, reason, caplog):
@@ -196,6 +196,70 @@ def test_chains_the_library_does_not_express(kwargs, reason, caplog):
     with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
         tvm.ir.assert_structural_equal(_dispatch(mod), mod)
     assert reason in caplog.text
+
+
+@pytest.mark.parametrize("form", [True, MaskTensor("bool"), MaskTensor("float32", heads=True, queries=False)],
+                         ids=["2d-float32", "bool", "float32-per-head"])
+def test_a_mask_tensor_input_is_read_by_the_decode_kernel(form, caplog):
+    """A chain adding a mask tensor parameter (or a boolean ``where`` over one): decode
+    calls the tensor-core decode kernel with the mask as its fourth tensor (a 2-d mask
+    reshaped to four axes); prefill, which no fast family serves with a mask tensor, is
+    left to the default lowering, logged."""
+    mod = chain_module(2, 1, 700, 8, 2, 128, mask=None, mask_input=form)
+    chain = _read(mod)
+    assert isinstance(chain, ChainAttention) and chain.mask.same_as(mod["main"].params[3])
+    out = _dispatch(mod)
+    (name, kernel), = _kernels(out).items()
+    assert name.startswith("attention_tensor_core_decode_bhsd_h8x2_d128_float16_global_mask")
+    assert [p.name for p in kernel.params][3] == "mask"
+    call = [c for c in _calls(out) if c.op.name == "relax.call_tir"][0]
+    mask_arg = call.args[1].fields[3]
+    if form is True:
+        assert [int(n) for n in mask_arg.ty.shape.values] == [1, 1, 1, 700]
+    else:
+        assert mask_arg.same_as(mod["main"].params[3])
+    prefill = chain_module(2, 30, 700, 8, 2, 128, mask=None, mask_input=form)
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        tvm.ir.assert_structural_equal(_dispatch(prefill), prefill)
+    assert "no fast kernel family serves it" in caplog.text
+
+
+def _chain_with_mask(shape, dtype, op="add"):
+    """A decode chain over 4 heads and 100 keys whose scores meet a mask parameter of
+    ``shape`` and ``dtype`` by ``op``: ``"add"``, ``"where"`` (``where(mask, s, -inf)``)
+    or ``"where-inverted"`` (``where(mask, -inf, s)``)."""
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, 4, 1, 64), "float16"))
+    k, v = (relax.Var(n, relax.TensorType((1, 4, 100, 64), "float16")) for n in "kv")
+    mask = relax.Var("mask", relax.TensorType(shape, dtype))
+    with bb.function("main", [q, k, v, mask]):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.astype(bb.emit(relax.op.matmul(q, kt)), "float32"))
+            fill = relax.const(float("-inf"), "float32")
+            s = bb.emit({"add": lambda: relax.op.add(s, mask), "where": lambda: relax.op.where(mask, s, fill),
+                         "where-inverted": lambda: relax.op.where(mask, fill, s)}[op]())
+            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
+            out = bb.emit_output(relax.op.matmul(p, v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, op, reason",
+    [
+        ((2, 1, 1, 100), "float32", "add", r"a mask tensor of shape \[2, 1, 1, 100\]: \[b or 1, h or 1, sq or 1, skv\]"),
+        ((100,), "float32", "add", r"a mask tensor that is not \[b, h, sq, skv\]"),
+        ((1, 1, 1, 100), "bool", "where-inverted", "does not hide keys with -inf where the tensor is False"),
+    ],
+)
+def test_mask_tensors_the_kernel_does_not_read(shape, dtype, op, reason, caplog):
+    """Mask tensors of other shapes or forms are named and left to the default lowering."""
+    mod = _chain_with_mask(shape, dtype, op)
+    assert re.search(reason, _read(mod)), _read(mod)
+    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+        tvm.ir.assert_structural_equal(_dispatch(mod), mod)
+    assert re.search(reason, caplog.text)
 
 
 def test_a_chain_becomes_one_kernel_call():

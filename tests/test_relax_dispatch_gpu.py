@@ -5,7 +5,7 @@ float64 numpy."""
 import numpy as np
 import pytest
 import tvm
-from library_cases import check
+from library_cases import MASKS, check, masked_case
 from relax_attention_cases import exported_sdpa, random_inputs, reference, run
 from tvm import relax, tirx
 
@@ -109,3 +109,15 @@ def test_window_size_on_the_library_kernels(seq_q, seq_kv):
     out = run(executable, tvm.cuda(0), q, k, v)
     variant = AttentionVariant("w", causal=True, window=256)
     check(out.astype(np.float64), reference(q, k, v, variant), "float16")
+
+
+@pytest.mark.parametrize("form", MASKS, ids=lambda m: m.describe())
+def test_a_mask_tensor_input_on_the_decode_kernel(form):
+    """A decode chain adding a model's mask tensor (or a boolean ``where`` over one)
+    through the cascade pipeline runs the tensor-core decode kernel reading the mask and
+    matches float64 numpy; a row the mask hides entirely gives zeros."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = chain_module(3, 1, 1000, 8, 2, 128, "float16", mask=None, mask_input=form)
+    executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
+    (q, k, v, m), ref = masked_case(form, 3, 8, 2, 1, 1000, 128, "float16", np.random.default_rng(6))
+    check(run(executable, tvm.cuda(0), q, k, v, m), ref, "float16")

@@ -22,10 +22,10 @@ from . import cache
 from .arguments import ARGUMENTS, KernelArgumentError
 from .families import FAMILIES, choose
 from .kernel import AttentionKernel
-from .spec import CACHE_LAYOUTS, LAYOUTS, AttentionSpec
+from .spec import CACHE_LAYOUTS, LAYOUTS, AttentionSpec, MaskTensor
 
 def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", target=None,
-                     layout="bhsd", scale=None, page_size=None, use_cache=True) -> AttentionKernel:
+                     layout="bhsd", scale=None, page_size=None, mask=None, use_cache=True) -> AttentionKernel:
     """A compiled attention kernel for ``heads_q`` query heads over ``heads_kv`` K/V heads
     (GQA when fewer; MQA with one) of ``head_dim``; its batch size and lengths are
     runtime values.
@@ -37,7 +37,10 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     ``"ragged"`` or ``"paged"`` (:mod:`tvm_cascade.library.layouts`). ``target``: a TVM target (default:
     this machine's CUDA GPU, else ``llvm``). ``scale`` multiplies Q·Kᵀ (default
     ``1/sqrt(head_dim)``). ``page_size``: the keys a page of the paged layout holds
-    (default 16). With ``use_cache`` the kernel is loaded from the on-disk cache
+    (default 16). ``mask``: a :class:`~tvm_cascade.library.spec.MaskTensor` (bhsd and
+    bshd layouts), the kernel then taking ``mask[b|1, hq|1, sq|1, skv]`` after the
+    layout's tensors (boolean, True where a key is seen, or added to the scaled
+    scores; SDPA's ``attn_mask``). With ``use_cache`` the kernel is loaded from the on-disk cache
     (:mod:`tvm_cascade.library.cache`) where an entry for it exists, and stored there
     once built.
 
@@ -53,7 +56,7 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
         target = "cuda" if tvm.cuda(0).exist else "llvm"
     target = tvm.target.Target(target)
     spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
-                              target=target, scale=scale, page_size=page_size)
+                              target=target, scale=scale, page_size=page_size, mask=mask)
     families = choose(spec)
     names = [family.name for family in families]
     root = cache.directory()
@@ -70,5 +73,5 @@ def attention_kernel(heads_q, heads_kv, head_dim, *, variant=None, dtype="float1
     return AttentionKernel(spec, families, mod, executable.mod)
 
 
-__all__ = ["ARGUMENTS", "FAMILIES", "LAYOUTS", "AttentionKernel", "AttentionSpec", "KernelArgumentError",
+__all__ = ["ARGUMENTS", "FAMILIES", "LAYOUTS", "AttentionKernel", "AttentionSpec", "KernelArgumentError", "MaskTensor",
            "attention_kernel"]

@@ -24,6 +24,12 @@ ARGUMENTS = {
 }
 
 
+def names(spec: AttentionSpec) -> tuple:
+    """The tensors a kernel of ``spec`` takes, in order: its layout's
+    (:data:`ARGUMENTS`), then ``mask`` where it reads a mask tensor."""
+    return ARGUMENTS[spec.layout] + (("mask",) if spec.mask is not None else ())
+
+
 class KernelArgumentError(ValueError):
     """An argument of an attention kernel's call does not fit the kernel or the other
     arguments; raised before the kernel runs."""
@@ -66,14 +72,19 @@ def check_call(spec: AttentionSpec, device, tensors: dict) -> tuple:
     kernel of ``spec`` on ``device``; returns ``(batch, max_q, max_kv)``: the batch size
     and the longest sequence's query rows and keys."""
     check_types(spec, device, tensors)
-    return _LAYOUT_CHECKS[spec.layout](spec, tensors)
+    batch, max_q, max_kv = _LAYOUT_CHECKS[spec.layout](spec, tensors)
+    if spec.mask is not None:
+        m = spec.mask
+        _shape(tensors, "mask", (batch if m.batch else 1, spec.heads_q if m.heads else 1, max_q if m.queries else 1,
+                                 max_kv))
+    return batch, max_q, max_kv
 
 
 def check_types(spec: AttentionSpec, device, tensors: dict) -> None:
     """Check the dtypes and devices of ``tensors`` (as :func:`check_call`), on the host
     alone."""
     for name, tensor in tensors.items():
-        want = INDEX_DTYPE if is_index(name) else spec.dtype
+        want = INDEX_DTYPE if is_index(name) else spec.mask.dtype if name == "mask" else spec.dtype
         if str(tensor.dtype) != want:
             raise KernelArgumentError(f"{name}: expected dtype {want}, got {tensor.dtype}")
         if (tensor.device.dlpack_device_type(), tensor.device.index) != (device.dlpack_device_type(), device.index):

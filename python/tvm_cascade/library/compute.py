@@ -72,6 +72,9 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         s = qk[b, h, i, j] * scale
         if score_mod is not None:
             s = score_mod(s, b, h, i, j).astype(acc)
+        if view.mask is not None:
+            # (no lower than the masked value: a row the mask hides entirely gives zeros)
+            s = tirx.max(s + view.mask(b, h, i, j), lowest)
         cond = visible(b, h, i, j)
         return s if cond is None else tirx.Select(cond, s, lowest)
 
@@ -88,7 +91,7 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         name="pv",
     )
 
-    masked = view.kv_len is not None or mask_mod is not None
+    masked = view.kv_len is not None or mask_mod is not None or view.mask is not None
 
     def normalised(b, h, i, x):
         out = (o[b, h, i, x] / l[b, h, i]).astype(spec.dtype)

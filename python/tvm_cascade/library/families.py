@@ -96,6 +96,8 @@ def choose(spec: AttentionSpec) -> list:
     over logged with their reasons), up to the first that serves any number of rows."""
     chosen = []
     for family in FAMILIES:
+        if not getattr(family, "runtime", True):
+            continue
         if chosen and family.queries is not None and family.queries <= chosen[-1].queries:
             continue
         reason = family.supports(spec)

@@ -7,7 +7,7 @@ import numpy as np
 import tvm
 
 from .arguments import (
-    ARGUMENTS, KernelArgumentError, aligned, as_tensor, check_call, check_out, check_types, is_aligned, is_index,
+    KernelArgumentError, aligned, as_tensor, check_call, check_out, check_types, is_aligned, is_index, names,
 )
 from .spec import UNIFORM_LAYOUTS, AttentionSpec
 
@@ -29,7 +29,8 @@ class AttentionKernel:
     """One compiled kernel for an :class:`~tvm_cascade.library.spec.AttentionSpec`:
     batch size and lengths are runtime values.
 
-    Call it with the layout's tensors (:data:`~tvm_cascade.library.arguments.ARGUMENTS`)
+    Call it with the layout's tensors (:data:`~tvm_cascade.library.arguments.ARGUMENTS`;
+    then ``mask`` where the spec has a mask tensor)
     and, optionally, ``out``:
 
     - ``bhsd``: ``kernel(q, k, v)``
@@ -108,18 +109,18 @@ class AttentionKernel:
             return out
         into = target if is_aligned(target) else tvm.runtime.empty(shape, self.spec.dtype, self.device)
         function = self._functions[self.families.index(plan.family)]
-        function(*(aligned(given[n]) for n in ARGUMENTS[self.spec.layout]), *plan.scalars, into)
+        function(*(aligned(given[n]) for n in names(self.spec)), *plan.scalars, into)
         if into is not target:
             target.copyfrom(into)
         return out
 
     def _tensors(self, tensors) -> dict:
-        names = ARGUMENTS[self.spec.layout]
-        if len(tensors) != len(names):
+        taken = names(self.spec)
+        if len(tensors) != len(taken):
             raise KernelArgumentError(
-                f"a {self.spec.layout} kernel takes ({', '.join(names)}[, out]); got {len(tensors)} tensors"
+                f"a {self.spec.layout} kernel takes ({', '.join(taken)}[, out]); got {len(tensors)} tensors"
             )
-        return {name: as_tensor(name, t) for name, t in zip(names, tensors)}
+        return {name: as_tensor(name, t) for name, t in zip(taken, tensors)}
 
     def __repr__(self):
         names = [f.name for f in self.families]

@@ -60,10 +60,12 @@ logger = logging.getLogger("tvm_cascade.library")
 #: The cache's kernels this module builds: kind -> (layout, causal).
 KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
          "decode_window": ("kv_decode_window", False)}
-#: Those of :data:`~.families.FAMILIES` that serve any number of query rows, and the
-#: decode families (a few rows) before the last, which serves every spec.
-_PREFILL_FAMILIES = tuple(family for family in FAMILIES if family.queries is None)
-_DECODE_FAMILIES = tuple(family for family in FAMILIES[:-1] if family.queries is not None) + FAMILIES[-1:]
+#: Those of :data:`~.families.FAMILIES` with runtime-length kernels that serve any number
+#: of query rows, and the decode families (a few rows) before the last, which serves
+#: every spec.
+_RUNTIME = tuple(family for family in FAMILIES if getattr(family, "runtime", True))
+_PREFILL_FAMILIES = tuple(family for family in _RUNTIME if family.queries is None)
+_DECODE_FAMILIES = tuple(family for family in _RUNTIME[:-1] if family.queries is not None) + _RUNTIME[-1:]
 #: The families asked, in order, for each kind.
 KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "decode": _DECODE_FAMILIES,
                  "decode_window": _DECODE_FAMILIES}

@@ -47,6 +47,10 @@ key token, or every page's keys) as no call passes it.
 
 Queries are aligned to the end of their keys (query ``i`` of a sequence sits at position
 ``i + kv_len - q_len``), as in chunked prefill and decode.
+
+A spec with a mask tensor (:class:`~.spec.MaskTensor`, bhsd and bshd) takes ``mask[b|1,
+hq|1, sq|1, skv]`` after the layout's tensors; the view reads it as an additive term of
+the scores (``mask(b, h, i, j)``: the float mask, or 0 / ``-inf`` for a boolean one).
 """
 from __future__ import annotations
 
@@ -83,6 +87,7 @@ class Views:
     out_index: Callable  # (b, h, i, x) -> the index of ``out`` that row i of sequence b stores
     scale: object = None  # what multiplies Q·Kᵀ: the spec's, or the scalar ``sm_scale``
     lse_index: Optional[Callable] = None  # (b, h, i) -> row i's index of ``lse``; None: no lse
+    mask: Optional[Callable] = None  # (b, h, i, j) -> the float32 term the mask tensor adds; None: no mask
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -111,7 +116,28 @@ def views(spec: AttentionSpec, tensor=te.placeholder) -> Views:
     view = _BUILDERS[spec.layout](spec, tensor)
     if view.scale is None:
         view.scale = tirx.const(spec.scale, "float32")
+    if spec.mask is not None:
+        _add_mask(view, spec, tensor)
     return view
+
+
+def _add_mask(view: Views, spec: AttentionSpec, tensor) -> None:
+    """The mask tensor as the view's last input, and its term of the scores."""
+    m = spec.mask
+    one = tirx.IntImm("int32", 1)
+    shape = (view.batch if m.batch else one, spec.heads_q if m.heads else one, view.rows if m.queries else one,
+             view.keys)
+    mask = tensor(shape, m.dtype, "mask")
+    view.inputs.append(mask)
+    zero = tirx.IntImm("int32", 0)
+
+    def term(b, h, i, j):
+        value = mask[b if m.batch else zero, h if m.heads else zero, i if m.queries else zero, j]
+        if m.dtype == "bool":
+            return tirx.Select(value, tirx.const(0, "float32"), tirx.const(float("-inf"), "float32"))
+        return value.astype("float32")
+
+    view.mask = term
 
 
 def _bhsd(spec, tensor):

@@ -25,6 +25,29 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAX_HEAD_DIM = 256
 #: Keys a page holds, by default (that of TVM's paged KV cache in its LLM examples).
 PAGE_SIZE = 16
+#: The dtypes of a mask tensor: boolean (True where a key is seen), or added to the scores.
+MASK_DTYPES = ("bool",) + DTYPES
+
+
+@dataclass(frozen=True)
+class MaskTensor:
+    """A mask the kernel takes as an input after its layout's tensors: ``mask[b, h, i,
+    j]`` for query row ``i`` and key ``j`` of query head ``h`` of sequence ``b`` (this
+    order whatever the layout, as SDPA's ``attn_mask``), of size 1 along the batch, the
+    heads or the queries where ``batch``, ``heads`` or ``queries`` is False (the mask is
+    the same along it). ``dtype`` ``"bool"`` hides the keys where it is False; a float
+    mask is added to the scaled (and soft-capped) scores, ``-inf`` or a large negative
+    value hiding a key. The kernel reads it tile by tile beside the scores."""
+
+    dtype: str = "bool"
+    batch: bool = True
+    heads: bool = False
+    queries: bool = True
+
+    def describe(self) -> str:
+        """E.g. ``maskbool_b1qk``: the dtype, then each dimension's letter or 1."""
+        dims = "".join(c if kept else "1" for c, kept in zip("bhq", (self.batch, self.heads, self.queries)))
+        return f"mask{self.dtype}_{dims}k"
 
 
 @dataclass(frozen=True)
@@ -36,7 +59,8 @@ class AttentionSpec:
     :data:`CACHE_LAYOUTS` takes it at run time instead); ``target`` is the
     target's string form (``str(tvm.target.Target(...))``), part of what a cached kernel
     is keyed by; ``page_size``, the keys a page holds (the paged layout's, None for the
-    others).
+    others); ``mask``, a :class:`MaskTensor` the kernel reads (bhsd and bshd layouts), or
+    None.
     """
 
     heads_q: int
@@ -48,14 +72,17 @@ class AttentionSpec:
     target: str
     scale: float
     page_size: Optional[int] = None
+    mask: Optional[MaskTensor] = None
 
     @staticmethod
     def make(heads_q, heads_kv, head_dim, *, variant=None, dtype="float16", layout="bhsd",
-             target="llvm", scale: Optional[float] = None, page_size: Optional[int] = None) -> "AttentionSpec":
+             target="llvm", scale: Optional[float] = None, page_size: Optional[int] = None,
+             mask: Optional[MaskTensor] = None) -> "AttentionSpec":
         """A checked spec; ``variant`` is a name of :data:`~tvm_cascade.ops.VARIANTS` or
         an :class:`~tvm_cascade.ops.AttentionVariant`; ``page_size`` (paged layout only)
-        defaults to :data:`PAGE_SIZE`. Raises ``ValueError`` naming the argument that is
-        out of range."""
+        defaults to :data:`PAGE_SIZE`; ``mask`` (bhsd and bshd layouts only) a
+        :class:`MaskTensor`. Raises ``ValueError`` naming the argument that is out of
+        range."""
         for name, value in (("heads_q", heads_q), ("heads_kv", heads_kv), ("head_dim", head_dim)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -78,8 +105,15 @@ class AttentionSpec:
                 raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         elif page_size is not None:
             raise ValueError(f"page_size is the paged layouts'; the {layout} layout has none")
+        if mask is not None:
+            if not isinstance(mask, MaskTensor):
+                raise ValueError(f"mask must be a MaskTensor, got {type(mask).__name__}")
+            if mask.dtype not in MASK_DTYPES:
+                raise ValueError(f"a mask tensor's dtype must be one of {MASK_DTYPES}, got {mask.dtype!r}")
+            if layout not in UNIFORM_LAYOUTS:
+                raise ValueError(f"a mask tensor is read by the {UNIFORM_LAYOUTS} layouts' kernels, not {layout}'s")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale, page_size)
+        return AttentionSpec(heads_q, heads_kv, head_dim, variant, dtype, layout, str(target), scale, page_size, mask)
 
     @property
     def target_kind(self) -> str:
@@ -100,4 +134,5 @@ class AttentionSpec:
                  f"softcap{v.softcap:g}" if v.softcap is not None else None]
         mods = "-".join(p for p in parts if p) or "global"
         layout = self.layout if self.page_size is None else f"{self.layout}{self.page_size}"
-        return f"{layout}-h{self.heads_q}x{self.heads_kv}-d{self.head_dim}-{self.dtype}-{mods}"
+        mask = "" if self.mask is None else f"-{self.mask.describe()}"
+        return f"{layout}-h{self.heads_q}x{self.heads_kv}-d{self.head_dim}-{self.dtype}-{mods}{mask}"

@@ -116,14 +116,19 @@ def visible_keys(spec, max_q, max_kv):
 
 def score_of(spec, view):
     """``score(dot, b, h, qi, j)``: query row ``qi``'s score of key ``j`` (head ``h`` of
-    sequence ``b``) from the dot product, scaled, modified by the variant and in log2
-    units, -inf where the key is masked or past the sequence's keys."""
+    sequence ``b``) from the dot product, scaled, modified by the variant, plus the mask
+    tensor's term where the spec has one, and in log2 units, -inf where the key is
+    masked or past the sequence's keys."""
     score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, ACC)
 
     def score(dot, b, h, qi, j):
         s = dot * view.scale
         if score_mod is not None:
             s = score_mod(s, b, h, qi, j).astype(ACC)
+        if view.mask is not None:
+            # (a block's rows past the sequence's queries are computed, not stored: they
+            # read the last row's mask rather than past the tensor)
+            s = s + view.mask(b, h, T.min(qi, view.query_length(b) - 1), j)
         s = s * T.float32(LOG2E)
         seen = j < view.key_length(b)
         if mask_mod is not None:

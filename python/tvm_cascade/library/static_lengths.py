@@ -24,7 +24,9 @@ database its records go to) and answers:
 - ``needs_variant``: whether the schedule is made from the variant (which an
   ``ops.attention`` function does not record) rather than from the function alone.
 
-Families whose kernels take runtime lengths only mix in :class:`RuntimeLengthsOnly`.
+Families whose kernels take runtime lengths only mix in :class:`RuntimeLengthsOnly`; a
+family with a schedule of static lengths only sets ``runtime = False``, and the
+runtime-length kernels pass over it.
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ class TensorCorePrefill:
 
     name = "tensor_core_prefill"
     queries = None
+    runtime = False
     kind = "prefill"
     space = "mma"
     config_type = prefill.PrefillConfig
@@ -26,9 +27,6 @@ class TensorCorePrefill:
     # Its shared memory is dynamic and larger than the static 48 KB VerifyGPUCode allows.
     verifies_gpu_code = False
     build_func = prefill.BUILD_FUNC
-
-    def supports(self, spec: AttentionSpec):
-        return "its schedule is of static lengths (compile_attention); runtime lengths are not served"
 
     def schedule_supports(self, spec: AttentionSpec, seq_q, seq_kv):
         if spec.target_kind != "cuda":

@@ -59,6 +59,8 @@ class WarpSpecializedPrefill:
     def supports(self, spec: AttentionSpec):
         if not ws.serves_target(spec.target):
             return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
+        if spec.mask is not None:
+            return "a mask tensor input is not read by this family's kernel"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
         if spec.head_dim not in HEAD_DIMS:

@@ -12,6 +12,10 @@ scores ``q @ permute_dims(k)`` taken through
 - a mask after them: an additive constant (0 where a key is seen, ``-inf`` or below
   :data:`MASKED_BELOW` where not) or ``where(constant, s, -inf)``; its pattern must be
   a causal mask aligned to the end of the keys (with a sliding window or not), or none;
+  or a mask tensor computed from the function's parameters (a model's attention mask),
+  added to the scores or a boolean ``where(mask, s, -inf)``, of shape ``[b|1, h|1,
+  sq|1, skv]`` (or its last axes): the kernel reads it
+  (:class:`~tvm_cascade.library.spec.MaskTensor`);
 - casts (the scores or softmax in float32).
 
 K and V are read before a GQA repeat (``repeat`` over heads, or ``expand_dims ->
@@ -33,6 +37,7 @@ import tvm
 from tvm import relax
 
 from ..analysis.chain import substitute
+from ..library.spec import MaskTensor
 from ..ops.variants import AttentionVariant
 
 #: An additive mask's entries at or below this hide a key (``-1e9``, ``finfo.min``...).
@@ -54,6 +59,8 @@ class ChainAttention:
     v: relax.Expr
     variant: AttentionVariant
     scale: float
+    mask: Optional[relax.Expr] = None  # the mask tensor the kernel reads, if any
+    mask_tensor: Optional[MaskTensor] = None  # its form
 
 
 def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None) -> "ChainAttention | str":
@@ -94,11 +101,12 @@ def read_chain(root: relax.Call, lookup: Callable, values: Optional[dict] = None
     dtypes = {str(x.ty.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
         return f"q, k and v differ in type: {sorted(dtypes)}"
-    return _score_ops(ops[::-1], scale * key_scale, seq_q, seq_kv, q, k, v, lookup, values)
+    return _score_ops(ops[::-1], scale * key_scale, (batch, heads_q, seq_q, seq_kv), q, k, v, lookup, values)
 
 
-def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
+def _score_ops(ops, scale, scores_shape, q, k, v, lookup, values):
     """The chain's variant and scale from its score ops (first to last)."""
+    seq_q, seq_kv = scores_shape[2:]
     softcap, mask = None, None
     i = 0
     while i < len(ops) and (_scalar_factor(ops[i]) is not None or _is(ops[i], "relax.astype")):
@@ -116,6 +124,8 @@ def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
         if mask is not None:
             return f"more than one mask ({op.op.name})"
         mask = op
+    if mask is not None and not _closed(_mask_operand(mask, lookup), lookup):
+        return _mask_tensor(mask, lookup, scores_shape, ChainAttention(q, k, v, AttentionVariant("global", softcap=softcap), scale))
     # The variant the mask is at the largest lengths sampled; at every other sample it
     # must hide what that variant hides (at small lengths a causal mask may hide none).
     samples = _samples([seq_q, seq_kv], mask, lookup)
@@ -134,6 +144,38 @@ def _score_ops(ops, scale, seq_q, seq_kv, q, k, v, lookup, values):
         elif not np.array_equal(np.broadcast_to(True if visible is None else visible, lengths), _seen(variant, *lengths)):
             return "a mask whose pattern changes with the lengths"
     return ChainAttention(q, k, v, variant, scale)
+
+
+def _mask_operand(op, lookup):
+    """The operand of mask op ``op`` that is not the scores: an additive mask, or a
+    where's condition."""
+    if _is(op, "relax.where"):
+        return op.args[0]
+    scores = _operand(op, lookup)
+    return op.args[1] if scores.same_as(op.args[0]) else op.args[0]
+
+
+def _mask_tensor(op, lookup, scores_shape, chain):
+    """``chain`` reading the mask tensor of mask op ``op`` (computed from parameters),
+    or why the kernel cannot read it."""
+    tensor = _mask_operand(op, lookup)
+    if _is(op, "relax.where"):
+        fill = _constant(op.args[2])
+        if op.args[2].same_as(_operand(op, lookup)) or fill is None or fill.size != 1 or fill.item() > MASKED_BELOW:
+            return "a where over a mask tensor that does not hide keys with -inf where the tensor is False"
+    elif not _is(op, "relax.add"):
+        return f"score op {op.op.name} of a tensor"
+    shape, dtype = tensor_shape(tensor), str(tensor.ty.dtype)
+    if shape is None or not 2 <= len(shape) <= 4:
+        return "a mask tensor that is not [b, h, sq, skv] (or its last 2 or 3 axes)"
+    shape = [1] * (4 - len(shape)) + shape
+    broadcast = [_same(n, 1) for n in shape[:3]]
+    if not all(kept or _same(n, full) for n, full, kept in zip(shape[:3], scores_shape[:3], broadcast)) or not _same(
+            shape[3], scores_shape[3]):
+        return f"a mask tensor of shape {shape}: [b or 1, h or 1, sq or 1, skv] of the scores' {list(scores_shape)}"
+    form = MaskTensor(dtype, *(not kept for kept in broadcast))
+    chain.mask, chain.mask_tensor = tensor, form
+    return chain
 
 
 def _samples(lengths, mask, lookup):
@@ -284,9 +326,14 @@ def _operand(call, lookup):
     constants alone)."""
     if _is(call, "relax.where"):
         return call.args[1] if not _closed(call.args[1], lookup) else call.args[2]
-    if len(call.args) == 2 and _closed(call.args[0], lookup):
+    if len(call.args) == 2 and (_closed(call.args[0], lookup) or _parameter(call.args[0], lookup)):
         return call.args[1]
     return call.args[0]
+
+
+def _parameter(expr, lookup) -> bool:
+    """Whether ``expr`` is a parameter of the function (a variable bound to nothing)."""
+    return isinstance(expr, relax.Var) and lookup(expr) is None
 
 
 def _ungroup(expr, lookup):

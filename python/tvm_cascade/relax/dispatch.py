@@ -4,7 +4,8 @@ hand-written ``matmul -> score ops -> softmax -> matmul`` chains that
 :mod:`.chain_spec` reads as one of the library's variants (static shapes, bhsd).
 
 Each call whose configuration a fast family serves (fp16/bf16, head dims the families
-take, a mask the library's variants express) becomes a ``call_tir`` of that family's
+take, a mask the library's variants express or a mask tensor a decode family reads)
+becomes a ``call_tir`` of that family's
 PrimFunc in the ``bshd`` layout (``R.nn.attention``'s own: ``[batch, seq, heads, dim]``),
 its lengths the call's shapes, symbolic or not: one PrimFunc per configuration serves
 every length. The family is the one of :func:`tvm_cascade.library.choose` whose range of
@@ -127,7 +128,7 @@ class _Dispatcher(relax.PyExprMutator):
         dtype = str(chain.q.ty.dtype)
         try:
             spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=chain.variant, dtype=dtype,
-                                      layout="bhsd", target=self.target, scale=chain.scale)
+                                      layout="bhsd", target=self.target, scale=chain.scale, mask=chain.mask_tensor)
         except ValueError as err:
             logger.info("attention chain left as it is: %s", err)
             return root
@@ -136,10 +137,21 @@ class _Dispatcher(relax.PyExprMutator):
             logger.info("attention chain left as it is: %s: no fast kernel family serves it", spec.describe())
             return root
         plan = _plan(family, spec, batch, seq_q, _shape(chain.k)[2])
-        out = relax.call_tir(self._kernel(spec, family), [chain.q, chain.k, chain.v, *plan], chain.q.ty)
+        tensors = [chain.q, chain.k, chain.v]
+        if chain.mask is not None:
+            tensors.append(self._four_axes(chain.mask))
+        out = relax.call_tir(self._kernel(spec, family), [*tensors, *plan], chain.q.ty)
         if str(root.ty.dtype) == dtype:
             return out
         return relax.op.astype(self.builder_.emit(out), str(root.ty.dtype))
+
+    def _four_axes(self, mask):
+        """``mask`` as the kernel reads it, ``[b|1, h|1, sq|1, skv]``: a mask of fewer
+        axes broadcasts over the leading ones."""
+        shape = list(mask.ty.shape.values)
+        if len(shape) == 4:
+            return mask
+        return self.builder_.emit(relax.op.reshape(mask, [1] * (4 - len(shape)) + shape))
 
     def _transposed_from(self, expr):
         """``x`` where ``expr`` is bound to ``permute_dims(x, [0, 2, 1, 3])``, else None."""

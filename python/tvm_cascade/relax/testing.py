@@ -25,7 +25,9 @@ def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float
     """A hand-written attention over bhsd ``q, k, v``: ``q @ kᵀ * scale`` (a softcap
     ``c * tanh(s / c)``), a mask (``"causal"`` or ``("window", w)``: an additive constant
     of 0 and -inf aligned to the end of the keys; ``"bias"``: random constant values; or
-    a tensor parameter where ``mask_input``), a float32 softmax, ``@ v``, K/V repeated
+    a tensor parameter where ``mask_input``: True, a float32 ``[sq, skv]`` one added, or a
+    :class:`~tvm_cascade.library.spec.MaskTensor`'s form of ``[b, h, sq, skv]``, added
+    or, boolean, a ``where(mask, s, -inf)``), a float32 softmax, ``@ v``, K/V repeated
     over GQA groups (``"repeat"`` or ``"broadcast"``: ``expand_dims -> broadcast_to ->
     reshape``)."""
     group = heads_q // heads_kv
@@ -35,8 +37,12 @@ def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float
     k = relax.Var("k", relax.TensorType((batch, heads_kv, seq_kv, head_dim), dtype))
     v = relax.Var("v", relax.TensorType((batch, heads_kv, seq_kv, head_dim), dtype))
     params = [q, k, v]
-    if mask_input:
+    if mask_input is True:
         params.append(relax.Var("mask", relax.TensorType((seq_q, seq_kv), "float32")))
+    elif mask_input:
+        m = mask_input
+        shape = (batch if m.batch else 1, heads_q if m.heads else 1, seq_q if m.queries else 1, seq_kv)
+        params.append(relax.Var("mask", relax.TensorType(shape, m.dtype)))
     with bb.function("main", params):
         with bb.dataflow():
             def grouped(x):
@@ -54,8 +60,11 @@ def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float
             if softcap is not None:
                 s = bb.emit(relax.op.divide(s, relax.const(softcap, "float32")))
                 s = bb.emit(relax.op.multiply(bb.emit(relax.op.tanh(s)), relax.const(softcap, "float32")))
-            if mask_input:
-                s = bb.emit(relax.op.add(s, params[3]))
+            if mask_input is True or (mask_input and mask_input.dtype != "bool"):
+                m = params[3] if params[3].ty.dtype == "float32" else bb.emit(relax.op.astype(params[3], "float32"))
+                s = bb.emit(relax.op.add(s, m))
+            elif mask_input:
+                s = bb.emit(relax.op.where(params[3], s, relax.const(float("-inf"), "float32")))
             elif mask is not None:
                 s = bb.emit(relax.op.add(s, relax.const(mask_values(mask, seq_q, seq_kv), "float32")))
             p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), dtype))
