@@ -604,3 +604,17 @@ def test_models_reference_softcap():
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     expected = (weights / weights.sum(-1, keepdims=True)) @ vn
     np.testing.assert_allclose(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_benchmark_table():
+    """``benchmarks.masks``' table: each peer's time or "fails", and the faster mask's
+    ratio to cuDNN's."""
+    from benchmarks import masks
+
+    peers = masks.PEERS
+    rows = [{"shape": "s", "peer": peers[0], "ms": 0.1}, {"shape": "s", "peer": peers[1], "ms": 0.25},
+            {"shape": "s", "peer": peers[2], "ms": 0.2}, {"shape": "s", "peer": peers[3], "ms": 0.18},
+            {"shape": "t", "peer": peers[0], "ms": 0.1}, {"shape": "t", "peer": peers[3], "error": "no kernel"}]
+    table = masks.markdown(rows)
+    assert "| s | 0.1000 | 0.2500 | 0.2000 | 0.1800 | 0.90x |" in table
+    assert "| t | 0.1000 | fails | fails | fails | -- |" in table

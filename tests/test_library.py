@@ -276,14 +276,17 @@ def test_tensor_core_decode_plans_and_refuses():
         assert reason in family.supports(AttentionSpec.make(32, 8, args.pop("head_dim"), **args))
 
 
-@pytest.mark.parametrize("layout, head_dim", [("bhsd", 128), ("bshd", 128), ("ragged", 64), ("paged", 256)])
-def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, tmp_path):
+@pytest.mark.parametrize("layout, head_dim, mask", [("bhsd", 128, None), ("bshd", 128, MaskTensor("float16")),
+                                                   ("ragged", 64, None), ("paged", 256, None)])
+def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, tmp_path):
     """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
     and the warp-specialised prefill (no generic function: the prefill serves any number
     of rows); through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its
-    lengths and batch are the PrimFunc's variables."""
+    lengths and batch are the PrimFunc's variables; a mask tensor is a parameter the
+    prefill reads."""
     pages = {"page_size": 16} if layout == "paged" else {}
-    kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, **pages)
+    kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, mask=mask,
+                     **pages)
     decode = "split_k_decode" if head_dim == 256 else "tensor_core_decode"
     assert [f.name for f in kernel.families] == [decode, "warp_specialized_prefill"]
     func = kernel.mod["warp_specialized_prefill"]
@@ -292,6 +295,7 @@ def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, tmp_pat
     report = ptxas_report(kernel.module.imports[0].inspect_source(), tmp_path / "kernels.cu")
     (prefill,) = [p for p in report.split("Compiling entry function ") if p.startswith("'warp_specialized_prefill_kernel'")]
     assert " 0 bytes spill stores" in prefill
+    assert ("mask" in [p.name for p in func.params]) == (mask is not None)
     for remark in ("C7508", "C7514", "C7519", "is injected"):
         assert remark not in report, report
 

@@ -147,11 +147,12 @@ def test_warp_specialized_prefill_reads_only_the_sequences_keys(page_size):
 @pytest.mark.parametrize(
     "head_dim, seq_q, seq_kv, family",
     [(128, 1, 1000, "tensor_core_decode"), (64, 4, 300, "tensor_core_decode"), (256, 1, 513, "split_k_decode"),
-     (64, 37, 90, "generic")],
+     (64, 37, 90, "warp_specialized_prefill"), (128, 300, 700, "warp_specialized_prefill"),
+     (256, 129, 129, "warp_specialized_prefill")],
 )
 def test_mask_tensor(mask, head_dim, seq_q, seq_kv, family):
-    """A mask tensor input on the decode families (tensor cores, CUDA cores) and, for
-    prefill, the generic kernel; a row the mask hides entirely gives zeros."""
+    """A mask tensor input on the decode families (tensor cores, CUDA cores) and the
+    warp-specialised prefill; a row the mask hides entirely gives zeros."""
     kernel = attention_kernel(8, 2, head_dim, variant="global", dtype="float16", layout="bhsd", target="cuda",
                               mask=mask)
     (q, k, v, m), ref = masked_case(mask, 3, 8, 2, seq_q, seq_kv, head_dim, "float16", np.random.default_rng(5))

@@ -200,11 +200,10 @@ def test_chains_the_library_does_not_express(kwargs, reason, caplog):
 
 @pytest.mark.parametrize("form", [True, MaskTensor("bool"), MaskTensor("float32", heads=True, queries=False)],
                          ids=["2d-float32", "bool", "float32-per-head"])
-def test_a_mask_tensor_input_is_read_by_the_decode_kernel(form, caplog):
+def test_a_mask_tensor_input_is_read_by_the_kernels(form):
     """A chain adding a mask tensor parameter (or a boolean ``where`` over one): decode
     calls the tensor-core decode kernel with the mask as its fourth tensor (a 2-d mask
-    reshaped to four axes); prefill, which no fast family serves with a mask tensor, is
-    left to the default lowering, logged."""
+    reshaped to four axes), prefill the warp-specialised kernel."""
     mod = chain_module(2, 1, 700, 8, 2, 128, mask=None, mask_input=form)
     chain = _read(mod)
     assert isinstance(chain, ChainAttention) and chain.mask.same_as(mod["main"].params[3])
@@ -218,10 +217,8 @@ def test_a_mask_tensor_input_is_read_by_the_decode_kernel(form, caplog):
         assert [int(n) for n in mask_arg.ty.shape.values] == [1, 1, 1, 700]
     else:
         assert mask_arg.same_as(mod["main"].params[3])
-    prefill = chain_module(2, 30, 700, 8, 2, 128, mask=None, mask_input=form)
-    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
-        tvm.ir.assert_structural_equal(_dispatch(prefill), prefill)
-    assert "no fast kernel family serves it" in caplog.text
+    (name,) = _kernels(_dispatch(chain_module(2, 30, 700, 8, 2, 128, mask=None, mask_input=form)))
+    assert name.startswith("attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_global_mask")
 
 
 def _chain_with_mask(shape, dtype, op="add"):
@@ -397,18 +394,27 @@ def test_chunked_prefill_over_a_symbolic_past_is_served():
     assert name.startswith("attention_warp_specialized_prefill_bshd")
 
 
-def test_attention_with_a_bias_is_left_and_logged(caplog):
+def _attention_bias(bias_shape, causal_mask):
     bb = relax.BlockBuilder()
-    q, k, v = (relax.Var(n, relax.TensorType((1, 64, 4, 64), "float16")) for n in "qkv")
-    bias = relax.Var("bias", relax.TensorType((1, 4, 64, 64), "float16"))
+    q, k, v = (relax.Var(n, relax.TensorType((2, 64, 4, 64), "float16")) for n in "qkv")
+    bias = relax.Var("bias", relax.TensorType(bias_shape, "float16"))
     with bb.function("main", [q, k, v, bias]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.attention(q, k, v, bias=bias))
+            out = bb.emit_output(relax.op.nn.attention(q, k, v, bias=bias, causal_mask=causal_mask))
         bb.emit_func_output(out)
-    mod = bb.get()
-    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
-        tvm.ir.assert_structural_equal(_dispatch(mod), mod)
-    assert "a bias tensor is not served" in caplog.text
+    return bb.get()
+
+
+def test_attention_with_a_bias_reads_it_as_a_mask_tensor():
+    """``R.nn.attention_bias``: the bias is the kernel's float mask tensor (broadcast
+    over the axes it has 1 of)."""
+    mod = _attention_bias((2, 1, 64, 64), "BottomRight")
+    out = _dispatch(mod)
+    (name, kernel), = _kernels(out).items()
+    assert name == "attention_warp_specialized_prefill_bshd_h4x4_d64_float16_causal_maskfloat16_b1qk"
+    (call,) = [c for c in _calls(out) if c.op.name == "relax.call_tir"]
+    assert [a.name for a in call.args[1].fields[:4]] == ["q", "k", "v", "bias"]
+    assert [p.name for p in kernel.params][3] == "mask"
 
 
 def test_a_key_padding_mask_of_one_row_is_not_causal():

@@ -10,6 +10,7 @@ from relax_attention_cases import exported_sdpa, random_inputs, reference, run
 from tvm import relax, tirx
 
 import tvm_cascade  # noqa: F401
+from tvm_cascade.library import MaskTensor
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.dispatch import serving
 from tvm_cascade.relax.testing import attention_module, chain_module
@@ -112,12 +113,32 @@ def test_window_size_on_the_library_kernels(seq_q, seq_kv):
 
 
 @pytest.mark.parametrize("form", MASKS, ids=lambda m: m.describe())
-def test_a_mask_tensor_input_on_the_decode_kernel(form):
-    """A decode chain adding a model's mask tensor (or a boolean ``where`` over one)
-    through the cascade pipeline runs the tensor-core decode kernel reading the mask and
-    matches float64 numpy; a row the mask hides entirely gives zeros."""
+@pytest.mark.parametrize("seq_q", [1, 300], ids=["decode", "prefill"])
+def test_a_mask_tensor_input_on_the_library_kernels(form, seq_q):
+    """A chain adding a model's mask tensor (or a boolean ``where`` over one) through the
+    cascade pipeline runs the decode or prefill kernel reading the mask and matches
+    float64 numpy; a row the mask hides entirely gives zeros."""
     target = tvm.target.Target.from_device(tvm.cuda(0))
-    mod = chain_module(3, 1, 1000, 8, 2, 128, "float16", mask=None, mask_input=form)
+    mod = chain_module(3, seq_q, 1000, 8, 2, 128, "float16", mask=None, mask_input=form)
     executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
-    (q, k, v, m), ref = masked_case(form, 3, 8, 2, 1, 1000, 128, "float16", np.random.default_rng(6))
+    (q, k, v, m), ref = masked_case(form, 3, 8, 2, seq_q, 1000, 128, "float16", np.random.default_rng(6))
     check(run(executable, tvm.cuda(0), q, k, v, m), ref, "float16")
+
+
+def test_attention_bias_on_the_library_kernel():
+    """``R.nn.attention`` with a bias (bshd tensors, a ``[b, 1, sq, skv]`` float16 bias)
+    through the cascade pipeline: the prefill kernel reads the bias as its mask tensor
+    and matches float64 numpy."""
+    form = MaskTensor("float16")
+    (q, k, v, m), ref = masked_case(form, 2, 8, 2, 300, 300, 128, "float16", np.random.default_rng(7))
+    bb = relax.BlockBuilder()
+    params = [relax.Var(n, relax.TensorType(x.transpose(0, 2, 1, 3).shape, "float16")) for n, x in zip("qkv", (q, k, v))]
+    bias = relax.Var("bias", relax.TensorType(m.shape, "float16"))
+    with bb.function("main", [*params, bias]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.attention(*params, bias=bias))
+        bb.emit_func_output(out)
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(bb.get(), target=target, relax_pipeline="cascade")
+    bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
+    check(run(executable, tvm.cuda(0), *bshd, m).transpose(0, 2, 1, 3), ref, "float16")

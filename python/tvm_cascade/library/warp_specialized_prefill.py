@@ -35,7 +35,7 @@ from ..schedules import prefill
 from ..schedules import warp_specialized as ws
 from .layouts import views
 from .spec import CACHE_LAYOUTS, AttentionSpec
-from .split_k import maximum, minimum, sm_count
+from .split_k import LOG2E, maximum, minimum, sm_count
 
 #: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
 HEAD_DIMS = (64, 128, 256)
@@ -59,8 +59,6 @@ class WarpSpecializedPrefill:
     def supports(self, spec: AttentionSpec):
         if not ws.serves_target(spec.target):
             return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
-        if spec.mask is not None:
-            return "a mask tensor input is not read by this family's kernel"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
         if spec.head_dim not in HEAD_DIMS:
@@ -130,7 +128,11 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     view = views(spec, tirx.decl_buffer)
     d, hq, hkv = spec.head_dim, spec.heads_q, spec.heads_kv
     if spec.layout == "bhsd":
-        return ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, d, spec.dtype)
+        laid = ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, d, spec.dtype)
+        if view.mask is None:
+            return laid
+        # The mask tensor follows q, k and v.
+        return replace(laid, params=laid.params[:3] + view.inputs[3:] + laid.params[3:], mask=_masked(spec, view))
     keys = ws.key_tile(d)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
@@ -147,6 +149,7 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         params=list(view.inputs) + out, heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype, lse_index=view.lse_index,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
         q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, first_q(b) + r0), out_index=view.out_index,
+        mask=_masked(spec, view),
     )
     if spec.layout in ("ragged", "bshd", "kv_ragged"):
         k, v = buffers["k"], buffers["v"]
@@ -168,6 +171,16 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         return 0, tirx.if_then_else(page < used, plane, planes)
 
     return ws.Tiles(k_map=pool, v_map=pool, kv_at=kv_at, **common)
+
+
+def _masked(spec, view):
+    """The kernel's :attr:`~tvm_cascade.schedules.warp_specialized.Tiles.mask` of the
+    view's mask tensor, or None: a hidden key's score is the kernel's masked one (finite,
+    so that a tile whose keys are all hidden leaves no NaN)."""
+    if spec.mask is None:
+        return None
+    hidden, log2e = tirx.const(ws.MASKED_SCORE, "float32"), tirx.const(LOG2E, "float32")
+    return lambda s, b, h, i, j: tirx.max(s + view.mask(b, h, i, j) * log2e, hidden)
 
 
 def _packed(spec, view, buffers):

@@ -165,6 +165,17 @@ def _mask_tensor(op, lookup, scores_shape, chain):
             return "a where over a mask tensor that does not hide keys with -inf where the tensor is False"
     elif not _is(op, "relax.add"):
         return f"score op {op.op.name} of a tensor"
+    form = mask_form(tensor, scores_shape)
+    if isinstance(form, str):
+        return form
+    chain.mask, chain.mask_tensor = tensor, form
+    return chain
+
+
+def mask_form(tensor, scores_shape) -> "MaskTensor | str":
+    """The :class:`~tvm_cascade.library.spec.MaskTensor` of mask tensor ``tensor`` (a
+    Relax expression) over scores of ``scores_shape`` ``[b, h, sq, skv]``: of shape
+    ``[b|1, h|1, sq|1, skv]``, or its last 2 or 3 axes; or why it is none."""
     shape, dtype = tensor_shape(tensor), str(tensor.ty.dtype)
     if shape is None or not 2 <= len(shape) <= 4:
         return "a mask tensor that is not [b, h, sq, skv] (or its last 2 or 3 axes)"
@@ -173,9 +184,7 @@ def _mask_tensor(op, lookup, scores_shape, chain):
     if not all(kept or _same(n, full) for n, full, kept in zip(shape[:3], scores_shape[:3], broadcast)) or not _same(
             shape[3], scores_shape[3]):
         return f"a mask tensor of shape {shape}: [b or 1, h or 1, sq or 1, skv] of the scores' {list(scores_shape)}"
-    form = MaskTensor(dtype, *(not kept for kept in broadcast))
-    chain.mask, chain.mask_tensor = tensor, form
-    return chain
+    return MaskTensor(dtype, *(not kept for kept in broadcast))
 
 
 def _samples(lengths, mask, lookup):

@@ -1,10 +1,11 @@
 """``DispatchAttention``: the attention of a Relax module on a CUDA target runs the
-kernel library's kernels (:mod:`tvm_cascade.library`): ``R.nn.attention`` calls, and
+kernel library's kernels (:mod:`tvm_cascade.library`): ``R.nn.attention`` calls (with
+a bias, ``R.nn.attention_bias``, read as a float mask tensor), and
 hand-written ``matmul -> score ops -> softmax -> matmul`` chains that
 :mod:`.chain_spec` reads as one of the library's variants (static shapes, bhsd).
 
 Each call whose configuration a fast family serves (fp16/bf16, head dims the families
-take, a mask the library's variants express or a mask tensor a decode family reads)
+take, a mask the library's variants express or a mask tensor the kernel reads)
 becomes a ``call_tir`` of that family's
 PrimFunc in the ``bshd`` layout (``R.nn.attention``'s own: ``[batch, seq, heads, dim]``),
 its lengths the call's shapes, symbolic or not: one PrimFunc per configuration serves
@@ -39,7 +40,7 @@ from ..library.families import GenericFused, choose
 from ..library.spec import AttentionSpec
 from ..ops.variants import AttentionVariant
 from .canonicalize import flip_masked_row_guards, fold_batched_matmuls
-from .chain_spec import NOT_A_CHAIN, read_chain, tensor_shape
+from .chain_spec import NOT_A_CHAIN, mask_form, read_chain, tensor_shape
 
 logger = logging.getLogger("tvm_cascade.relax")
 
@@ -94,9 +95,7 @@ class _Dispatcher(relax.PyExprMutator):
         call = self.visit_expr_post_order(call)
         if call.op.same_as(_MATMUL):
             return self._chain(call)
-        if call.op.same_as(_ATTENTION_BIAS):
-            logger.info("R.nn.attention with a bias left as it is: a bias tensor is not served")
-        if not call.op.same_as(_ATTENTION):
+        if not (call.op.same_as(_ATTENTION) or call.op.same_as(_ATTENTION_BIAS)):
             return call
         served = serving(call, self.target)
         if isinstance(served, str):
@@ -105,15 +104,17 @@ class _Dispatcher(relax.PyExprMutator):
         spec, family = served
         batch, seq_q, _, _ = _shape(call.args[0])
         plan = _plan(family, spec, batch, seq_q, _shape(call.args[1])[1])
+        # R.nn.attention_bias's bias is the kernel's mask tensor, [b, h, sq, skv] in
+        # either layout.
+        q, k, v, bias = call.args[0], call.args[1], call.args[2], list(call.args[3:])
         # Inputs transposed from bhsd (torch.export's SDPA) are read where they are.
-        sources = [self._transposed_from(a) for a in call.args]
+        sources = [self._transposed_from(a) for a in (q, k, v)]
         if all(x is not None for x in sources):
             spec = replace(spec, layout="bhsd")
-            q = sources[0]
-            out = self.builder_.emit(relax.call_tir(self._kernel(spec, family), [*sources, *plan], q.ty))
+            out = self.builder_.emit(relax.call_tir(self._kernel(spec, family), [*sources, *bias, *plan],
+                                                    sources[0].ty))
             return relax.op.permute_dims(out, _SWAP_SEQ_HEADS)
-        q, k, v = call.args
-        return relax.call_tir(self._kernel(spec, family), [q, k, v, *plan], q.ty)
+        return relax.call_tir(self._kernel(spec, family), [q, k, v, *bias, *plan], q.ty)
 
     def _chain(self, root):
         """The library's kernel in place of the attention chain ending in matmul
@@ -173,9 +174,10 @@ class _Dispatcher(relax.PyExprMutator):
 
 
 def serving(call, target):
-    """``(spec, family)``: the library's kernel for ``R.nn.attention`` call ``call`` on
-    ``target``, or the reason none serves it (a str)."""
-    shapes = [_shape(a) for a in call.args]
+    """``(spec, family)``: the library's kernel for ``R.nn.attention`` (or
+    ``R.nn.attention_bias``: its bias a float mask tensor) call ``call`` on ``target``,
+    or the reason none serves it (a str)."""
+    shapes = [_shape(a) for a in call.args[:3]]
     if any(s is None for s in shapes):
         return "q, k and v need 4-d shapes"
     (batch, seq_q, heads_q, head_dim), (_, seq_kv, heads_kv, head_dim_k), (_, _, _, head_dim_v) = shapes
@@ -194,9 +196,12 @@ def serving(call, target):
     variant = AttentionVariant("window" if window else "causal" if causal else "global", causal=causal, window=window)
     dtype = str(call.args[0].ty.dtype)
     scale = float(attrs.scale.value) if attrs.scale is not None else None
+    mask = mask_form(call.args[3], (batch, heads_q, seq_q, seq_kv)) if len(call.args) > 3 else None
+    if isinstance(mask, str):
+        return f"its bias: {mask}"
     try:
         spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout="bshd",
-                                  target=target, scale=scale)
+                                  target=target, scale=scale, mask=mask)
     except ValueError as err:
         return str(err)
     family = _family(spec, seq_q)

@@ -345,6 +345,9 @@ class Tiles:
     #: ``lse_index(b, h, row)``: where row ``row`` of sequence ``b`` stores its base-2
     #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
     lse_index: Optional[Callable] = None
+    #: ``mask(score, b, h, row, key)``: the score (log2 units) under a mask tensor (a
+    #: parameter), no lower than :data:`MASKED_SCORE`; None: no mask tensor.
+    mask: Optional[Callable] = None
 
     @property
     def out(self):
@@ -511,11 +514,17 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
-    def scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, masked):
+    def scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, masked):
         for n in T.unroll(keys // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     S[4 * n + 2 * g + e] = score(S[4 * n + 2 * g + e], bias[g] + slope[0] * T.float32(8 * n + e))
+                    if tiles.mask is not None:
+                        # (rows and keys past the sequence's, computed and not used, read
+                        # its last)
+                        at_row = T.min(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, seq_q - 1)
+                        at_key = T.min(t * keys + 8 * n + 2 * (lane % 4) + e, seq_kv - 1)
+                        S[4 * n + 2 * g + e] = tiles.mask(S[4 * n + 2 * g + e], b, h, at_row, at_key)
                     if masked:
                         row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
                         key = t * keys + 8 * n + 2 * (lane % 4) + e
@@ -523,7 +532,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                             S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
 
     @T.macro
-    def softmax(S, m, l, m_new, repair, slope, bias, t, r0, seq_q, seq_kv, cw, w, lane):
+    def softmax(S, m, l, m_new, repair, slope, bias, t, r0, b, h, seq_q, seq_kv, cw, w, lane):
         # Accumulator element 4 n + 2 g + e of lane `lane` in warp w: row 16 w + lane / 4 + 8 g
         # of the warpgroup's 64, key 8 n + 2 (lane % 4) + e of the tile.
         if variant.alibi:
@@ -536,11 +545,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             # Only a tile on the mask's edge computes it (a uniform branch; as one
             # predicate per score, nvcc would select on every tile).
             if straddles(r0, t, seq_q, seq_kv, variant, keys):
-                scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, True)
+                scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, True)
             else:
-                scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
+                scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, False)
         else:
-            scores(S, bias, slope, t, r0, seq_q, seq_kv, cw, w, lane, False)
+            scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, False)
         for g in T.unroll(2):
             m_new[g] = m[g]
         for n in T.unroll(keys // 8):
@@ -566,13 +575,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         for i in T.unroll(n_output):
             O_acc[i] = O_acc[i] * repair[i % 4 // 2]
 
-    def sees_keys(row, seq_q, seq_kv, n_tiles):
-        """Whether ``row`` sees some key (else its output is zero)."""
-        if not keyless_rows:
-            return T.bool(True)
-        seen = n_tiles > 0
-        if causal:
-            seen = T.And(seen, row + seq_kv - seq_q >= 0)
+    def sees_keys(row, seq_q, seq_kv, n_tiles, m_row):
+        """Whether ``row`` (its running max ``m_row``) sees some key (else its output is
+        zero)."""
+        seen = T.bool(True)
+        if keyless_rows:
+            seen = n_tiles > 0
+            if causal:
+                seen = T.And(seen, row + seq_kv - seq_q >= 0)
+        if tiles.mask is not None:
+            seen = T.And(seen, m_row > T.float32(MASKED_SCORE))
         return seen
 
     @T.macro
@@ -629,7 +641,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             T.ptx.mbarrier.arrive.shared.b64(q_empty.ptr_to([0]), T.uint32(1))
 
     @T.macro
-    def consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase):
+    def consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, b, h, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase):
         # `base`: the K/V tiles this block consumed before (stages and phases run on
         # across its row tiles); `q_phase`: the parity of its Q loads before.
         T.cuda.mbarrier_wait(q_full.ptr_to([0]), q_phase)
@@ -642,7 +654,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             T.ptx.wgmma.wait_group.sync.aligned(0)
             release_q(q_empty, n_tiles == 1)
             fence_scores(S, 0)
-            softmax(S, m, l, m_new, repair, slope, bias, lo, r0, seq_q, seq_kv, cw, w, lane)
+            softmax(S, m, l, m_new, repair, slope, bias, lo, r0, b, h, seq_q, seq_kv, cw, w, lane)
             repair_output(S, P, O_acc, repair)
             if pingpong:
                 # The first warpgroup issues first.
@@ -665,7 +677,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 T.ptx.wgmma.wait_group.sync.aligned(1)
                 release_q(q_empty, i == n_tiles - 1)
                 fence_scores(S, 0)
-                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
+                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, b, h, seq_q, seq_kv, cw, w, lane)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_output(O_acc, P)
                 release(empty, (base + i - 1) % stages, rank)
@@ -686,7 +698,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 release_q(q_empty, i == n_tiles - 1)
                 fence_scores(S, 0)
-                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, seq_q, seq_kv, cw, w, lane)
+                softmax(S, m, l, m_new, repair, slope, bias, lo + i, r0, b, h, seq_q, seq_kv, cw, w, lane)
                 repair_output(S, P, O_acc, repair)
                 fence_output(O_acc, P)
                 T.ptx.wgmma.fence.sync.aligned()
@@ -763,7 +775,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         for i in T.unroll(n_output):
             O_acc[i] = T.float32(0)
         if has_keys(n_tiles):
-            consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
+            consume(smem, full, empty, q_full, q_empty, S, O_acc, P, m, l, m_new, repair, slope, bias, lo, n_tiles, r0, b, h, seq_q, seq_kv, cw, w, lane, tx, rank, base, q_phase)
         for g in T.unroll(2):
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 1, 32)
             l[g] = l[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), l[g], 2, 32)
@@ -773,7 +785,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
                     if row < seq_q:
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
-                            sees_keys(row, seq_q, seq_kv, n_tiles), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
+                            sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
         for n in T.unroll(head_dim // 8):
             for g in T.unroll(2):
@@ -781,7 +793,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
                     store(
                         tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e,
-                        T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
+                        T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
                         seq_q,
                     )
 
