@@ -265,6 +265,14 @@ def run_shapes(module: str, out: Path, argv: Sequence[str], shapes: Sequence, me
     return results
 
 
+def write_table(module: str, out: Path, results: List[Dict], markdown) -> None:
+    """Write the table ``markdown(results)`` of benchmark ``module`` to
+    ``<out>/<name>.md`` and print it."""
+    table = markdown(results)
+    (out / f"{module.rsplit('.', 1)[-1]}.md").write_text(table)
+    print(table)
+
+
 def run_environment(module: str, out: Path, argv: Sequence[str]) -> Dict:
     """Make ``out``; what the run of ``module`` with ``argv`` measures on (``environment``)."""
     out.mkdir(parents=True, exist_ok=True)

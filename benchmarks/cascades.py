@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser
+from .attention import named, run_shapes, shapes_parser, write_table
 from .report import grouped_bars
 from .timing import bench
 
@@ -366,9 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_shapes("benchmarks.cascades", args.out, argv, named(SHAPES, args.only), measure, tolerance=TOLERANCE)
     if results is None:
         return 0
-    table = markdown(results)
-    (args.out / "cascades.md").write_text(table)
-    print(table)
+    write_table("benchmarks.cascades", args.out, results, markdown)
     plot(results, args.out / "cascades.png")
     return 0
 

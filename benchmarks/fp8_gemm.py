@@ -25,7 +25,7 @@ import functools
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser
+from .attention import named, run_shapes, shapes_parser, write_table
 from .cascades import _reason, eager
 from .timing import bench
 
@@ -191,9 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_shapes("benchmarks.fp8_gemm", args.out, argv, named(SHAPES, args.only), run_shape)
     if results is None:
         return 0
-    table = markdown(results)
-    (args.out / "fp8_gemm.md").write_text(table)
-    print(table)
+    write_table("benchmarks.fp8_gemm", args.out, results, markdown)
     return 0
 
 

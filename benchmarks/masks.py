@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser
+from .attention import named, run_shapes, shapes_parser, write_table
 from .timing import bench
 
 PEERS = ("tvm-cascade, no mask", "tvm-cascade, bool mask", "tvm-cascade, float16 mask", "sdpa cudnn, float16 mask")
@@ -121,9 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_shapes("benchmarks.masks", args.out, argv, named(SHAPES, args.only), run_shape)
     if results is None:
         return 0
-    table = markdown(results)
-    (args.out / "masks.md").write_text(table)
-    print(table)
+    write_table("benchmarks.masks", args.out, results, markdown)
     return 0
 
 

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser
+from .attention import named, run_shapes, shapes_parser, write_table
 from .cascades import _reason, eager
 from .timing import bench
 
@@ -200,9 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), measure)
     if results is None:
         return 0
-    table = markdown(results)
-    (args.out / "scaled_gemm.md").write_text(table)
-    print(table)
+    write_table("benchmarks.scaled_gemm", args.out, results, markdown)
     return 0
 
 
