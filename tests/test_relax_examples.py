@@ -45,3 +45,26 @@ def test_torch_export_with_a_dynamic_length_matches_pytorch():
     out = _run("torch_export.py", "--seq", "32", "--dynamic")
     assert "seq 32 (dynamic)" in out and "|cascade - ref|" in out
 
+
+
+@pytest.mark.parametrize("seq, past, family", [(16, 48, "warp_specialized_prefill"), (1, "past", "tensor_core_decode")])
+def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(seq, past, family, monkeypatch):
+    """``examples/llama_block.py`` in fp16 for an H100/H200: its attention, which adds the
+    block's mask tensor input, is dispatched to the kernel library's prefill and decode
+    kernels reading that mask (what its ``--target cuda --time`` measures)."""
+    import types
+
+    import tvm
+
+    from tvm_cascade.relax.dispatch import LIBRARY_ATTR, DispatchAttention
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import llama_block
+
+    args = types.SimpleNamespace(hidden=1024, heads_q=8, heads_kv=2, intermediate=512, dtype="float16")
+    mod, _ = llama_block.build(args, seq, past)
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
+        out = DispatchAttention()(mod)
+    kernels = [f for _, f in out.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and LIBRARY_ATTR in f.attrs]
+    assert [str(f.attrs[LIBRARY_ATTR]) for f in kernels] == [family]
+    assert [p.name for p in kernels[0].params][3] == "mask"
