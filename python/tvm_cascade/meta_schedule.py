@@ -191,7 +191,8 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         """On a GPU, a chain that folds each row to values of its own as one CUDA block
         per row (:func:`~tvm_cascade.schedules.rows.schedule_rows`), the tile, the
         threads of a row and the rows of a block sampled."""
-        if candidate.length is None or candidate.root not in {c.root for c in row_chains(only_func(sch))}:
+        chain = next((c for c in row_chains(only_func(sch)) if c.root == candidate.root), None)
+        if candidate.length is None or chain is None:
             return False
         length = candidate.length
         plan = plan_chain(only_func(sch), candidate)
@@ -203,6 +204,11 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             if all((c - 1) * -(-length // (c * t)) * t < length for t in tiles)
         )
         per_block = sorted({plan["rows_per_block"]} | set(ROWS_PER_BLOCK))
+        if chain.rows is not None:
+            # Whether a block's rows are copied to shared memory follows from the rows
+            # per block dividing the rows, decided once for the trace: every sampled
+            # value must decide alike.
+            per_block = [p for p in per_block if chain.rows % p == 0]
         sampled = [sample_uniform(sch, c) for c in (chunks, tiles, per_block)]
         schedule_rows(sch, *sampled)
         for site in collect_sites(only_func(sch).body.block):
