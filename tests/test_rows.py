@@ -168,13 +168,11 @@ def test_meta_schedule_proposes_one_block_per_row_on_gpus():
     assert built
 
 
-@needs_nvcc
-@needs_nvcc
-def test_meta_schedule_samples_only_rows_per_block_that_divide_the_rows():
-    """Over 36 tokens the rows per block sampled are those dividing 36 (1 and 4 of 1, 4,
-    8, 16), and a sample replayed under each builds: its shared copy of the rows was
-    decided for the trace once, which another divisor keeps."""
-    func = cascades.moe_routing(36, 256, 8, "float16")
+def _replays_every_rows_per_block(tokens, sampled):
+    """MoE routing over ``tokens`` tokens and 256 experts: the rows per block the
+    one-block-per-row sample draws from are ``sampled``, and replayed under each a
+    sample's block has that many rows of threads and its shared copy that many rows."""
+    func = cascades.moe_routing(tokens, 256, 8, "float16")
     space = ms.space_generator.PostOrderApply(sch_rules=[CascadeFusion(unfused=False)], postprocs="from-target", mutator_probs={})
     context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=TARGET, space_generator=space, task_name="moe")
     (rows,) = [
@@ -182,34 +180,28 @@ def test_meta_schedule_samples_only_rows_per_block_that_divide_the_rows():
         if {"RollingUpdate", "SplitKUpdate"} <= {i.kind.name for i in s.trace.insts}
     ]
     (per_block,) = [inst for inst in rows.trace.insts if inst.kind.name == "SampleCategorical"]
-    assert tuple(int(c) for c in per_block.attrs[0]) == (1, 4)
-    for decision, count in enumerate((1, 4)):
-        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
-        rows.trace.with_decision(per_block, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
-        assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
-        source = tvm.compile(sch.mod, target=TARGET).mod.imports[0].inspect_source()
-        assert f"__launch_bounds__({16 * count})" in source and f"half logits_shared_ptr[{256 * count}];" in source
-
-
-def test_meta_schedule_samples_the_plan_and_replays_every_rows_per_block():
-    """The tuning space holds the hand plan: MoE routing over 256 experts is planned as
-    8 rows of 16 threads a block, and 8 is among the rows per block sampled. Replayed
-    under each of them, a sample's block has that many rows of threads and its shared
-    copy that many rows."""
-    func = cascades.moe_routing(64, 256, 8, "float16")
-    assert plan_rows(256, "float16")["rows_per_block"] == 8
-    space = ms.space_generator.PostOrderApply(sch_rules=[CascadeFusion(unfused=False)], postprocs="from-target", mutator_probs={})
-    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=TARGET, space_generator=space, task_name="moe")
-    (rows,) = [
-        s for s in context.generate_design_space()
-        if {"RollingUpdate", "SplitKUpdate"} <= {i.kind.name for i in s.trace.insts}
-    ]
-    (per_block,) = [inst for inst in rows.trace.insts if inst.kind.name == "SampleCategorical"]
-    assert tuple(int(c) for c in per_block.attrs[0]) == (1, 4, 8, 16)
-    for decision, count in enumerate((1, 4, 8, 16)):
+    assert tuple(int(c) for c in per_block.attrs[0]) == sampled
+    for decision, count in enumerate(sampled):
         sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
         rows.trace.with_decision(per_block, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
         assert all(postproc.apply(sch) for postproc in context.space_generator.postprocs)
         source = tvm.compile(sch.mod, target=TARGET).mod.imports[0].inspect_source()
         assert f"__launch_bounds__({16 * count})" in source
         assert f"half logits_shared_ptr[{256 * count}];" in source
+
+
+@needs_nvcc
+def test_meta_schedule_samples_the_plan_and_replays_every_rows_per_block():
+    """The tuning space holds the hand plan: MoE routing over 256 experts is planned as
+    8 rows of 16 threads a block, and 8 is among the rows per block sampled; every
+    sampled value replays into its block."""
+    assert plan_rows(256, "float16")["rows_per_block"] == 8
+    _replays_every_rows_per_block(64, (1, 4, 8, 16))
+
+
+@needs_nvcc
+def test_meta_schedule_samples_only_rows_per_block_that_divide_the_rows():
+    """Over 36 tokens the rows per block sampled are those dividing 36 (1 and 4 of 1, 4,
+    8, 16), and each replays with the block's rows copied to shared memory (decided once
+    for the trace: a value not dividing 36 failed to build)."""
+    _replays_every_rows_per_block(36, (1, 4))
