@@ -90,14 +90,18 @@ def _schedule_rows_on_cpu(sch) -> None:
 FAMILIES = (TensorCoreDecode(), SplitKDecode(), WarpSpecializedPrefill(), TensorCorePrefill(), GenericFused())
 
 
+def runtime_families() -> tuple:
+    """The families of :data:`FAMILIES` with runtime-length kernels (all but those that
+    set ``runtime = False``: a schedule of static lengths only), in order."""
+    return tuple(family for family in FAMILIES if getattr(family, "runtime", True))
+
+
 def choose(spec: AttentionSpec) -> list:
     """The families that serve ``spec``, by range of query rows, narrowest first: for
     each range the first family of :data:`FAMILIES` that supports the spec (those passed
     over logged with their reasons), up to the first that serves any number of rows."""
     chosen = []
-    for family in FAMILIES:
-        if not getattr(family, "runtime", True):
-            continue
+    for family in runtime_families():
         if chosen and family.queries is not None and family.queries <= chosen[-1].queries:
             continue
         reason = family.supports(spec)

@@ -29,11 +29,11 @@ class AttentionKernel:
     """One compiled kernel for an :class:`~tvm_cascade.library.spec.AttentionSpec`:
     batch size and lengths are runtime values.
 
-    Call it with the layout's tensors (:data:`~tvm_cascade.library.arguments.ARGUMENTS`;
-    then ``mask`` where the spec has a mask tensor)
+    Call it with the layout's tensors (:data:`~tvm_cascade.library.arguments.ARGUMENTS`)
     and, optionally, ``out``:
 
-    - ``bhsd``: ``kernel(q, k, v)``
+    - ``bhsd``: ``kernel(q, k, v)``; ``kernel(q, k, v, mask)`` where the spec has a mask
+      tensor (:class:`~tvm_cascade.library.spec.MaskTensor`; bshd alike)
     - ``ragged``: ``kernel(q, k, v, q_indptr, kv_indptr)``
     - ``paged``: ``kernel(q, pages, q_indptr, page_indptr, page_ids, last_page_len)``
 

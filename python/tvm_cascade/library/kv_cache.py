@@ -51,7 +51,7 @@ from tvm.s_tir.stmt import SBlockRealize
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..primitives.ir import copy_block, replace_buffers, seq
-from .families import FAMILIES
+from .families import runtime_families
 from .layouts import INDEX_DTYPE, views
 from .spec import AttentionSpec
 
@@ -60,10 +60,10 @@ logger = logging.getLogger("tvm_cascade.library")
 #: The cache's kernels this module builds: kind -> (layout, causal).
 KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
          "decode_window": ("kv_decode_window", False)}
-#: Those of :data:`~.families.FAMILIES` with runtime-length kernels that serve any number
+#: Those of :func:`~.families.runtime_families` that serve any number
 #: of query rows, and the decode families (a few rows) before the last, which serves
 #: every spec.
-_RUNTIME = tuple(family for family in FAMILIES if getattr(family, "runtime", True))
+_RUNTIME = runtime_families()
 _PREFILL_FAMILIES = tuple(family for family in _RUNTIME if family.queries is None)
 _DECODE_FAMILIES = tuple(family for family in _RUNTIME[:-1] if family.queries is not None) + _RUNTIME[-1:]
 #: The families asked, in order, for each kind.
