@@ -184,18 +184,15 @@ def test_chains_read_as_library_variants(kwargs, variant):
     assert chain.scale == pytest.approx(scale)
 
 
-@pytest.mark.parametrize(
-    "kwargs, reason",
-    [
-        (dict(mask="bias"), "values other than 0 and -inf (a bias)"),
-    ],
-)
-def test_chains_the_library_does_not_express(kwargs, reason, caplog):
-    mod = chain_module(2, 12, 20, 8, 2, 64, **kwargs)
-    assert reason in _read(mod)
-    with caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
-        tvm.ir.assert_structural_equal(_dispatch(mod), mod)
-    assert reason in caplog.text
+def test_a_mask_no_variant_expresses_is_read_as_a_tensor():
+    """A chain adding constants that are no variant's mask (a bias, say): the kernel
+    reads them as a float mask tensor, which the call passes."""
+    mod = chain_module(2, 12, 20, 8, 2, 64, mask="bias")
+    chain = _read(mod)
+    assert chain.variant == AttentionVariant("global") and chain.mask_tensor == MaskTensor("float32", False, False, True)
+    assert isinstance(chain.mask, tvm.ir.expr.Constant) and [int(n) for n in chain.mask.ty.shape.values] == [12, 20]
+    (call,) = [c for c in _calls(_dispatch(mod)) if c.op.name == "relax.call_tir"]
+    assert [int(n) for n in call.args[1].fields[3].ty.shape.values] == [1, 1, 12, 20]
 
 
 @pytest.mark.parametrize("form", [True, MaskTensor("bool"), MaskTensor("float32", heads=True, queries=False)],
@@ -373,16 +370,19 @@ def _causal_below(threshold):
 def test_masks_over_a_symbolic_length_are_read_at_several_lengths():
     """A mask built of ``arange``s over a symbolic length: causal, or a sliding window
     whose width shows only at lengths past it, is the library's variant; a mask that is
-    causal only below a threshold (a constant of its graph) is refused, as is one that
-    is no variant at any length."""
+    causal only below a threshold (a constant of its graph), one that is no variant at
+    any length and one too long to check are read as a mask tensor, computed in the
+    graph."""
     n = tirx.Var("n", "int64")
     assert _read(_arange_mask_chain(n, _causal_rows)).variant == AttentionVariant("causal", causal=True)
-    window = _read(_arange_mask_chain(n, _window_rows(40))).variant
-    assert window == AttentionVariant("window", causal=True, window=40)
-    assert "no causal or sliding-window mask" in _read(_arange_mask_chain(n, _causal_below(100)))
-    prefix = _read(_arange_mask_chain(n, lambda bb, rows, cols: relax.op.less(cols, relax.const(3, "int64"))))
-    assert "no causal or sliding-window mask" in prefix
-    assert "with a constant past 8192, too long to check" in _read(_arange_mask_chain(n, _window_rows(10000)))
+    window = _read(_arange_mask_chain(n, _window_rows(40)))
+    assert window.variant == AttentionVariant("window", causal=True, window=40) and window.mask is None
+    prefix = lambda bb, rows, cols: relax.op.less(cols, relax.const(3, "int64"))  # noqa: E731
+    for seen, queries in ((_causal_below(100), True), (prefix, False), (_window_rows(10000), True)):
+        chain = _read(_arange_mask_chain(n, seen))
+        assert chain.variant == AttentionVariant("global")
+        assert chain.mask_tensor == MaskTensor("float32", False, False, queries)
+        assert not isinstance(chain.mask, tvm.ir.expr.Constant)
 
 
 def test_chunked_prefill_over_a_symbolic_past_is_served():
@@ -419,8 +419,9 @@ def test_attention_with_a_bias_reads_it_as_a_mask_tensor():
 
 def test_a_key_padding_mask_of_one_row_is_not_causal():
     """A mask of one row for every query ([1, skv]: keys hidden from all) broadcasts to
-    the scores and is no variant of the library's; one that hides nothing is global."""
-    for hidden, expected in ((3, "no causal or sliding-window mask"), (0, None)):
+    the scores and is no variant of the library's: a mask tensor of one query row; one
+    that hides nothing is global, no mask."""
+    for hidden in (3, 0):
         values = np.zeros((1, 20), "float32")
         values[0, :hidden] = -np.inf
         bb = relax.BlockBuilder()
@@ -434,10 +435,8 @@ def test_a_key_padding_mask_of_one_row_is_not_causal():
                 out = bb.emit_output(relax.op.matmul(p, v))
             bb.emit_func_output(out)
         chain = _read(bb.get())
-        if expected is None:
-            assert chain.variant == AttentionVariant("global")
-        else:
-            assert expected in chain
+        assert chain.variant == AttentionVariant("global")
+        assert chain.mask_tensor == (MaskTensor("float32", False, False, False) if hidden else None)
 
 
 def test_gpu_targets_other_than_cuda_leave_attention_to_the_default_lowering():

@@ -1,6 +1,6 @@
 """What attention a hand-written ``matmul -> score ops -> softmax -> matmul`` chain of a
 Relax function computes, in the kernel library's terms (:class:`ChainAttention`), or why
-it is not one the library's variants express.
+the library's kernels cannot compute it.
 
 The chain is read back from its output matmul through the function's bindings (the
 forms :mod:`.patterns` matches, after :mod:`.canonicalize`): ``probs @ v`` with
@@ -10,11 +10,12 @@ scores ``q @ permute_dims(k)`` taken through
 - products with scalar constants, on the scores, on ``q`` or on ``kᵀ`` (the scale);
 - ``c * tanh(s / c)`` (a softcap), after the scale;
 - a mask after them: an additive constant (0 where a key is seen, ``-inf`` or below
-  :data:`MASKED_BELOW` where not) or ``where(constant, s, -inf)``; its pattern must be
-  a causal mask aligned to the end of the keys (with a sliding window or not), or none;
-  or a mask tensor computed from the function's parameters (a model's attention mask),
-  added to the scores or a boolean ``where(mask, s, -inf)``, of shape ``[b|1, h|1,
-  sq|1, skv]`` (or its last axes): the kernel reads it
+  :data:`MASKED_BELOW` where not) or ``where(constant, s, -inf)`` whose pattern is a
+  causal mask aligned to the end of the keys (with a sliding window or not) is that
+  variant (whose kernels skip the tiles it hides); any other mask, added to the scores
+  or a boolean ``where(mask, s, -inf)``, of constants (a bias, a prefix mask) or
+  computed from the function's parameters (a model's attention mask), of shape ``[b|1,
+  h|1, sq|1, skv]`` (or its last axes), is a mask tensor the kernel reads
   (:class:`~tvm_cascade.library.spec.MaskTensor`);
 - casts (the scores or softmax in float32).
 
@@ -124,8 +125,20 @@ def _score_ops(ops, scale, scores_shape, q, k, v, lookup, values):
         if mask is not None:
             return f"more than one mask ({op.op.name})"
         mask = op
+    unmasked = ChainAttention(q, k, v, AttentionVariant("global", softcap=softcap), scale)
     if mask is not None and not _closed(_mask_operand(mask, lookup), lookup):
-        return _mask_tensor(mask, lookup, scores_shape, ChainAttention(q, k, v, AttentionVariant("global", softcap=softcap), scale))
+        return _mask_tensor(mask, lookup, scores_shape, unmasked)
+    variant = _known_variant(mask, softcap, seq_q, seq_kv, lookup, values)
+    if isinstance(variant, str) and mask is not None:
+        # A mask of constants and the lengths that is no variant: read as a tensor.
+        as_tensor = _mask_tensor(mask, lookup, scores_shape, unmasked)
+        return as_tensor if isinstance(as_tensor, ChainAttention) else f"{variant}; as a mask tensor: {as_tensor}"
+    return variant if isinstance(variant, str) else ChainAttention(q, k, v, variant, scale)
+
+
+def _known_variant(mask, softcap, seq_q, seq_kv, lookup, values):
+    """The library's variant mask op ``mask`` (or None) computes, known by value, or why
+    it is none."""
     # The variant the mask is at the largest lengths sampled; at every other sample it
     # must hide what that variant hides (at small lengths a causal mask may hide none).
     samples = _samples([seq_q, seq_kv], mask, lookup)
@@ -143,7 +156,7 @@ def _score_ops(ops, scale, scores_shape, q, k, v, lookup, values):
                 return variant
         elif not np.array_equal(np.broadcast_to(True if visible is None else visible, lengths), _seen(variant, *lengths)):
             return "a mask whose pattern changes with the lengths"
-    return ChainAttention(q, k, v, variant, scale)
+    return variant
 
 
 def _mask_operand(op, lookup):
