@@ -13,7 +13,7 @@ import tvm_cascade  # noqa: F401
 from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.cuda import tensor_cores
-from tvm_cascade.library.split_k_decode import multiprocessors
+from tvm_cascade.library.split_k import sm_count
 from tvm_cascade.schedules.decode import (
     DecodeConfig,
     choose_chunks,
@@ -376,7 +376,7 @@ def test_tuned_records_reload_into_schedules(tmp_path, monkeypatch):
     assert compiled.mod.imports[0].inspect_source() == _source(expected.mod)
     other = ops.attention(1, 8, 2, 1, 1024, 128, dtype="float16", variant=VARIANTS["gqa"])
     assert kernels.tuned_schedule(other, CUDA, records) is None
-    heuristic = schedule_decode(other, 8, 2, 128, multiprocessors())
+    heuristic = schedule_decode(other, 8, 2, 128, sm_count(tvm.cuda(0)))
     assert tvm_ffi.structural_equal(kernels.schedule(other, CUDA, records).mod, heuristic.mod)
 
 

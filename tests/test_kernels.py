@@ -116,7 +116,7 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
     """``compile_attention(config=...)`` compiles the heuristic schedule with those choices
     (not a tuned record); a prefill config for a decode configuration is refused."""
     from tvm_cascade.cuda import tensor_cores
-    from tvm_cascade.library.split_k_decode import multiprocessors
+    from tvm_cascade.library.split_k import sm_count
     from tvm_cascade.schedules.decode import DecodeConfig, schedule_decode
     from tvm_cascade.schedules.prefill import PrefillConfig
 
@@ -125,8 +125,8 @@ def test_config_sets_the_heuristic_schedule_and_must_match_the_kind(tmp_path):
         1, 8, 2, 1, 512, 128, variant=VARIANTS["gqa"], target=CUDA, records=tmp_path, config=config
     )
     func = ops.attention(1, 8, 2, 1, 512, 128, dtype="float16", variant=VARIANTS["gqa"], pad_to=kernels.PAD_TO["decode"])
-    expected = tensor_cores.build(schedule_decode(func, 8, 2, 128, multiprocessors(), config).mod, CUDA)
-    default = tensor_cores.build(schedule_decode(func, 8, 2, 128, multiprocessors()).mod, CUDA)
+    expected = tensor_cores.build(schedule_decode(func, 8, 2, 128, sm_count(tvm.cuda(0)), config).mod, CUDA)
+    default = tensor_cores.build(schedule_decode(func, 8, 2, 128, sm_count(tvm.cuda(0))).mod, CUDA)
     source = compiled.mod.imports[0].inspect_source()
     assert source == expected.mod.imports[0].inspect_source() != default.mod.imports[0].inspect_source()
     with pytest.raises(ValueError, match="config must be a DecodeConfig"):

@@ -42,7 +42,7 @@ from . import ops
 from .analysis.scope import buffer_params
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
-from .library.families import FAMILIES, config_family, schedule_families, scheduled_by
+from .library.families import FAMILIES, config_family, families_of, schedule_families, scheduled_by
 from .library.spec import AttentionSpec
 from .ops.variants import AttentionVariant
 from .schedules import decode, prefill
@@ -81,7 +81,7 @@ def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
     decode's query rows padded to fill tensor-core tiles where that serves them better
     (:func:`~tvm_cascade.schedules.decode.query_rows`), and to whole tiles of
     ``config``'s as well (the padding of the family whose schedule takes ``config``)."""
-    family = _families(kind)[0] if config is None else config_family(kind, config)
+    family = families_of(kind)[0] if config is None else config_family(kind, config)
     return family.padding(heads_q // heads_kv, seq_q, head_dim, config)
 
 
@@ -226,7 +226,7 @@ def tuned_schedule(func, target, records):
 def _database(records, kind, allow_missing=True):
     """The JSON database at ``records`` of ``kind`` kernels, read once the tensor
     intrinsics its records' tensorize instructions name are registered."""
-    for family in _families(kind):
+    for family in families_of(kind):
         family.register_intrinsics()
     return JSONDatabase(work_dir=str(records), allow_missing=allow_missing)
 
@@ -242,7 +242,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
 
     if runner is None and not tvm.cuda(0).exist:
         raise RuntimeError("tuning measures candidates on a CUDA GPU; this machine has none")
-    families = _space_families(func, target, variant, spaces)
+    spec, families = _space_families(func, target, variant, spaces)
     kind = families[0].kind
     (build_func,) = {family.build_func for family in families}
     builder = ms.builder.LocalBuilder(
@@ -259,7 +259,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
         work_dir=str(records / "logs" / _workload_name(func)),
         max_trials_global=trials,
         num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
-        space=_space_generator(families, _spec(func, target, variant)[0]),
+        space=_space_generator(families, spec),
         builder=builder,
         runner="local" if runner is None else runner,
         strategy=ms.search_strategy.EvolutionarySearch(**_SEARCH[kind]),
@@ -276,12 +276,13 @@ def design_space(func, target, variant=None, spaces=PREFILL_SPACES):
     function ``func`` (of ``variant``) on ``target``: the design space of each family
     whose schedule serves the function there (for prefill, those of ``spaces``, in that
     order), their union where there are several."""
-    families = _space_families(func, target, variant, spaces)
-    return _space_generator(families, _spec(func, target, variant)[0])
+    spec, families = _space_families(func, target, variant, spaces)
+    return _space_generator(families, spec)
 
 
 def _space_families(func, target, variant, spaces):
-    """The families whose design spaces :func:`design_space` joins."""
+    """``(spec, families)``: the function's spec and the families whose design spaces
+    :func:`design_space` joins."""
     spec, seq_q, seq_kv = _spec(func, target, variant)
     kind = kind_of(seq_q)
     families = schedule_families(spec, kind, seq_q, seq_kv, with_variant=variant is not None)
@@ -291,7 +292,7 @@ def _space_families(func, target, variant, spaces):
     if not families:
         raise ValueError(f"no design space of {list(spaces) if kind == 'prefill' else kind} serves this "
                          f"function on {target}")
-    return families
+    return spec, families
 
 
 def _space_generator(families, spec):
@@ -320,12 +321,6 @@ def builder_init(families):
     for family in FAMILIES:
         if family.name in families:
             family.register_intrinsics()
-
-
-def _families(kind):
-    """The families of :data:`~tvm_cascade.library.families.FAMILIES` with schedules of
-    ``kind``."""
-    return [family for family in FAMILIES if family.kind == kind]
 
 
 def _spec(func, target, variant=None):

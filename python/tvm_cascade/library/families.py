@@ -114,14 +114,20 @@ def choose(spec: AttentionSpec) -> list:
     raise AssertionError(f"no family serves {spec.describe()}: the last of FAMILIES must serve every spec")
 
 
+def families_of(kind: str) -> list:
+    """The families of :data:`FAMILIES` with a schedule of static lengths of ``kind``
+    (``"decode"`` or ``"prefill"``), in order."""
+    return [family for family in FAMILIES if family.kind == kind]
+
+
 def schedule_families(spec: AttentionSpec, kind: str, seq_q, seq_kv, with_variant: bool = True) -> list:
     """The families of :data:`FAMILIES` whose schedule of ``kind`` serves ``spec`` (a
     ``bhsd`` spec) at ``seq_q`` queries and ``seq_kv`` keys, in order (those passed over
     logged with their reasons). Without ``with_variant`` (a function whose variant is not
     known) the families whose schedules are made from the variant are left out."""
     served = []
-    for family in FAMILIES:
-        if family.kind != kind or (family.needs_variant and not with_variant):
+    for family in families_of(kind):
+        if family.needs_variant and not with_variant:
             continue
         reason = family.schedule_supports(spec, seq_q, seq_kv)
         if reason is None:
@@ -134,7 +140,7 @@ def schedule_families(spec: AttentionSpec, kind: str, seq_q, seq_kv, with_varian
 def config_family(kind: str, config):
     """The family of :data:`FAMILIES` whose schedule of ``kind`` takes ``config``
     (``ValueError`` naming the configs of ``kind`` where none does)."""
-    families = [family for family in FAMILIES if family.kind == kind]
+    families = families_of(kind)
     for family in families:
         if isinstance(config, family.config_type):
             return family
@@ -144,4 +150,4 @@ def config_family(kind: str, config):
 
 def scheduled_by(mod: tvm.IRModule, kind: str):
     """The family of :data:`FAMILIES` whose schedule of ``kind`` ``mod`` is, or None."""
-    return next((f for f in FAMILIES if f.kind == kind and f.scheduled(mod)), None)
+    return next((f for f in families_of(kind) if f.scheduled(mod)), None)

@@ -36,7 +36,7 @@ from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
-    maximum, plan_chunk_keys, score_of, unsupported,
+    maximum, plan_chunk_keys, score_of, sm_count, unsupported,
 )
 
 THREADS = 128
@@ -96,7 +96,8 @@ class SplitKDecode:
 
     def schedule(self, func, spec: AttentionSpec, config=None):
         config = config or decode.DecodeConfig()
-        return decode.schedule_decode(func, spec.heads_q, spec.heads_kv, spec.head_dim, multiprocessors(), config)
+        # (the SMs of this machine's GPU, an H100/H200's without one)
+        return decode.schedule_decode(func, spec.heads_q, spec.heads_kv, spec.head_dim, sm_count(tvm.cuda(0)), config)
 
     def design_space(self, spec: AttentionSpec):
         return decode.decode_design_space(spec.heads_q, spec.heads_kv, spec.head_dim)
@@ -113,13 +114,6 @@ class SplitKDecode:
 
     def register_intrinsics(self):
         mma16x8.register()
-
-
-def multiprocessors():
-    """SMs of this machine's GPU, for the decode schedule's chunk count; H100/H200's 132
-    when compiling without one."""
-    dev = tvm.cuda(0)
-    return dev.multi_processor_count if dev.exist else 132
 
 
 def _vec(head_dim):

@@ -169,8 +169,8 @@ def _mask_operand(op, lookup):
 
 
 def _mask_tensor(op, lookup, scores_shape, chain):
-    """``chain`` reading the mask tensor of mask op ``op`` (computed from parameters),
-    or why the kernel cannot read it."""
+    """``chain`` reading the mask tensor of mask op ``op`` (computed from parameters, or
+    constants that are no variant's mask), or why the kernel cannot read it."""
     tensor = _mask_operand(op, lookup)
     if _is(op, "relax.where"):
         fill = _constant(op.args[2])
