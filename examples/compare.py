@@ -69,9 +69,85 @@ def run_both(default, cascade, target, args, func="main", timed=False):
         # from_exported_program returns a tuple of outputs; the examples have one.
         outs.append((out if hasattr(out, "numpy") else out[0]).numpy())
         if timed:
-            timer = vm.time_evaluator(func, dev, number=20, repeat=10, min_repeat_ms=50)
+            # As many calls a repeat as take about 50 ms (a slow module is not called
+            # hundreds of times).
+            once = vm.time_evaluator(func, dev, number=1, repeat=1)(*tensors).mean
+            timer = vm.time_evaluator(func, dev, number=max(1, min(20, int(0.05 / once))), repeat=10, min_repeat_ms=50)
             times.append(float(np.median(timer(*tensors).results)) * 1e3)
     return outs, (times if timed else None)
+
+
+def _event_median(calls, run):
+    """Median ms between two CUDA events over ``calls`` runs of ``run(begin, end)``, which
+    calls ``begin()`` before the work it times and ``end()`` after it. ``begin`` queues a
+    sleep kernel first, so the work is queued while the GPU sleeps and its time excludes
+    the host's (the checks and launch of a call)."""
+    import torch
+
+    times = []
+    for _ in range(calls):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def begin(start=start):
+            torch.cuda._sleep(1_000_000)
+            start.record()
+
+        run(begin, stop.record)
+        times.append((start, stop))
+    torch.cuda.synchronize()
+    return float(np.median([start.elapsed_time(stop) for start, stop in times]))
+
+
+def attention_in_module(compiled, args, func="main", calls=20):
+    """Median ms of the kernel library's attention kernel (one a call) in a call of
+    ``func`` of the cascade module, between CUDA events a VM instrument records around
+    it."""
+    names = {
+        str(f.attrs["global_symbol"]) for _, f in compiled.mod.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and LIBRARY_ATTR in f.attrs
+    }
+    dev = tvm.cuda(0)
+    vm = relax.VirtualMachine(compiled.exe, dev)
+    tensors = [tvm.runtime.tensor(a, dev) for a in args]
+    vm[func](*tensors)  # warm-up
+
+    def run(begin, end):
+        def instrument(_, symbol, before, *rest):
+            if symbol in names:
+                begin() if before else end()
+            return 0
+
+        vm.set_instrument(instrument)
+        vm[func](*tensors)
+
+    return _event_median(calls, run)
+
+
+def standalone_attention(kernel, tensors, calls=20):
+    """Median ms of ``kernel`` (``kernels.attention_kernel``) on torch ``tensors``, timed
+    as :func:`attention_in_module` times it in a module, with the L2 cache flushed before
+    each call (in a module the kernels before it have evicted its inputs, or written
+    them: a repeated call alone would find them in the cache)."""
+    import torch
+
+    plan = kernel.plan(*tensors)
+    out = kernel(*tensors, plan=plan)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def run(begin, end):
+        flush.zero_()
+        begin()
+        kernel(*tensors, out=out, plan=plan)
+        end()
+
+    return _event_median(calls, run)
+
+
+def report_attention(compiled, args, func, kernel, tensors):
+    """Print the attention kernel's time in the cascade module beside ``kernel``'s alone
+    on torch ``tensors`` of the same shapes."""
+    inside, alone = attention_in_module(compiled, args, func), standalone_attention(kernel, tensors)
+    print(f"  attention: in the module {inside:.4f} ms, standalone {alone:.4f} ms ({inside / alone:.2f}x)", flush=True)
 
 
 def report(label, outs, expected, tol, times):

@@ -9,26 +9,35 @@ which ``torch.export`` decomposes into matmuls, a causal mask and PyTorch's safe
 with ``repeat_interleave``). Either way the cascade pipeline fuses it into one kernel.
 
     python examples/torch_export.py                 # CPU
-    python examples/torch_export.py --target cuda   # GPU: numerics, then both timed
+    python examples/torch_export.py --target cuda --time --dtype float16 --seq 512,2048
 
 ``--dynamic`` exports the sequence length as a dynamic dimension (``torch.export.Dim``,
-up to 4096: TVM plans the mask's memory for the largest length): one compiled module
-serves every length. On a CUDA target the cascade pipeline still runs the attention as
+up to ``--max-seq``: TVM plans the mask's memory for the largest length): one compiled
+module serves every length. On a CUDA target the cascade pipeline still runs the attention as
 one kernel (its causal mask, a graph over the length, checked at several lengths); on
 the CPU ``FuseAttention`` cannot lower its group (the GQA broadcast to a symbolic shape)
 and leaves it to the default lowering.
+
+``--dtype float16`` exports the block in half precision. TVM's torch frontend makes every
+matmul's product float32 (``out_dtype="float32"``) and then cannot add a 16-bit bias to
+it, so :data:`HALF_PRECISION_MATMULS` converts them as PyTorch computes them: accumulated
+in float32, cast to the operands' type (bfloat16 imports the same way, but TVM's
+``layer_norm`` takes no bfloat16: ``examples/llama_block.py --dtype bfloat16`` runs a
+bfloat16 block).
 """
 
+import copy
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tvm
+from tvm import relax
 from tvm.relax.frontend.torch import from_exported_program
 
 import tvm_cascade  # noqa: F401  (registers relax_pipeline="cascade")
-from compare import block_arguments, compile_both, count_attention_kernels, report, run_both
+from compare import block_arguments, compile_both, count_attention_kernels, report, report_attention, run_both
+from tvm_cascade.kernels import attention_kernel
 
 
 class Block(torch.nn.Module):
@@ -68,28 +77,93 @@ class Block(torch.nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _matmul(importer, a, b, bias=None):
+    """``a @ b (+ bias)`` accumulated in float32 and cast to ``a``'s type."""
+    emit = importer.block_builder.emit
+    product = emit(relax.op.matmul(a, b, out_dtype="float32"))
+    if bias is not None:
+        product = emit(relax.op.add(product, relax.op.astype(bias, "float32")))
+    return emit(relax.op.astype(product, a.ty.dtype))
+
+
+def _addmm(node, importer):
+    if node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+        raise NotImplementedError("addmm with alpha or beta other than 1")
+    bias, a, b = (importer.env[arg] for arg in node.args[:3])
+    return _matmul(importer, a, b, bias)
+
+
+def _mm(node, importer):
+    return _matmul(importer, importer.env[node.args[0]], importer.env[node.args[1]])
+
+
+# ``custom_convert_map`` of ``from_exported_program`` for a 16-bit model.
+HALF_PRECISION_MATMULS = {"addmm.default": _addmm, "mm.default": _mm, "bmm.default": _mm}
+
+
+def _numpy(tensor):
+    """A torch tensor as numpy (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def export(args, seq):
+    """The block of ``args`` exported at length ``seq`` and imported: (Relax module, its
+    weights, the torch module)."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    model = Block(args.hidden, args.heads_q, args.heads_kv, args.attention).eval().to(dtype)
+    x = torch.zeros(1, seq, args.hidden, dtype=dtype)
+    shapes = ({1: torch.export.Dim("seq", min=2, max=args.max_seq)},) if args.dynamic else None
+    with torch.no_grad():
+        program = torch.export.export(model, (x,), dynamic_shapes=shapes)
+    convert = HALF_PRECISION_MATMULS if dtype != torch.float32 else None
+    mod = from_exported_program(program, keep_params_as_input=True, custom_convert_map=convert)
+    mod, params = relax.frontend.detach_params(mod)
+    return mod, [p.numpy() for p in params["main"]], model
+
+
+def example_input(model, seq, device):
+    """A random input of length ``seq`` (numpy) and the block's output on it in float64
+    on the model's (rounded) weights, computed on ``device``."""
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(1, seq, model.proj.in_features, generator=torch.Generator().manual_seed(seq)).to(dtype)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).double().to(device)(x.double().to(device)).cpu().numpy()
+    return _numpy(x), expected
+
+
 def main():
     parser = block_arguments(__doc__)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", default="128", help="lengths, comma-separated")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "manual"])
     parser.add_argument("--dynamic", action="store_true", help="export the sequence length as a dynamic dimension")
+    parser.add_argument("--max-seq", type=int, default=4096, help="the dynamic length's upper bound")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = Block(args.hidden, args.heads_q, args.heads_kv, args.attention).eval()
-    x = torch.randn(1, args.seq, args.hidden)
-    shapes = ({1: torch.export.Dim("seq", min=2, max=4096)},) if args.dynamic else None
-    with torch.no_grad():
-        expected = model(x).double().numpy()
-        program = torch.export.export(model, (x,), dynamic_shapes=shapes)
-    mod = from_exported_program(program, keep_params_as_input=True)
-    mod, params = tvm.relax.frontend.detach_params(mod)
-    default, cascade, target = compile_both(mod, args.target)
-    print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
-    weights = [p.numpy() for p in params["main"]]
-    outs, times = run_both(default, cascade, target, [x.numpy()] + weights, "main", args.time)
-    label = f"seq {args.seq}{' (dynamic)' if args.dynamic else ''}, {args.attention}"
-    report(label, [np.asarray(o) for o in outs], expected, 1e-3, times)
-
+    seqs = [int(s) for s in args.seq.split(",")]
+    device = "cuda" if args.target == "cuda" else "cpu"
+    tol = 1e-3 if args.dtype == "float32" else 3e-2
+    compiled = None
+    for seq in seqs:
+        # A dynamic length is compiled once for every length; a static one for each.
+        if compiled is None or not args.dynamic:
+            mod, weights, model = export(args, seq)
+            default, cascade, target = compiled = compile_both(mod, args.target)
+            print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
+        x, expected = example_input(model, seq, device)
+        outs, times = run_both(default, cascade, target, [x] + weights, "main", args.time)
+        label = f"seq {seq}{' (dynamic)' if args.dynamic else ''}, {args.attention}, {args.dtype}"
+        report(label, [np.asarray(o) for o in outs], expected, tol, times)
+        if args.time and args.target == "cuda":
+            d = args.hidden // args.heads_q
+            kernel = attention_kernel(args.heads_q, args.heads_kv, d, variant="causal", dtype=args.dtype)
+            q = torch.randn(1, args.heads_q, seq, d, dtype=getattr(torch, args.dtype), device="cuda")
+            k, v = (torch.randn(1, args.heads_kv, seq, d, dtype=q.dtype, device="cuda") for _ in "kv")
+            report_attention(cascade, [x] + weights, "main", kernel, (q, k, v))
 
 if __name__ == "__main__":
     main()

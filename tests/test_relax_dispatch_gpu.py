@@ -13,7 +13,7 @@ import tvm_cascade  # noqa: F401
 from tvm_cascade.library import MaskTensor
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.dispatch import serving
-from tvm_cascade.relax.testing import attention_module, chain_module
+from tvm_cascade.relax.testing import attention_module, chain_module, mask_values
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
@@ -142,3 +142,20 @@ def test_attention_bias_on_the_library_kernel():
     executable = tvm.compile(bb.get(), target=target, relax_pipeline="cascade")
     bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)]
     check(run(executable, tvm.cuda(0), *bshd, m).transpose(0, 2, 1, 3), ref, "float16")
+
+
+@pytest.mark.parametrize("seq_q", [1, 300], ids=["decode", "prefill"])
+def test_a_constant_bias_on_the_library_kernels(seq_q):
+    """A chain adding constants that are no variant's mask (a random bias): the kernel
+    reads the constant as its float mask tensor and matches float64 numpy."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    mod = chain_module(2, seq_q, 700, 8, 2, 128, "float16", mask="bias")
+    executable = tvm.compile(mod, target=target, relax_pipeline="cascade")
+    q, k, v = random_inputs(2, seq_q, 700, 8, 2, 128, "float16")
+    out = run(executable, tvm.cuda(0), *(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)))
+    scale = float(np.float16(128 ** -0.5))  # the chain's constant
+    keys, values = (np.repeat(x.astype(np.float64), 4, axis=2) for x in (k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), keys) * scale + mask_values("bias", seq_q, 700)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhqk,bkhd->bhqd", probs / probs.sum(-1, keepdims=True), values)
+    check(out, expected, "float16")

@@ -111,6 +111,55 @@ def _flattened_bmm_chain():
     return tvm.IRModule({"main": main})
 
 
+def _flattened_bmm_chain_f16():
+    """:func:`_flattened_bmm_chain` in float16 as TVM imports a 16-bit model's
+    ``torch.export``ed matmuls with float32 accumulation cast back (``examples/
+    torch_export.py``'s converters): flattened, bmm into float32, cast, unflattened."""
+
+    @R.function
+    def main(
+        q: R.Tensor((1, 4, 8, 16), "float16"),
+        k: R.Tensor((1, 4, 32, 16), "float16"),
+        v: R.Tensor((1, 4, 32, 16), "float16"),
+    ):
+        with R.dataflow():
+            kt = R.permute_dims(k, [0, 1, 3, 2])
+            qf = R.reshape(R.broadcast_to(q, R.shape([1, 4, 8, 16])), R.shape([4, 8, 16]))
+            kf = R.reshape(R.broadcast_to(kt, R.shape([1, 4, 16, 32])), R.shape([4, 16, 32]))
+            s = R.astype(R.matmul(qf, kf, out_dtype="float32"), "float16")
+            s = R.divide(R.reshape(s, R.shape([1, 4, 8, 32])), R.const(4.0, "float16"))
+            p = R.nn.softmax(s, axis=-1)
+            pf = R.reshape(R.broadcast_to(p, R.shape([1, 4, 8, 32])), R.shape([4, 8, 32]))
+            vf = R.reshape(R.broadcast_to(v, R.shape([1, 4, 32, 16])), R.shape([4, 32, 16]))
+            o = R.astype(R.matmul(pf, vf, out_dtype="float32"), "float16")
+            o = R.reshape(o, R.shape([1, 4, 8, 16]))
+            R.output(o)
+        return o
+
+    return tvm.IRModule({"main": main})
+
+
+def _folded_chain_f16():
+    """What :func:`.canonicalize.fold_batched_matmuls` makes of
+    :func:`_flattened_bmm_chain_f16`."""
+
+    @R.function
+    def main(
+        q: R.Tensor((1, 4, 8, 16), "float16"),
+        k: R.Tensor((1, 4, 32, 16), "float16"),
+        v: R.Tensor((1, 4, 32, 16), "float16"),
+    ):
+        with R.dataflow():
+            kt = R.permute_dims(k, [0, 1, 3, 2])
+            s = R.divide(R.astype(R.matmul(q, kt, out_dtype="float32"), "float16"), R.const(4.0, "float16"))
+            p = R.nn.softmax(s, axis=-1)
+            o = R.astype(R.matmul(p, v, out_dtype="float32"), "float16")
+            R.output(o)
+        return o
+
+    return tvm.IRModule({"main": main})
+
+
 def _causal_attention_op():
     @R.function
     def main(
@@ -208,6 +257,21 @@ def test_flattened_bmm_chain_fuses_and_matches_numpy():
     np.testing.assert_allclose(
         _run(mod, "cascade", [q, k, v, hidden]), expected, rtol=1e-4, atol=1e-5
     )
+
+
+def test_flattened_bmm_with_casts_folds_fuses_and_matches_numpy():
+    """A 16-bit model's flattened bmm accumulated in float32 and cast back folds to one
+    matmul with the cast after it; the chain fuses and matches numpy."""
+    from tvm_cascade.relax.canonicalize import fold_batched_matmuls
+
+    mod = _flattened_bmm_chain_f16()
+    tvm.ir.assert_structural_equal(relax.transform.Normalize()(fold_batched_matmuls(mod)),
+                                   relax.transform.Normalize()(_folded_chain_f16()))
+    assert len(_fused(_lower(mod, "cascade"))) == 1
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s).astype("float16") for s in [(1, 4, 8, 16), (1, 4, 32, 16), (1, 4, 32, 16)])
+    expected = _attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), 0.25, 0.0)
+    np.testing.assert_allclose(_run(mod, "cascade", [q, k, v]), expected, rtol=1e-2, atol=5e-3)
 
 
 def test_causal_attention_op_fuses_and_matches_numpy():

@@ -6,7 +6,9 @@ matches.
   ``bmm`` and a reshape back to ``[B, H, M, N]``. The reshapes hide the key axis from the
   attention patterns (and from the axis analysis of the fused PrimFunc), so this rewrite
   turns the sequence back into one ``matmul`` of the original operands when the
-  broadcasts change no shape.
+  broadcasts change no shape. A cast between the bmm and the reshape back (a 16-bit
+  model's matmul accumulated in float32 and cast to the model's type, as PyTorch computes
+  it) stays after the folded matmul.
 * :func:`flip_masked_row_guards`: ``F.scaled_dot_product_attention`` decomposes into a
   safe softmax, ``where(not(row_alive), zeros, softmax(s))`` (a row whose scores are all
   ``-inf`` gives zeros, not NaN). The same value written ``where(row_alive, softmax(s),
@@ -29,13 +31,17 @@ def fold_batched_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
     flat_a = is_op("relax.reshape")(is_op("relax.broadcast_to")(a, wildcard()), wildcard())
     flat_b = is_op("relax.reshape")(is_op("relax.broadcast_to")(b, wildcard()), wildcard())
     flat = is_op("relax.matmul")(flat_a, flat_b)
-    pattern = is_op("relax.reshape")(flat, wildcard())
+    cast = is_op("relax.astype")(flat)
+    pattern = is_op("relax.reshape")(flat | cast, wildcard())
 
     def rewrite(call, matches):
         lhs, rhs = matches[a], matches[b]
         if not _same_batch(lhs, rhs, call):
             return call
-        return relax.op.matmul(lhs, rhs, out_dtype=matches[flat].attrs.out_dtype)
+        folded = relax.op.matmul(lhs, rhs, out_dtype=matches[flat].attrs.out_dtype)
+        if cast in matches:
+            return relax.op.astype(folded, matches[cast].attrs.dtype)
+        return folded
 
     return _rewrite_functions(mod, pattern, rewrite)
 
