@@ -72,12 +72,14 @@ def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(seq, past, fami
     assert [p.name for p in kernels[0].params][3] == "mask"
 
 
-def test_torch_export_in_float16_matches_pytorch():
-    """``--dtype float16``: the half-precision matmul converters let TVM's frontend import
-    the block; attention is fused and both pipelines agree with PyTorch in float64."""
+@pytest.mark.parametrize("attention, dtype", [("manual", "float16"), ("sdpa", "bfloat16")])
+def test_torch_export_in_16_bits_matches_pytorch(attention, dtype):
+    """``--dtype float16`` / ``bfloat16``: the example's converters (matmuls accumulated in
+    float32; bfloat16 layer norms in float32) let TVM import and compile the block;
+    attention is fused and both pipelines agree with PyTorch in float64."""
     pytest.importorskip("torch")
-    out = _run("torch_export.py", "--seq", "32", "--attention", "manual", "--dtype", "float16")
-    assert "attention kernels: 1" in out and "seq 32, manual, float16" in out
+    out = _run("torch_export.py", "--seq", "32", "--attention", attention, "--dtype", dtype)
+    assert "attention kernels: 1" in out and f"seq 32, {attention}, {dtype}" in out
 
 
 @pytest.mark.parametrize("attention, dynamic, dtype", [("sdpa", False, "float16"), ("manual", True, "bfloat16")])
