@@ -15,9 +15,12 @@ theirs; any other the any-length family), and its plan (chunk sizes, persistent 
 is computed from the shapes in the graph (scalar arguments). Attention that no fast
 family serves is left as it is, with the reason logged on ``tvm_cascade.relax``.
 
-Where ``q``, ``k`` and ``v`` are all transposed from ``[batch, heads, seq, dim]``
-(``torch.export``'s SDPA), the kernel reads the tensors before the transposes (the
-``bhsd`` layout) and its output's transpose back cancels against the graph's own.
+Where ``q``, ``k`` and ``v`` of ``R.nn.attention`` are all transposed from ``[batch,
+heads, seq, dim]`` (``torch.export``'s SDPA), the kernel reads the tensors before the
+transposes (the ``bhsd`` layout), and where those of a chain are all transposed from
+``[batch, seq, heads, dim]`` (a model's projections), the ``bshd`` kernel reads those;
+its output's transpose back cancels against the graph's own, and so do the casts a
+float32 chain's output meets (to float32 and back).
 
 Causal masks: ``"BottomRight"`` aligns queries to the end of the keys as the library
 does, where there are no more queries than keys (provably, or a single query);
@@ -127,9 +130,13 @@ class _Dispatcher(relax.PyExprMutator):
             return root
         (batch, heads_q, seq_q, head_dim), heads_kv = _shape(chain.q)[:4], _shape(chain.k)[1]
         dtype = str(chain.q.ty.dtype)
+        # Q, K and V transposed from bshd (a model's projections) are read where they are.
+        sources = [self._transposed_from(t) for t in (chain.q, chain.k, chain.v)]
+        bshd = all(x is not None for x in sources)
         try:
             spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=chain.variant, dtype=dtype,
-                                      layout="bhsd", target=self.target, scale=chain.scale, mask=chain.mask_tensor)
+                                      layout="bshd" if bshd else "bhsd", target=self.target, scale=chain.scale,
+                                      mask=chain.mask_tensor)
         except ValueError as err:
             logger.info("attention chain left as it is: %s", err)
             return root
@@ -138,10 +145,13 @@ class _Dispatcher(relax.PyExprMutator):
             logger.info("attention chain left as it is: %s: no fast kernel family serves it", spec.describe())
             return root
         plan = _plan(family, spec, batch, seq_q, _shape(chain.k)[2])
-        tensors = [chain.q, chain.k, chain.v]
+        tensors = sources if bshd else [chain.q, chain.k, chain.v]
         if chain.mask is not None:
             tensors.append(self._four_axes(chain.mask))
-        out = relax.call_tir(self._kernel(spec, family), [*tensors, *plan], chain.q.ty)
+        out = relax.call_tir(self._kernel(spec, family), [*tensors, *plan], tensors[0].ty)
+        if bshd:
+            # (back to bhsd for the chain's users; a transpose of theirs to bshd cancels it)
+            out = relax.op.permute_dims(self.builder_.emit(out), _SWAP_SEQ_HEADS)
         if str(root.ty.dtype) == dtype:
             return out
         return relax.op.astype(self.builder_.emit(out), str(root.ty.dtype))
@@ -269,10 +279,10 @@ def _axes(call):
 
 def _cancel_round_trips(func: relax.Function) -> relax.Function:
     """``func`` with the round trips a dispatched kernel leaves read as their start:
-    ``permute_dims(permute_dims(x, a), b)`` that compose to the identity (a bhsd output
-    transposed for the call it replaced, then back by the graph), and
-    ``astype(astype(x, wider), x's type)`` (a half output cast for a float32 chain, then
-    back)."""
+    ``astype(x, x's type)``, ``astype(astype(x, wider), x's type)`` (a half output cast
+    for a float32 chain, then back), and ``permute_dims(permute_dims(x, a), b)`` that
+    compose to the identity (a kernel's output transposed for the call it replaced, then
+    back by the graph)."""
     inner = is_op("relax.permute_dims")(wildcard())
     outer = is_op("relax.permute_dims")(inner)
 
@@ -290,4 +300,12 @@ def _cancel_round_trips(func: relax.Function) -> relax.Function:
         wider = str(matched[up].ty.dtype) == "float32"
         return start if wider and str(start.ty.dtype) == str(expr.ty.dtype) else expr
 
-    return rewrite_call(down, casts, rewrite_call(outer, transposes, func))
+    # A cast to the type a value has (a float32 chain's output cast to float32 by the
+    # graph) is no cast; round trips of casts may stand between those of transposes.
+    same = is_op("relax.astype")(wildcard())
+
+    def no_cast(expr, matched):
+        return expr.args[0] if str(expr.args[0].ty.dtype) == str(expr.ty.dtype) else expr
+
+    func = rewrite_call(down, casts, rewrite_call(same, no_cast, func))
+    return rewrite_call(outer, transposes, func)
