@@ -19,7 +19,7 @@ from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.chain_spec import ChainAttention, read_chain
 from tvm_cascade.relax.dispatch import LIBRARY_ATTR, DispatchAttention
-from tvm_cascade.relax.testing import attention_module, chain_module
+from tvm_cascade.relax.testing import attention_module, bshd_projection_chain, chain_module
 
 ATTENTION = tvm.ir.Op.get("relax.nn.attention")
 
@@ -461,32 +461,11 @@ def test_a_window_size_is_the_library_sliding_window():
     tvm.ir.assert_structural_equal(_dispatch(mod), mod)
 
 
-def _chain_of_bshd_projections(dtype):
-    """A chain whose Q, K and V are transposed to bhsd from bshd parameters (a model's
-    projections), its output transposed back to bshd; ``dtype`` float16: the scores and
-    output float32 and cast back, as ``torch.export``'s float16 matmuls are."""
-    bb = relax.BlockBuilder()
-    swap = [0, 2, 1, 3]
-    params = [relax.Var(n, relax.TensorType((2, 64, h, 128), "float16")) for n, h in (("q", 8), ("k", 2), ("v", 2))]
-    with bb.function("main", params):
-        with bb.dataflow():
-            q, k, v = (bb.emit(relax.op.permute_dims(p, swap)) for p in params)
-            k, v = (bb.emit(relax.op.repeat(x, 4, axis=1)) for x in (k, v))
-            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2])), out_dtype=dtype))
-            s = bb.emit(relax.op.multiply(s, relax.const(128 ** -0.5, dtype)))
-            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
-            o = bb.emit(relax.op.matmul(p, v, out_dtype=dtype))
-            o = bb.emit(relax.op.astype(bb.emit(relax.op.astype(o, dtype)), "float16"))
-            out = bb.emit_output(relax.op.permute_dims(o, swap))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_a_chain_of_bshd_projections_reads_them_where_they_are(dtype):
     """Q, K and V transposed from bshd are the bshd kernel's inputs, and its output is the
     function's: no transpose, and no cast, is left around the kernel."""
-    out = _dispatch(_chain_of_bshd_projections(dtype))
+    out = _dispatch(bshd_projection_chain(2, 64, 8, 2, 128, dtype))
     (name,) = _kernels(out)
     assert name == "attention_warp_specialized_prefill_bshd_h8x2_d128_float16_global"
     (call,) = _calls(out)

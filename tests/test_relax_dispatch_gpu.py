@@ -13,7 +13,7 @@ import tvm_cascade  # noqa: F401
 from tvm_cascade.library import MaskTensor
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.relax.dispatch import serving
-from tvm_cascade.relax.testing import attention_module, chain_module, mask_values
+from tvm_cascade.relax.testing import attention_module, bshd_projection_chain, chain_module, mask_values
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
@@ -159,3 +159,16 @@ def test_a_constant_bias_on_the_library_kernels(seq_q):
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     expected = np.einsum("bhqk,bkhd->bhqd", probs / probs.sum(-1, keepdims=True), values)
     check(out, expected, "float16")
+
+
+@pytest.mark.parametrize("seq, accumulate", [(300, "float32"), (1, "float16")])
+def test_a_chain_of_bshd_projections_on_the_bshd_kernel(seq, accumulate):
+    """A chain over Q, K and V transposed from bshd parameters runs the bshd kernel on
+    the parameters themselves (no transpose or cast around it) and matches float64
+    numpy."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    executable = tvm.compile(bshd_projection_chain(2, seq, 8, 2, 128, accumulate), target=target,
+                             relax_pipeline="cascade")
+    q, k, v = random_inputs(2, seq, seq, 8, 2, 128, "float16")
+    scale = float(np.dtype(accumulate).type(128 ** -0.5))  # the chain's constant
+    check(run(executable, tvm.cuda(0), q, k, v).astype(np.float64), reference(q, k, v, "global", scale), "float16")

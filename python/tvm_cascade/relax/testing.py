@@ -83,3 +83,27 @@ def mask_values(mask, seq_q, seq_kv):
     if mask != "causal":
         seen &= keys > rows - mask[1]
     return np.where(seen, 0.0, -np.inf).astype("float32")
+
+
+def bshd_projection_chain(batch, seq, heads_q, heads_kv, head_dim, accumulate="float16"):
+    """An attention chain over float16 ``q, k, v`` parameters of ``[batch, seq, heads,
+    head_dim]`` (a model's projections) transposed to bhsd, K/V repeated over GQA
+    groups, ``q @ kᵀ * head_dim^-0.5``, softmax, ``@ v`` (both matmuls into
+    ``accumulate``, then cast to float16 as ``torch.export``'s float16 matmuls are) and
+    the output transposed back to bshd."""
+    bb = relax.BlockBuilder()
+    swap, f16 = [0, 2, 1, 3], "float16"
+    params = [relax.Var(n, relax.TensorType((batch, seq, h, head_dim), f16))
+              for n, h in (("q", heads_q), ("k", heads_kv), ("v", heads_kv))]
+    with bb.function("main", params):
+        with bb.dataflow():
+            q, k, v = (bb.emit(relax.op.permute_dims(p, swap)) for p in params)
+            k, v = (bb.emit(relax.op.repeat(x, heads_q // heads_kv, axis=1)) for x in (k, v))
+            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2])), out_dtype=accumulate))
+            s = bb.emit(relax.op.multiply(s, relax.const(head_dim ** -0.5, accumulate)))
+            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), f16))
+            o = bb.emit(relax.op.matmul(p, v, out_dtype=accumulate))
+            o = bb.emit(relax.op.astype(bb.emit(relax.op.astype(o, accumulate)), f16))
+            out = bb.emit_output(relax.op.permute_dims(o, swap))
+        bb.emit_func_output(out)
+    return bb.get()
