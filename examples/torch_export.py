@@ -103,13 +103,13 @@ HALF_PRECISION_MATMULS = {"addmm.default": _addmm, "mm.default": _mm, "bmm.defau
 
 def _layer_norm_in_float32(node, importer):
     """``native_layer_norm(x, shape, weight, bias, eps)``'s output in float32, cast to
-    ``x``'s type."""
+    ``x``'s type (no weight: ones; no bias: zeros)."""
     emit = importer.block_builder.emit
-    x, shape = importer.env[node.args[0]], node.args[1]
-    weight, bias = (importer.env[arg] for arg in node.args[2:4])
-    wide = [emit(relax.op.astype(t, "float32")) for t in (x, weight, bias)]
-    axes = list(range(-len(shape), 0))
-    normed = emit(relax.op.nn.layer_norm(*wide, axes=axes, epsilon=node.args[4]))
+    x, shape = importer.env[node.args[0]], [int(n) for n in node.args[1]]
+    wide = [emit(relax.op.astype(x, "float32"))]
+    for arg, fill in zip(node.args[2:4], (np.ones, np.zeros)):
+        wide.append(relax.const(fill(shape, "float32")) if arg is None else emit(relax.op.astype(importer.env[arg], "float32")))
+    normed = emit(relax.op.nn.layer_norm(*wide, axes=list(range(-len(shape), 0)), epsilon=node.args[4]))
     return emit(relax.op.astype(normed, x.ty.dtype))
 
 
