@@ -9,6 +9,7 @@ prefill of one sequence into an empty cache, and one decode step of a batch of s
 over cached keys.
 
     python -m benchmarks.kv_cache_layer [--out DIR] [--only SUBSTR ...] [--rope {normal,none}]
+        [--dtype {float16,bfloat16}]
     python -m benchmarks.kv_cache_layer --target llvm --small   # tiny shapes, on the CPU
 
 The model is exported with ``export_tvm`` (functions ``create_paged_kv_cache``,
@@ -25,7 +26,7 @@ the L2 cache flushed before each, :func:`benchmarks.timing.bench`; with ``--targ
 ``time.perf_counter`` medians), the speed-up (default / cascade), ``max |cascade -
 default| / max |default|`` of the layer's output, and each output's ``max |out - ref| /
 max |ref|`` against a float32 torch reference of the layer (projections, RoPE and
-attention in float32 from the same fp16 inputs and weights). Prints a table, writes
+attention in float32 from the same 16-bit inputs and weights). Prints a table, writes
 ``kv_cache_layer.json``; exits 1 if the two pipelines' outputs differ by more than
 :data:`AGREEMENT`.
 """
@@ -45,12 +46,13 @@ PAGE = 16
 SEED = 0
 #: Llama-3's RoPE base.
 ROPE_THETA = 500000.0
-#: The largest ``max |cascade - default| / max |default|`` counted as agreement (both are
-#: fp16 outputs of the same fp16 projections; only the attention kernels differ).
-AGREEMENT = 1e-2
+#: The largest ``max |cascade - default| / max |default|`` counted as agreement, by
+#: dtype (both are 16-bit outputs of the same projections; only the attention kernels
+#: differ).
+AGREEMENT = {"float16": 1e-2, "bfloat16": 5e-2}
 #: (name, kind, batch, tokens, hidden, heads q, heads kv, head dim). "prefill": one
 #: sequence of ``tokens`` into an empty cache; "decode": one token for each of ``batch``
-#: sequences holding ``tokens - 1`` cached tokens (``tokens`` keys). fp16.
+#: sequences holding ``tokens - 1`` cached tokens (``tokens`` keys); in ``--dtype``.
 SHAPES = (
     ("prefill 1x512 llama3-8b", "prefill", 1, 512, 4096, 32, 8, 128),
     ("prefill 1x2048 llama3-8b", "prefill", 1, 2048, 4096, 32, 8, 128),
@@ -77,7 +79,7 @@ FILL_CHUNK, SMALL_FILL_CHUNK = 8192, 16
 CPU_REPS = 5
 
 
-def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool):
+def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype: str = "float16"):
     """The exported Relax module of the layer and its parameters ``[(name, shape)]`` in
     the order the functions take them (after the input and the cache)."""
     from tvm import tirx
@@ -87,8 +89,8 @@ def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool):
 
     class AttentionLayer(nn.Module):
         def __init__(self):
-            self.qkv_proj = nn.Linear(hidden, (heads_q + 2 * heads_kv) * head_dim, bias=False, dtype="float16")
-            self.o_proj = nn.Linear(heads_q * head_dim, hidden, bias=False, dtype="float16")
+            self.qkv_proj = nn.Linear(hidden, (heads_q + 2 * heads_kv) * head_dim, bias=False, dtype=dtype)
+            self.o_proj = nn.Linear(heads_q * head_dim, hidden, bias=False, dtype=dtype)
 
         def _forward(self, x: nn.Tensor, paged_kv_cache: PagedKVCache):
             b, s, _ = x.shape
@@ -132,15 +134,15 @@ def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool):
                 rope_ext_factors=prim_value(0),  # the runtime's "no long-RoPE factors"
                 rotary_dim=head_dim,
                 enable_disaggregation=False,
-                dtype="float16",
+                dtype=dtype,
                 target=target,
             )
 
     forward = {"paged_kv_cache": nn.spec.Object(object_type=PagedKVCache),
                "$": {"param_mode": "plain", "effect_mode": "none"}}
     spec = {
-        "prefill": {"x": nn.spec.Tensor([1, "seq_len", hidden], "float16"), **forward},
-        "batch_decode": {"x": nn.spec.Tensor(["batch_size", 1, hidden], "float16"), **forward},
+        "prefill": {"x": nn.spec.Tensor([1, "seq_len", hidden], dtype), **forward},
+        "batch_decode": {"x": nn.spec.Tensor(["batch_size", 1, hidden], dtype), **forward},
         "create_paged_kv_cache": {
             **{name: int for name in ("max_batch_size", "max_total_seq_len", "prefill_chunk_size", "page_size",
                                       "support_sliding_window")},
@@ -164,22 +166,22 @@ def pipeline_pass(pipeline: str, target):
     return pipeline
 
 
-def tokens(seed: int, rows: int, hidden: int, device: str):
-    """Seeded N(0, 1) fp16 activations ``[rows, hidden]`` (the same for both pipelines
-    and the reference)."""
+def tokens(seed: int, rows: int, hidden: int, device: str, dtype: str = "float16"):
+    """Seeded N(0, 1) activations ``[rows, hidden]`` of ``dtype`` (the same for both
+    pipelines and the reference)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(rows, hidden, generator=gen, device=device, dtype=torch.float16)
+    return torch.randn(rows, hidden, generator=gen, device=device, dtype=getattr(torch, dtype))
 
 
-def weights(params, device: str) -> dict:
-    """fp16 weights scaled by ``in_features ** -0.5``, so that q, k, v and the output keep
-    unit-order magnitudes."""
+def weights(params, device: str, dtype: str = "float16") -> dict:
+    """Weights of ``dtype`` scaled by ``in_features ** -0.5``, so that q, k, v and the
+    output keep unit-order magnitudes."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(SEED)
-    return {name: (torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5).half()
+    return {name: (torch.randn(shape, generator=gen, device=device) * shape[-1] ** -0.5).to(getattr(torch, dtype))
             for name, shape in params}
 
 
@@ -197,7 +199,7 @@ def _rope(x, positions):
 
 def reference(seq_tokens, queries: int, w: dict, heads_q, heads_kv, head_dim, rope: bool):
     """float32 output ``[queries, hidden]`` of the layer for the last ``queries`` of one
-    sequence's tokens ``seq_tokens`` ``[n, hidden]`` (fp16), the earlier ones cached."""
+    sequence's tokens ``seq_tokens`` ``[n, hidden]`` (16-bit), the earlier ones cached."""
     import torch
 
     n = seq_tokens.shape[0]
@@ -277,7 +279,7 @@ def cpu_median(fn) -> float:
     return statistics.median(times)
 
 
-def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int) -> list:
+def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int, dtype: str = "float16") -> list:
     """Every shape of one model configuration (hidden, heads, head dim): both pipelines
     compiled once (lengths and batch are symbolic), then run shape by shape."""
     import torch
@@ -287,11 +289,11 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
     import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
 
     hidden, heads_q, heads_kv, head_dim = config
-    mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope)
+    mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope, dtype)
     dev = tvm.device(target.get_target_device_type(), 0)
     vms = {p: relax.VirtualMachine(tvm.compile(mod, target, relax_pipeline=pipeline_pass(p, target)), dev)
            for p in PIPELINES}
-    w = weights(params, device)
+    w = weights(params, device, dtype)
     w_args = [tvm.runtime.from_dlpack(w[name]) for name, _ in params]
     timer = bench if device == "cuda" else cpu_median
     rows = []
@@ -299,14 +301,14 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
         name, kind, batch, n, *_ = shape
         chunk = max(n if kind == "prefill" else batch, chunk_limit)
         # The step's input: one sequence of n tokens (prefill) or one token a sequence.
-        x = tokens(SEED + 1, n if kind == "prefill" else batch, hidden, device)
+        x = tokens(SEED + 1, n if kind == "prefill" else batch, hidden, device, dtype)
         x_tvm = tvm.runtime.from_dlpack(x.reshape(1, n, hidden) if kind == "prefill" else x.reshape(batch, 1, hidden))
         fills = {}
 
         def fill(seq, start, end):
             if seq not in fills:  # one sequence's cached tokens at a time
                 fills.clear()
-                fills[seq] = tokens(SEED + 2 + seq, n - 1, hidden, device)
+                fills[seq] = tokens(SEED + 2 + seq, n - 1, hidden, device, dtype)
             return tvm.runtime.from_dlpack(fills[seq][start:end].reshape(1, end - start, hidden))
 
         outs, times = {}, {}
@@ -315,7 +317,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
         if kind == "prefill":
             ref = reference(x, n, w, heads_q, heads_kv, head_dim, rope)
         else:
-            ref = torch.cat([reference(torch.cat([tokens(SEED + 2 + seq, n - 1, hidden, device), x[seq: seq + 1]]),
+            ref = torch.cat([reference(torch.cat([tokens(SEED + 2 + seq, n - 1, hidden, device, dtype), x[seq: seq + 1]]),
                                        1, w, heads_q, heads_kv, head_dim, rope) for seq in range(batch)])
         scale = ref.abs().max().item()
         base = outs["default"].abs().max().item()
@@ -325,7 +327,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
                    "heads_kv": heads_kv, "head_dim": head_dim, "pipeline": pipeline, "ms": times[pipeline],
                    "error": (outs[pipeline] - ref).abs().max().item() / scale}
             if pipeline == "cascade":
-                row.update(speedup=times["default"] / times[pipeline], vs_default=diff, agree=diff <= AGREEMENT)
+                row.update(speedup=times["default"] / times[pipeline], vs_default=diff, agree=diff <= AGREEMENT[dtype])
             rows.append(row)
             print(f"{name:28s} {pipeline:8s} {times[pipeline]:9.4f} ms  (err {row['error']:.1e})", flush=True)
         del outs, ref
@@ -359,6 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="tiny shapes (hidden 256, heads 4/2, head dim 64, at most 64 tokens)")
     p.add_argument("--rope", choices=("normal", "none"), default="normal",
                    help="RoPE before attention (RopeMode.NORMAL, theta 500000) or none")
+    p.add_argument("--dtype", choices=tuple(AGREEMENT), default="float16", help="the layer's dtype")
     args = p.parse_args(argv)
     on_gpu = args.target == "cuda"
     if on_gpu and skip_without_gpu("benchmarks.kv_cache_layer"):
@@ -373,9 +376,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = []
     for config in configs:
         results += run_config(config, [s for s in shapes if s[4:] == config], target, "cuda" if on_gpu else "cpu",
-                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK)
-        (args.out / "kv_cache_layer.json").write_text(
-            json.dumps({"environment": env, "rope": args.rope, "agreement": AGREEMENT, "results": results}, indent=1))
+                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype)
+        (args.out / "kv_cache_layer.json").write_text(json.dumps(
+            {"environment": env, "rope": args.rope, "dtype": args.dtype, "agreement": AGREEMENT[args.dtype],
+             "results": results}, indent=1))
     print("\n" + table(results), flush=True)
     print(f"wrote {args.out / 'kv_cache_layer.json'}", flush=True)
     return 0 if all(r["agree"] for r in results if r["pipeline"] == "cascade") else 1

@@ -618,3 +618,20 @@ def test_mask_benchmark_table():
     table = masks.markdown(rows)
     assert "| s | 0.1000 | 0.2500 | 0.2000 | 0.1800 | 0.90x |" in table
     assert "| t | 0.1000 | fails | fails | fails | -- |" in table
+
+
+def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
+    """``benchmarks.kv_cache_layer --dtype bfloat16`` (tiny shapes on the CPU): the layer,
+    its cache and inputs in bfloat16; both pipelines agree and are near the float32
+    reference."""
+    pytest.importorskip("torch")
+    from benchmarks import kv_cache_layer
+
+    argv = ["--target", "llvm", "--small", "--dtype", "bfloat16", "--only", "prefill 1x45", "decode 4x40",
+            "--out", str(tmp_path)]
+    assert kv_cache_layer.main(argv) == 0
+    data = json.loads((tmp_path / "kv_cache_layer.json").read_text())
+    assert data["dtype"] == "bfloat16"
+    cascade = [r for r in data["results"] if r["pipeline"] == "cascade"]
+    assert [r["shape"] for r in cascade] == ["prefill 1x45 small", "decode 4x40 small"]
+    assert all(r["agree"] and r["error"] < 0.1 for r in cascade)
