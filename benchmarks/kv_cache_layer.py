@@ -61,6 +61,8 @@ SHAPES = (
     ("decode 32x1024 llama3-8b", "decode", 32, 1024, 4096, 32, 8, 128),
     ("decode 1x8192 llama3-8b", "decode", 1, 8192, 4096, 32, 8, 128),
     ("decode 32x8192 llama3-8b", "decode", 32, 8192, 4096, 32, 8, 128),
+    ("decode 1x16384 llama3-8b", "decode", 1, 16384, 4096, 32, 8, 128),
+    ("decode 32x16384 llama3-8b", "decode", 32, 16384, 4096, 32, 8, 128),
     ("prefill 1x2048 d64", "prefill", 1, 2048, 2048, 32, 8, 64),
     ("decode 32x4096 d64", "decode", 32, 4096, 2048, 32, 8, 64),
 )
