@@ -179,9 +179,10 @@ def main():
         report(label, [np.asarray(o) for o in outs], expected, tol, times)
         if args.time and args.target == "cuda":
             d = args.hidden // args.heads_q
-            kernel = attention_kernel(args.heads_q, args.heads_kv, d, variant="causal", dtype=args.dtype)
-            q = torch.randn(1, args.heads_q, seq, d, dtype=getattr(torch, args.dtype), device="cuda")
-            k, v = (torch.randn(1, args.heads_kv, seq, d, dtype=q.dtype, device="cuda") for _ in "kv")
+            # (the layout the module's kernel reads: the projections' own, bshd)
+            kernel = attention_kernel(args.heads_q, args.heads_kv, d, variant="causal", dtype=args.dtype, layout="bshd")
+            q = torch.randn(1, seq, args.heads_q, d, dtype=getattr(torch, args.dtype), device="cuda")
+            k, v = (torch.randn(1, seq, args.heads_kv, d, dtype=q.dtype, device="cuda") for _ in "kv")
             report_attention(cascade, [x] + weights, "main", kernel, (q, k, v))
 
 if __name__ == "__main__":
