@@ -472,3 +472,42 @@ def test_a_chain_of_bshd_projections_reads_them_where_they_are(dtype):
     assert call.op.name == "relax.call_tir" and [a.name for a in call.args[1].fields[:3]] == ["q", "k", "v"]
     (binding,) = [b for blk in out["main"].body.blocks for b in blk.bindings]
     assert out["main"].body.body.same_as(binding.var)
+
+
+def _alibi_slopes(heads):
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+def test_an_alibi_bias_is_the_alibi_variant():
+    """A chain adding BLOOM's ALiBi bias (``slope_h * j``) and a causal mask is the
+    library's causal ALiBi variant: the kernel computes the bias, no tensor is read."""
+    mod = chain_module(2, 64, 64, 8, 2, 128, mask="causal", alibi=_alibi_slopes(8))
+    chain = _read(mod)
+    assert chain.variant == AttentionVariant("causal", causal=True, alibi=True) and chain.mask is None
+    (name,) = _kernels(_dispatch(mod))
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d128_float16_causal_alibi"
+
+
+def test_a_bias_of_other_slopes_is_a_mask_tensor():
+    """Other slopes (twice the library's) are no ALiBi of the library's: alone, the bias
+    is a float mask tensor of a plane per head; beside a causal mask, a second mask, and
+    the chain is left as it is. (A causal mask, all 0 and -inf, is no ALiBi either.)"""
+    mod = chain_module(2, 64, 64, 8, 2, 128, mask=None, alibi=2 * _alibi_slopes(8))
+    chain = _read(mod)
+    assert chain.variant == AttentionVariant("global") and chain.mask_tensor == MaskTensor("float32", False, True, False)
+    causal = chain_module(2, 64, 64, 8, 2, 128, mask="causal", alibi=2 * _alibi_slopes(8))
+    assert "more than one mask" in _read(causal)
+
+
+def test_bloom_alibi_computes_the_library_alibi():
+    """What ``_adds_alibi`` relies on: attention with BLOOM's bias ``slope_h * j`` (the
+    chain, run by TVM's default pipeline on the CPU) is the library's ALiBi variant
+    (``slope_h * (j - i)``, the float64 reference), prefill and decode."""
+    from relax_attention_cases import random_inputs, reference, run
+
+    for batch, seq_q, seq_kv in ((2, 30, 30), (2, 1, 77)):
+        mod = chain_module(batch, seq_q, seq_kv, 8, 2, 64, "float32", mask="causal", alibi=_alibi_slopes(8))
+        q, k, v = random_inputs(batch, seq_q, seq_kv, 8, 2, 64, "float32")
+        out = run(tvm.compile(mod, target="llvm"), tvm.cpu(), *(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)))
+        expected = reference(q, k, v, AttentionVariant("a", causal=True, alibi=True), 64 ** -0.5)
+        np.testing.assert_allclose(out.transpose(0, 2, 1, 3), expected, rtol=1e-5, atol=1e-5)

@@ -68,12 +68,16 @@ def test_torch_export_sdpa_on_the_library_kernel(heads_q, heads_kv, seq):
         (2, 200, 200, 8, 8, 128, "float16", dict(mask=None, softcap=30.0), AttentionVariant("s", softcap=30.0)),
         (4, 1, 777, 32, 8, 128, "float16", dict(mask="causal"), AttentionVariant("c", causal=True)),
         (2, 129, 700, 16, 8, 256, "float16", dict(mask="causal"), AttentionVariant("c", causal=True)),
+        (2, 300, 300, 8, 2, 128, "float16", dict(mask="causal", alibi=2.0 ** (-np.arange(1, 9))),
+         AttentionVariant("a", causal=True, alibi=True)),
+        (4, 1, 777, 32, 8, 128, "float16", dict(mask="causal", alibi=2.0 ** (-np.arange(1, 33) / 4)),
+         AttentionVariant("a", causal=True, alibi=True)),
     ],
 )
 def test_hand_written_chains_on_the_library_kernels(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, kwargs,
                                                     variant):
     """Hand-written attention chains (constant masks, GQA repeats, float32 softmax,
-    softcap) through the cascade pipeline match float64 numpy."""
+    softcap, BLOOM's ALiBi bias) through the cascade pipeline match float64 numpy."""
     target = tvm.target.Target.from_device(tvm.cuda(0))
     mod = chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype, **kwargs)
     executable = tvm.compile(mod, target=target, relax_pipeline="cascade")

@@ -9,6 +9,8 @@ scores ``q @ permute_dims(k)`` taken through
 
 - products with scalar constants, on the scores, on ``q`` or on ``kᵀ`` (the scale);
 - ``c * tanh(s / c)`` (a softcap), after the scale;
+- the ALiBi bias added (without a softcap), known by value: the library's slopes times
+  the key's distance, up to a constant of each row (BLOOM's ``slope * j``);
 - a mask after them: an additive constant (0 where a key is seen, ``-inf`` or below
   :data:`MASKED_BELOW` where not) or ``where(constant, s, -inf)`` whose pattern is a
   causal mask aligned to the end of the keys (with a sliding window or not) is that
@@ -30,7 +32,7 @@ variant.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -119,13 +121,18 @@ def _score_ops(ops, scale, scores_shape, q, k, v, lookup, values):
             return "a tanh not followed by its cap"
         softcap, scale = after, scale * after
         i += 2
+    alibi = False
     for op in ops[i:]:
         if _is(op, "relax.astype"):
+            continue
+        # (the library adds ALiBi before a softcap: one added after it is a mask tensor)
+        if not alibi and softcap is None and _adds_alibi(op, scores_shape, lookup, values):
+            alibi = True
             continue
         if mask is not None:
             return f"more than one mask ({op.op.name})"
         mask = op
-    unmasked = ChainAttention(q, k, v, AttentionVariant("global", softcap=softcap), scale)
+    unmasked = ChainAttention(q, k, v, AttentionVariant("global", softcap=softcap, alibi=alibi), scale)
     if mask is not None and not _closed(_mask_operand(mask, lookup), lookup):
         return _mask_tensor(mask, lookup, scores_shape, unmasked)
     variant = _known_variant(mask, softcap, seq_q, seq_kv, lookup, values)
@@ -133,7 +140,44 @@ def _score_ops(ops, scale, scores_shape, q, k, v, lookup, values):
         # A mask of constants and the lengths that is no variant: read as a tensor.
         as_tensor = _mask_tensor(mask, lookup, scores_shape, unmasked)
         return as_tensor if isinstance(as_tensor, ChainAttention) else f"{variant}; as a mask tensor: {as_tensor}"
-    return variant if isinstance(variant, str) else ChainAttention(q, k, v, variant, scale)
+    if isinstance(variant, str):
+        return variant
+    return ChainAttention(q, k, v, replace(variant, alibi=True) if alibi else variant, scale)
+
+
+def _adds_alibi(op, scores_shape, lookup, values) -> bool:
+    """Whether score op ``op`` adds the library's ALiBi bias (``slope_h * (j - i)``,
+    ``slope_h = 2 ** (-8 (h + 1) / heads)``, up to a constant of each query row, which
+    the softmax does not see: BLOOM's ``slope_h * j``), computed in float32 or wider
+    from constants and the lengths, at every length it is checked at."""
+    if not _is(op, "relax.add"):
+        return False
+    bias = _mask_operand(op, lookup)
+    heads = scores_shape[1]
+    if not isinstance(heads, int) or not _closed(bias, lookup) or str(bias.ty.dtype) not in ("float32", "float64"):
+        return False
+    samples = _samples(scores_shape[2:], op, lookup)
+    if isinstance(samples, str):
+        return False
+    slopes = 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+    for sizes in samples:
+        value = _closed_value(bias, lookup, values, sizes)
+        seq_q, seq_kv = (_size(n, sizes) for n in scores_shape[2:])
+        if value is None or value.ndim > 4:
+            return False
+        try:
+            planes = np.broadcast_to(value, value.shape[:-3] + (heads, seq_q, seq_kv)).reshape(-1, heads, seq_q, seq_kv)
+        except ValueError:
+            return False
+        if not np.isfinite(planes).all():  # (a mask)
+            return False
+        expected = slopes[:, None, None] * np.arange(seq_kv)
+        shifted = planes.astype(np.float64) - planes[..., :1]
+        # float32 rounding of values up to the largest bias, and of the row's shift
+        tolerance = 4 * np.finfo(np.float32).eps * (np.abs(planes).max() + 1)
+        if not np.all(np.abs(shifted - expected) <= tolerance):
+            return False
+    return True
 
 
 def _known_variant(mask, softcap, seq_q, seq_kv, lookup, values):

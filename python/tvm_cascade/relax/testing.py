@@ -21,7 +21,7 @@ def attention_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="f
 
 
 def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float16", mask="causal", scale=None,
-                 softcap=None, gqa="repeat", mask_input=False):
+                 softcap=None, gqa="repeat", mask_input=False, alibi=None):
     """A hand-written attention over bhsd ``q, k, v``: ``q @ kᵀ * scale`` (a softcap
     ``c * tanh(s / c)``), a mask (``"causal"`` or ``("window", w)``: an additive constant
     of 0 and -inf aligned to the end of the keys; ``"bias"``: random constant values; or
@@ -29,7 +29,8 @@ def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float
     :class:`~tvm_cascade.library.spec.MaskTensor`'s form of ``[b, h, sq, skv]``, added
     or, boolean, a ``where(mask, s, -inf)``), a float32 softmax, ``@ v``, K/V repeated
     over GQA groups (``"repeat"`` or ``"broadcast"``: ``expand_dims -> broadcast_to ->
-    reshape``)."""
+    reshape``); ``alibi``: slopes of an ALiBi bias ``slope_h * j`` (BLOOM's form, float32
+    ``[1, h, 1, skv]``) added after the scale."""
     group = heads_q // heads_kv
     scale = 1.0 / head_dim ** 0.5 if scale is None else scale
     bb = relax.BlockBuilder()
@@ -57,6 +58,9 @@ def chain_module(batch, seq_q, seq_kv, heads_q, heads_kv, head_dim, dtype="float
             kt = bb.emit(relax.op.permute_dims(grouped(k), [0, 1, 3, 2]))
             s = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(q, kt)), relax.const(scale, dtype)))
             s = bb.emit(relax.op.astype(s, "float32"))
+            if alibi is not None:
+                bias = np.asarray(alibi, "float32")[None, :, None, None] * np.arange(seq_kv, dtype="float32")
+                s = bb.emit(relax.op.add(s, relax.const(bias, "float32")))
             if softcap is not None:
                 s = bb.emit(relax.op.divide(s, relax.const(softcap, "float32")))
                 s = bb.emit(relax.op.multiply(bb.emit(relax.op.tanh(s)), relax.const(softcap, "float32")))
