@@ -511,3 +511,29 @@ def test_bloom_alibi_computes_the_library_alibi():
         out = run(tvm.compile(mod, target="llvm"), tvm.cpu(), *(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v)))
         expected = reference(q, k, v, AttentionVariant("a", causal=True, alibi=True), 64 ** -0.5)
         np.testing.assert_allclose(out.transpose(0, 2, 1, 3), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_alibi_bias_over_a_symbolic_length():
+    """ALiBi and a causal ``where`` built from ``arange`` over the symbolic length (as a
+    model exported with a dynamic length computes them) are the causal ALiBi variant."""
+    n = tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, 8, n, 64), "float16"))
+    k, v = (relax.Var(name, relax.TensorType((1, 2, n, 64), "float16")) for name in "kv")
+    slopes = _alibi_slopes(8).astype("float32").reshape(1, 8, 1, 1)
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(bb.emit(relax.op.repeat(k, 4, axis=1)), [0, 1, 3, 2]))
+            s = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(q, kt)), relax.const(0.125, "float16")))
+            s = bb.emit(relax.op.astype(s, "float32"))
+            pos = bb.emit(relax.op.arange(0, n, 1, "int64"))
+            s = bb.emit(relax.op.add(s, bb.emit(relax.op.multiply(relax.const(slopes), bb.emit(relax.op.astype(pos, "float32"))))))
+            seen = bb.emit(relax.op.less_equal(bb.emit(relax.op.expand_dims(pos, [0])), bb.emit(relax.op.expand_dims(pos, [1]))))
+            s = bb.emit(relax.op.where(seen, s, relax.const(float("-inf"), "float32")))
+            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
+            out = bb.emit_output(relax.op.matmul(p, bb.emit(relax.op.repeat(v, 4, axis=1))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert _read(mod).variant == AttentionVariant("causal", causal=True, alibi=True)
+    (name,) = _kernels(_dispatch(mod))
+    assert name == "attention_warp_specialized_prefill_bhsd_h8x2_d64_float16_causal_alibi"
