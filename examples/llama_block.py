@@ -185,21 +185,24 @@ def tune(args, seq, past):
         raise SystemExit(f"the tuned block differs from numpy by {err:.2e}")
 
 
-def _standalone(args, seq, past):
-    """The kernel library's kernel for the block's attention (its mask an input) and
-    random torch tensors of the shapes it has at ``seq`` new tokens over ``past``."""
-    import torch
-
+def _standalone_kernel(args):
+    """The kernel library's kernel for the block's attention (its mask an input)."""
     from tvm_cascade.kernels import attention_kernel
     from tvm_cascade.library import MaskTensor
 
-    d = args.hidden // args.heads_q
     mask = MaskTensor(args.dtype, batch=False, heads=False, queries=True)
-    kernel = attention_kernel(args.heads_q, args.heads_kv, d, dtype=args.dtype, mask=mask)
-    dtype = getattr(torch, args.dtype)
+    return attention_kernel(args.heads_q, args.heads_kv, args.hidden // args.heads_q, dtype=args.dtype, mask=mask)
+
+
+def _standalone_tensors(args, seq, past):
+    """Random torch tensors of the shapes the block's attention has at ``seq`` new tokens
+    over ``past``: q, k, v and the mask."""
+    import torch
+
+    d, dtype = args.hidden // args.heads_q, getattr(torch, args.dtype)
     q = torch.randn(1, args.heads_q, seq, d, dtype=dtype, device="cuda")
     k, v = (torch.randn(1, args.heads_kv, past + seq, d, dtype=dtype, device="cuda") for _ in "kv")
-    return kernel, (q, k, v, torch.zeros(1, 1, seq, past + seq, dtype=dtype, device="cuda"))
+    return q, k, v, torch.zeros(1, 1, seq, past + seq, dtype=dtype, device="cuda")
 
 
 def main():
@@ -229,6 +232,7 @@ def main():
         key = () if args.target == "llvm" else (seq, "past" if seq == 1 and not args.static_past else past)
         exports.setdefault(key, []).append((seq, past))
     tol = {"float16": 2e-2, "bfloat16": 1e-1}.get(args.dtype, 2e-4)
+    alone = _standalone_kernel(args) if args.time and args.target == "cuda" else None
     for export, run in exports.items():
         mod, params = build(args, *export)
         default, cascade, target = compile_both(mod, args.target)
@@ -240,8 +244,9 @@ def main():
                 default, cascade, target, data + list(params.values()), "forward", args.time
             )
             report(f"seq {seq}, past {past}", outs, expected, tol, times)
-            if args.time and args.target == "cuda":
-                report_attention(cascade, data + list(params.values()), "forward", *_standalone(args, seq, past))
+            if alone is not None:
+                report_attention(cascade, data + list(params.values()), "forward", alone,
+                                 _standalone_tensors(args, seq, past))
 
 
 if __name__ == "__main__":

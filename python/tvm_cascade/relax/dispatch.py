@@ -111,8 +111,8 @@ class _Dispatcher(relax.PyExprMutator):
         # either layout.
         q, k, v, bias = call.args[0], call.args[1], call.args[2], list(call.args[3:])
         # Inputs transposed from bhsd (torch.export's SDPA) are read where they are.
-        sources = [self._transposed_from(a) for a in (q, k, v)]
-        if all(x is not None for x in sources):
+        sources = self._untransposed((q, k, v))
+        if sources is not None:
             spec = replace(spec, layout="bhsd")
             out = self.builder_.emit(relax.call_tir(self._kernel(spec, family), [*sources, *bias, *plan],
                                                     sources[0].ty))
@@ -131,8 +131,8 @@ class _Dispatcher(relax.PyExprMutator):
         (batch, heads_q, seq_q, head_dim), heads_kv = _shape(chain.q)[:4], _shape(chain.k)[1]
         dtype = str(chain.q.ty.dtype)
         # Q, K and V transposed from bshd (a model's projections) are read where they are.
-        sources = [self._transposed_from(t) for t in (chain.q, chain.k, chain.v)]
-        bshd = all(x is not None for x in sources)
+        sources = self._untransposed((chain.q, chain.k, chain.v))
+        bshd = sources is not None
         try:
             spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant=chain.variant, dtype=dtype,
                                       layout="bshd" if bshd else "bhsd", target=self.target, scale=chain.scale,
@@ -163,6 +163,12 @@ class _Dispatcher(relax.PyExprMutator):
         if len(shape) == 4:
             return mask
         return self.builder_.emit(relax.op.reshape(mask, [1] * (4 - len(shape)) + shape))
+
+    def _untransposed(self, tensors):
+        """The tensors ``tensors`` are transposed from (:meth:`_transposed_from`), or None
+        where one is not such a transpose."""
+        sources = [self._transposed_from(t) for t in tensors]
+        return sources if all(x is not None for x in sources) else None
 
     def _transposed_from(self, expr):
         """``x`` where ``expr`` is bound to ``permute_dims(x, [0, 2, 1, 3])``, else None."""
@@ -302,10 +308,8 @@ def _cancel_round_trips(func: relax.Function) -> relax.Function:
 
     # A cast to the type a value has (a float32 chain's output cast to float32 by the
     # graph) is no cast; round trips of casts may stand between those of transposes.
-    same = is_op("relax.astype")(wildcard())
-
     def no_cast(expr, matched):
         return expr.args[0] if str(expr.args[0].ty.dtype) == str(expr.ty.dtype) else expr
 
-    func = rewrite_call(down, casts, rewrite_call(same, no_cast, func))
+    func = rewrite_call(down, casts, rewrite_call(up, no_cast, func))
     return rewrite_call(outer, transposes, func)
