@@ -27,8 +27,8 @@ the L2 cache flushed before each, :func:`benchmarks.timing.bench`; with ``--targ
 default| / max |default|`` of the layer's output, and each output's ``max |out - ref| /
 max |ref|`` against a float32 torch reference of the layer (projections, RoPE and
 attention in float32 from the same 16-bit inputs and weights). Prints a table, writes
-``kv_cache_layer.json``; exits 1 if the two pipelines' outputs differ by more than
-:data:`AGREEMENT`.
+``kv_cache_layer.json``; exits 1 if the cascade pipeline's error exceeds the default
+pipeline's by more than :data:`ERROR_RATIO`.
 """
 from __future__ import annotations
 
@@ -46,10 +46,12 @@ PAGE = 16
 SEED = 0
 #: Llama-3's RoPE base.
 ROPE_THETA = 500000.0
-#: The largest ``max |cascade - default| / max |default|`` counted as agreement, by
-#: dtype (both are 16-bit outputs of the same projections; only the attention kernels
-#: differ).
-AGREEMENT = {"float16": 1e-2, "bfloat16": 5e-2}
+#: The largest ratio of the cascade pipeline's error to the default pipeline's counted
+#: as agreement. The ratio, not ``|cascade - default|``: TVM's projections accumulate in
+#: the layer's dtype, which in bfloat16 leaves either output ~15% of its largest value
+#: from the reference, and two such outputs differ by as much whatever attention does.
+ERROR_RATIO = 1.25
+DTYPES = ("float16", "bfloat16")
 #: (name, kind, batch, tokens, hidden, heads q, heads kv, head dim). "prefill": one
 #: sequence of ``tokens`` into an empty cache; "decode": one token for each of ``batch``
 #: sequences holding ``tokens - 1`` cached tokens (``tokens`` keys); in ``--dtype``.
@@ -324,12 +326,14 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
         scale = ref.abs().max().item()
         base = outs["default"].abs().max().item()
         diff = (outs["cascade"] - outs["default"]).abs().max().item() / base
+        errors = {pipeline: (outs[pipeline] - ref).abs().max().item() / scale for pipeline in PIPELINES}
         for pipeline in PIPELINES:
             row = {"shape": name, "kind": kind, "batch": batch, "tokens": n, "hidden": hidden, "heads_q": heads_q,
                    "heads_kv": heads_kv, "head_dim": head_dim, "pipeline": pipeline, "ms": times[pipeline],
-                   "error": (outs[pipeline] - ref).abs().max().item() / scale}
+                   "error": errors[pipeline]}
             if pipeline == "cascade":
-                row.update(speedup=times["default"] / times[pipeline], vs_default=diff, agree=diff <= AGREEMENT[dtype])
+                row.update(speedup=times["default"] / times[pipeline], vs_default=diff,
+                           agree=errors["cascade"] <= ERROR_RATIO * errors["default"])
             rows.append(row)
             print(f"{name:28s} {pipeline:8s} {times[pipeline]:9.4f} ms  (err {row['error']:.1e})", flush=True)
         del outs, ref
@@ -363,7 +367,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="tiny shapes (hidden 256, heads 4/2, head dim 64, at most 64 tokens)")
     p.add_argument("--rope", choices=("normal", "none"), default="normal",
                    help="RoPE before attention (RopeMode.NORMAL, theta 500000) or none")
-    p.add_argument("--dtype", choices=tuple(AGREEMENT), default="float16", help="the layer's dtype")
+    p.add_argument("--dtype", choices=DTYPES, default="float16", help="the layer's dtype")
     args = p.parse_args(argv)
     on_gpu = args.target == "cuda"
     if on_gpu and skip_without_gpu("benchmarks.kv_cache_layer"):
@@ -380,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results += run_config(config, [s for s in shapes if s[4:] == config], target, "cuda" if on_gpu else "cpu",
                               args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype)
         (args.out / "kv_cache_layer.json").write_text(json.dumps(
-            {"environment": env, "rope": args.rope, "dtype": args.dtype, "agreement": AGREEMENT[args.dtype],
+            {"environment": env, "rope": args.rope, "dtype": args.dtype, "error_ratio": ERROR_RATIO,
              "results": results}, indent=1))
     print("\n" + table(results), flush=True)
     print(f"wrote {args.out / 'kv_cache_layer.json'}", flush=True)
