@@ -115,17 +115,30 @@ def test_warp_specialized_prefill(layout, variant, dtype):
     check_lengths(kernel, lengths, seed=7)
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 256, 80, 96, 200])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", [VARIANTS[1], VARIANTS[-1]], ids=lambda v: v.name)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_warp_specialized_prefill_head_dims(head_dim, layout, variant, dtype):
-    """Head dims 64 and 256 (64-key tiles) on the warp-specialised family."""
+    """Head dims 64 and 256 (64-key tiles) on the warp-specialised family, and head dims
+    between (80, 96: the head dim 128 kernel; 200: 256's) with the tensors' columns
+    past them TMA's zeros."""
     kernel = _kernel(layout, 8, 2, head_dim=head_dim, variant=variant, dtype=dtype)
     assert kernel.family_for(9).name == "warp_specialized_prefill"
     lengths = [([300], [300]), ([129], [1000]), ([200], [100])] if layout in UNIFORM_LAYOUTS else \
         [([37, 9, 200, 512, 130], [300, 999, 100, 1012, 130])]
     check_lengths(kernel, lengths, seed=9)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_head_dim_decode_rows(layout):
+    """Head dim 96 has no decode family: the warp-specialised prefill serves its decode
+    and speculative rows too."""
+    kernel = _kernel(layout, 32, 8, head_dim=96, variant=VARIANTS[1], dtype="float16")
+    assert [f.name for f in kernel.families] == ["warp_specialized_prefill"]
+    lengths = [([1, 1], [777, 777]), ([4], [3000])] if layout in UNIFORM_LAYOUTS else \
+        [([1, 4, 1], [777, 3000, 9])]
+    check_lengths(kernel, lengths, seed=11)
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 64])

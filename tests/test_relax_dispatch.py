@@ -90,7 +90,7 @@ def test_decode_with_symbolic_keys_plans_in_the_graph():
         ((2, 64, 64, 4, 4, 64), "float32", "BottomRight", "no fast kernel family"),
         ((2, 4, 1000, 4, 4, 64), "float16", "TopLeft", "TopLeft mask over 4 queries and 1000 keys"),
         ((2, "n", "m", 4, 4, 64), "float16", "BottomRight", "more queries than keys is not served"),
-        ((2, 64, 64, 4, 4, 80), "float16", None, "no fast kernel family"),
+        ((2, 64, 64, 4, 4, 100), "float16", None, "no fast kernel family"),
     ],
 )
 def test_what_no_fast_kernel_serves_is_left_and_logged(shape, dtype, mask, reason, caplog):
@@ -100,6 +100,15 @@ def test_what_no_fast_kernel_serves_is_left_and_logged(shape, dtype, mask, reaso
         out = _dispatch(mod)
     tvm.ir.assert_structural_equal(out, mod)
     assert reason in caplog.text
+
+
+@pytest.mark.parametrize("seq_q", [64, 1])
+def test_a_head_dim_between_the_kernels_runs_the_next_kernels(seq_q):
+    """Head dim 96 (Phi-3's) runs the warp-specialised family's head dim 128 kernel, its
+    decode rows too (no decode family pads)."""
+    out = _dispatch(attention_module(2, seq_q, 64, 32, 32, 96, dtype="float16", causal_mask="BottomRight"))
+    (name,) = _kernels(out)
+    assert name == "attention_warp_specialized_prefill_bshd_h32x32_d96_float16_causal"
 
 
 def test_cpu_targets_are_left_alone():

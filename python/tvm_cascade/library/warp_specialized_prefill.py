@@ -37,13 +37,21 @@ from .layouts import views
 from .spec import CACHE_LAYOUTS, AttentionSpec
 from .split_k import LOG2E, maximum, minimum, sm_count
 
-#: Head dims the family serves (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide).
+#: The kernel's head dims (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide). A
+#: head dim between two, a multiple of 8 (TMA's 16-byte strides), runs the next one's
+#: kernel, its columns past the tensors' zeros (:func:`kernel_dim`).
 HEAD_DIMS = (64, 128, 256)
 
 
+def kernel_dim(head_dim):
+    """The head dim of the kernel that serves ``head_dim``: the least of
+    :data:`HEAD_DIMS` that holds it."""
+    return next(d for d in HEAD_DIMS if d >= head_dim)
+
+
 class WarpSpecializedPrefill:
-    """Prefill on sm_90a: any number of query rows per sequence, head dims 64, 128 and
-    256, fp16 and bf16, every variant."""
+    """Prefill on sm_90a: any number of query rows per sequence, head dims from 64 to 256
+    (multiples of 8; 64, 128 and 256 without padding), fp16 and bf16, every variant."""
 
     name = "warp_specialized_prefill"
     queries = None
@@ -61,16 +69,16 @@ class WarpSpecializedPrefill:
             return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
-        if spec.head_dim not in HEAD_DIMS:
-            return f"head dim {spec.head_dim}: one of {HEAD_DIMS}"
-        keys = ws.key_tile(spec.head_dim)
+        if not HEAD_DIMS[0] <= spec.head_dim <= HEAD_DIMS[-1] or spec.head_dim % 8:
+            return f"head dim {spec.head_dim}: a multiple of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}"
+        keys = ws.key_tile(kernel_dim(spec.head_dim))
         if spec.page_size is not None and (keys % spec.page_size or spec.page_size % 8):
             return f"pages of {spec.page_size} keys: a multiple of 8 dividing {keys} (a key tile)"
         return None
 
     def build(self, spec: AttentionSpec) -> tirx.PrimFunc:
         # As many K/V stages as shared memory holds.
-        stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(spec.head_dim, s) <= ws.SHARED_BYTES)
+        stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(kernel_dim(spec.head_dim), s) <= ws.SHARED_BYTES)
         config = ws.WarpSpecializedConfig(stages=stages)
         laid = persistent(tiles(spec))
         # A cache layout's kernel takes the scale at run time.
@@ -127,13 +135,15 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     layout, over the buffers of its view (:func:`~tvm_cascade.library.layouts.views`)."""
     view = views(spec, tirx.decl_buffer)
     d, hq, hkv = spec.head_dim, spec.heads_q, spec.heads_kv
+    padded = kernel_dim(d)
+    dim = None if padded == d else d
     if spec.layout == "bhsd":
-        laid = ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, d, spec.dtype)
+        laid = ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, padded, spec.dtype, dim=dim)
         if view.mask is None:
             return laid
         # The mask tensor follows q, k and v.
         return replace(laid, params=laid.params[:3] + view.inputs[3:] + laid.params[3:], mask=_masked(spec, view))
-    keys = ws.key_tile(d)
+    keys = ws.key_tile(padded)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
     lse = view.lse_buffer()
@@ -146,7 +156,8 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         return ws.TensorMap(buf, (heads, tokens_of(buf)), (row, heads * row), (1, box))
 
     common = dict(
-        params=list(view.inputs) + out, heads_q=hq, heads_kv=hkv, head_dim=d, dtype=spec.dtype, lse_index=view.lse_index,
+        params=list(view.inputs) + out, heads_q=hq, heads_kv=hkv, head_dim=padded, dim=dim, dtype=spec.dtype,
+        lse_index=view.lse_index,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
         q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, first_q(b) + r0), out_index=view.out_index,
         mask=_masked(spec, view),

@@ -348,6 +348,16 @@ class Tiles:
     #: ``mask(score, b, h, row, key)``: the score (log2 units) under a mask tensor (a
     #: parameter), no lower than :data:`MASKED_SCORE`; None: no mask tensor.
     mask: Optional[Callable] = None
+    #: The tensors' head dim where it is less than ``head_dim``, the kernel's (a multiple
+    #: of 64): TMA fills Q's, K's and V's columns past it with zeros (adding nothing to
+    #: Q·Kᵀ, making zero output columns), and only its columns are stored; None: the
+    #: tensors' is ``head_dim``.
+    dim: Optional[int] = None
+
+    @property
+    def stored_dim(self):
+        """The head dim of the tensors."""
+        return self.head_dim if self.dim is None else self.dim
 
     @property
     def out(self):
@@ -367,14 +377,16 @@ def shared_bytes(head_dim, stages):
     return 2 * (ROWS + 2 * stages * key_tile(head_dim)) * head_dim
 
 
-def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16"):
+def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16", dim=None):
     """:class:`Tiles` of ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out[b, hq, sq, d]``
-    (ints, or variables for lengths known at run time)."""
-    q = tvm.tirx.decl_buffer((batch, heads_q, seq_q, head_dim), dtype, "Q")
-    k = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, head_dim), dtype, "K")
-    v = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, head_dim), dtype, "V")
-    out = tvm.tirx.decl_buffer((batch, heads_q, seq_q, head_dim), dtype, "out")
-    row_bytes = head_dim * 2
+    (ints, or variables for lengths known at run time); ``d`` is ``dim`` where given,
+    less than ``head_dim``, the kernel's (:attr:`Tiles.dim`)."""
+    d = head_dim if dim is None else dim
+    q = tvm.tirx.decl_buffer((batch, heads_q, seq_q, d), dtype, "Q")
+    k = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, d), dtype, "K")
+    v = tvm.tirx.decl_buffer((batch, heads_kv, seq_kv, d), dtype, "V")
+    out = tvm.tirx.decl_buffer((batch, heads_q, seq_q, d), dtype, "out")
+    row_bytes = d * 2
     keys = key_tile(head_dim)
 
     def sequences(buf, length, heads, box):
@@ -388,7 +400,7 @@ def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16
         v_map=sequences(v, seq_kv, heads_kv, keys),
         q_at=lambda b, h, r0: (r0, b * heads_q + h),
         kv_at=lambda b, hk, t, s, which: (t * keys, b * heads_kv + hk),
-        out_index=lambda b, h, row, x: (b, h, row, x),
+        out_index=lambda b, h, row, x: (b, h, row, x), dim=dim,
     )
 
 
@@ -787,7 +799,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
                             sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
-        for n in T.unroll(head_dim // 8):
+        for n in T.unroll(tiles.stored_dim // 8):
             for g in T.unroll(2):
                 for e in T.unroll(2):
                     row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
@@ -874,9 +886,9 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         k_map = T.tvm_stack_alloca("tensormap", 1)
         v_map = T.tvm_stack_alloca("tensormap", 1)
         # Q, K and V as rows of d in 64-column boxes, 128-byte swizzled.
-        T.evaluate(tiles.q_map.encode(q_map, head_dim, dtype))
-        T.evaluate(tiles.k_map.encode(k_map, head_dim, dtype))
-        T.evaluate(tiles.v_map.encode(v_map, head_dim, dtype))
+        T.evaluate(tiles.q_map.encode(q_map, tiles.stored_dim, dtype))
+        T.evaluate(tiles.k_map.encode(k_map, tiles.stored_dim, dtype))
+        T.evaluate(tiles.v_map.encode(v_map, tiles.stored_dim, dtype))
         bx = T.launch_thread("blockIdx.x", grid)
         if cluster > 1:
             rank = T.launch_thread("clusterCtaIdx.x", cluster)
