@@ -635,3 +635,24 @@ def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
     cascade = [r for r in data["results"] if r["pipeline"] == "cascade"]
     assert [r["shape"] for r in cascade] == ["prefill 1x45 small", "decode 4x40 small"]
     assert all(r["agree"] and r["error"] < 0.1 for r in cascade)
+
+
+def test_tile_costs_fit_splits_times_into_key_and_row_tile_costs():
+    """``benchmarks.tile_costs``' fit: times made of a known cost per key tile and per
+    row tile come back as those costs, and the table shows them beside each shape."""
+    from benchmarks import tile_costs
+
+    row_tiles = tile_costs.BATCH * tile_costs.HEADS_Q * tile_costs.QUERIES // tile_costs.ROWS
+    per_key, per_row, sms = 13.0, 7.5, 128
+    rows = []
+    for name, keys in tile_costs.SHAPES:
+        ms = (per_key * keys / tile_costs.KEYS + per_row * row_tiles / sms) / 1e3
+        rows += [{"shape": name, "peer": "tvm-cascade", "keys": keys, "ms": ms},
+                 {"shape": name, "peer": "sdpa cudnn", "keys": keys, "ms": ms / 2}]
+    key_cost, row_cost = tile_costs.fit(rows, "tvm-cascade", sms)
+    assert key_cost == pytest.approx(per_key) and row_cost == pytest.approx(per_row)
+    assert tile_costs.fit(rows[:2], "tvm-cascade", sms) is None
+    table = tile_costs.markdown(rows, sms)
+    assert "| 4 x 1024 over 128 keys | 0.0730 | 0.0365 | 0.50x |" in table
+    assert "| tvm-cascade | 13.0 us | 7.5 us |" in table
+    assert "| sdpa cudnn | 6.5 us | 3.8 us |" in table
