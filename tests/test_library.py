@@ -298,7 +298,7 @@ def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, t
     (prefill,) = [p for p in report.split("Compiling entry function ") if p.startswith("'warp_specialized_prefill_kernel'")]
     assert " 0 bytes spill stores" in prefill
     assert ("mask" in [p.name for p in func.params]) == (mask is not None)
-    for remark in ("C7508", "C7514", "C7519", "is injected"):
+    for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
 
 
