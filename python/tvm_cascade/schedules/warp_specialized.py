@@ -599,6 +599,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             seen = T.And(seen, m_row > T.float32(MASKED_SCORE))
         return seen
 
+    def row_of(r0, cw, w, lane, g):
+        """The query row of accumulator row ``g`` of consumer ``cw``'s warp ``w``'s lane."""
+        return r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
+
+    def final(outputs, n, e):
+        """The output in column ``8 n + 2 (lane % 4) + e`` of the row of ``outputs``
+        (:func:`finish`'s): zero where the row sees no key."""
+        O_acc, l_row, m_row, row, seq_q, seq_kv, n_tiles, g = outputs
+        return T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] / l_row, T.float32(0))
+
     @T.macro
     def store(out, b, h, row, column, value, seq_q):
         # The rows of a part tile past the sequence's queries (another's, or TMA's zeros)
@@ -776,7 +786,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     @T.macro
     def finish(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
-        S, O_acc, P, m, l, m_new, repair, slope, bias, tx, cw = T.meta_var(state)
+        S, O_acc, P, m, l, m_new, repair, slope, bias, four, tx, cw = T.meta_var(state)
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         if variant.alibi:
@@ -799,15 +809,28 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
                             sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
-        for n in T.unroll(tiles.stored_dim // 8):
-            for g in T.unroll(2):
+        # A lane holds two columns of each 8-column group; lanes 2i and 2i + 1 trade
+        # halves of groups 2p and 2p + 1 so that each stores four columns at once: a
+        # warp's stores then fill whole 32-byte sectors (two-column stores used a quarter
+        # of each, and the epilogue's stall on them cost more than a key tile's step).
+        # The four have registers of their own: held in the scores', they slowed every
+        # key tile's step.
+        odd = T.meta_var(lane % 2)
+        for g in T.unroll(2):
+            row = T.meta_var(row_of(r0, cw, w, lane, g))
+            outputs = T.meta_var((O_acc, l[g], m[g], row, seq_q, seq_kv, n_tiles, g))
+            for p in T.unroll(tiles.stored_dim // 16):
                 for e in T.unroll(2):
-                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                    store(
-                        tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e,
-                        T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
-                        seq_q,
-                    )
+                    first, second = T.meta_var((final(outputs, 2 * p, e), final(outputs, 2 * p + 1, e)))
+                    got = T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), T.if_then_else(odd == 1, first, second), 1, 32)
+                    four[e] = T.if_then_else(odd == 1, got, first)
+                    four[2 + e] = T.if_then_else(odd == 1, second, got)
+                for e in T.vectorized(4):
+                    store(tiles.out, b, h, row, 16 * p + 2 * (lane % 4) + 6 * odd + e, four[e], seq_q)
+            if tiles.stored_dim % 16 != 0:
+                n = T.meta_var(tiles.stored_dim // 8 - 1)
+                for e in T.vectorized(2):
+                    store(tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e, final(outputs, n, e), seq_q)
 
     @T.macro
     def rows_of(role, state, bx, rank, smem, full, empty, q_full, q_empty, counts):
@@ -851,6 +874,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         repair = T.alloc_local((2,), "float32")
         slope = T.alloc_local((1,), "float32")
         bias = T.alloc_local((2,), "float32")
+        four = T.alloc_local((4,), "float32")
         counts = T.alloc_local((2,), "int32")
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         if tx == 0:
@@ -874,7 +898,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 rows_of(produce, (q_map, k_map, v_map, located), bx, rank, smem, full, empty, q_full, q_empty, counts)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
+            rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, four, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
         if cluster > 1:
             # No block leaves while its peer may still arrive on its barriers.
             T.ptx.barrier.cluster.arrive()
