@@ -282,8 +282,8 @@ def test_tensor_core_decode_plans_and_refuses():
 def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, tmp_path):
     """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
     and the warp-specialised prefill (no generic function: the prefill serves any number
-    of rows; head dims 80 and 96 in the head dim 128 kernel); through nvcc: no spills,
-    setmaxnreg honoured, wgmma not serialised; its lengths and batch are the PrimFunc's
+    of rows; head dims 80 and 96 in the head dim 128 kernel), storing 8 bytes a thread;
+    through nvcc: no spills, setmaxnreg honoured, wgmma not serialised; its lengths and batch are the PrimFunc's
     variables; a mask tensor is a parameter the prefill reads."""
     pages = {"page_size": 16} if layout == "paged" else {}
     kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, mask=mask,
@@ -294,7 +294,11 @@ def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, t
     func = kernel.mod["warp_specialized_prefill"]
     shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
     assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)
-    report = ptxas_report(kernel.module.imports[0].inspect_source(), tmp_path / "kernels.cu")
+    source = kernel.module.imports[0].inspect_source()
+    # The prefill stores four output columns a thread at a time (whole 32-byte sectors a warp).
+    body = source[source.rindex("warp_specialized_prefill_kernel("):]
+    assert "*(nv_bfloat164*)(out_ptr" in body and "out_ptr[" not in body
+    report = ptxas_report(source, tmp_path / "kernels.cu")
     (prefill,) = [p for p in report.split("Compiling entry function ") if p.startswith("'warp_specialized_prefill_kernel'")]
     assert " 0 bytes spill stores" in prefill
     assert ("mask" in [p.name for p in func.params]) == (mask is not None)

@@ -606,8 +606,8 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     def final(outputs, n, e):
         """The output in column ``8 n + 2 (lane % 4) + e`` of the row of ``outputs``
         (:func:`finish`'s): zero where the row sees no key."""
-        O_acc, l_row, m_row, row, seq_q, seq_kv, n_tiles, g = outputs
-        return T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] / l_row, T.float32(0))
+        O_acc, inverse_l, m_row, row, seq_q, seq_kv, n_tiles, g = outputs
+        return T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] * inverse_l, T.float32(0))
 
     @T.macro
     def store(out, b, h, row, column, value, seq_q):
@@ -804,17 +804,20 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         if tiles.lse_index is not None:
             if lane % 4 == 0:
                 for g in T.unroll(2):
-                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                    row = T.meta_var(row_of(r0, cw, w, lane, g))
                     if row < seq_q:
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
                             sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
         # A lane holds two columns of each 8-column group; lanes 2i and 2i + 1 trade
         # halves of groups 2p and 2p + 1 so that each stores four columns at once: a
-        # warp's stores then fill whole 32-byte sectors (two-column stores used a quarter
-        # of each, and the epilogue's stall on them cost more than a key tile's step).
-        # The four have registers of their own: held in the scores', they slowed every
-        # key tile's step.
+        # warp's stores then fill whole 32-byte sectors (two-column stores use a quarter
+        # of each, and stalls on them made most of a short row tile's time). The four
+        # have registers of their own: in the scores' registers, ptxas serialises every
+        # wgmma of the kernel (C7511). Each row's sum is inverted once: a division is a
+        # branch to a slow path, a product one instruction.
+        for g in T.unroll(2):
+            l[g] = T.float32(1) / l[g]
         odd = T.meta_var(lane % 2)
         for g in T.unroll(2):
             row = T.meta_var(row_of(r0, cw, w, lane, g))
