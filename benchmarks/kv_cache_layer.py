@@ -27,8 +27,8 @@ the L2 cache flushed before each, :func:`benchmarks.timing.bench`; with ``--targ
 default| / max |default|`` of the layer's output, and each output's ``max |out - ref| /
 max |ref|`` against a float32 torch reference of the layer (projections, RoPE and
 attention in float32 from the same 16-bit inputs and weights). Prints a table, writes
-``kv_cache_layer.json``; exits 1 if the cascade pipeline's error exceeds the default
-pipeline's by more than :data:`ERROR_RATIO`.
+``kv_cache_layer.json``; exits 1 if the cascade pipeline's error is more than
+:data:`ERROR_RATIO` times the default pipeline's.
 """
 from __future__ import annotations
 
