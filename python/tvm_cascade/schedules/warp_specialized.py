@@ -14,7 +14,7 @@ A thread block of three warpgroups owns :data:`ROWS` query rows of one head:
   softmax there (row max and sum by quad shuffles), the exps converted to fp16 in place:
   they are already the register A operand of P·V (``wgmma`` with V from shared memory,
   laid out as K is and read MN-major), accumulated onto the output in registers; the
-  epilogue divides by the row sums and stores.
+  epilogue multiplies by the inverted row sums and stores four columns a thread at a time.
 
 The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives and
 proves for the function's softmax cascade (``m = max s``, ``l = Σ exp(s - m)``,
@@ -71,6 +71,7 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
+from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand, register_fence
 from ..trace import sample_uniform
@@ -809,27 +810,21 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
                             sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
-        # A lane holds two columns of each 8-column group; lanes 2i and 2i + 1 trade
-        # halves of groups 2p and 2p + 1 so that each stores four columns at once: a
-        # warp's stores then fill whole 32-byte sectors (two-column stores use a quarter
-        # of each, and stalls on them made most of a short row tile's time). The four
-        # have registers of their own: in the scores' registers, ptxas serialises every
-        # wgmma of the kernel (C7511). Each row's sum is inverted once: a division is a
-        # branch to a slow path, a product one instruction.
+        # Four columns stored at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
+        # two-column stores use a quarter of each sector, and stalls on them made most
+        # of a short row tile's time. The four have registers of their own: in the
+        # scores' registers, ptxas serialises every wgmma of the kernel (C7511). Each
+        # row's sum is inverted once: a division is a branch to a slow path, a product
+        # one instruction.
         for g in T.unroll(2):
             l[g] = T.float32(1) / l[g]
-        odd = T.meta_var(lane % 2)
         for g in T.unroll(2):
             row = T.meta_var(row_of(r0, cw, w, lane, g))
             outputs = T.meta_var((O_acc, l[g], m[g], row, seq_q, seq_kv, n_tiles, g))
             for p in T.unroll(tiles.stored_dim // 16):
-                for e in T.unroll(2):
-                    first, second = T.meta_var((final(outputs, 2 * p, e), final(outputs, 2 * p + 1, e)))
-                    got = T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), T.if_then_else(odd == 1, first, second), 1, 32)
-                    four[e] = T.if_then_else(odd == 1, got, first)
-                    four[2 + e] = T.if_then_else(odd == 1, second, got)
+                trade_halves(four, lane, lambda e: final(outputs, 2 * p, e), lambda e: final(outputs, 2 * p + 1, e))
                 for e in T.vectorized(4):
-                    store(tiles.out, b, h, row, 16 * p + 2 * (lane % 4) + 6 * odd + e, four[e], seq_q)
+                    store(tiles.out, b, h, row, 16 * p + first_column(lane) + e, four[e], seq_q)
             if tiles.stored_dim % 16 != 0:
                 n = T.meta_var(tiles.stored_dim // 8 - 1)
                 for e in T.vectorized(2):
