@@ -15,10 +15,16 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, Iterable, List, Optional
 
 
-def _build(config: Dict) -> None:
+def _build(config: Dict) -> Optional[str]:
+    """Build one kernel into the cache; why not, if it fails (the timing process then
+    builds it itself and reports the failure where it belongs)."""
     from tvm_cascade.kernels import attention_kernel
 
-    attention_kernel(**config)
+    try:
+        attention_kernel(**config)
+    except Exception as err:  # pylint: disable=broad-except
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def prebuild(configs: Iterable[Dict], workers: Optional[int] = None) -> List[Dict]:
@@ -30,5 +36,7 @@ def prebuild(configs: Iterable[Dict], workers: Optional[int] = None) -> List[Dic
         workers = min(len(distinct), workers or os.cpu_count() or 1)
         # spawn: a forked child of a process holding a CUDA context cannot use CUDA
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_build, distinct))
+            for config, failure in zip(distinct, pool.map(_build, distinct)):
+                if failure:
+                    print(f"prebuild: {config} not built ({failure.splitlines()[0]})", flush=True)
     return distinct
