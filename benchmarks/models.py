@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from .attention import environment, skip_without_gpu
+from .prebuild import prebuild
 from .timing import bench, copy_bandwidth_gbps
 
 PAGE_SIZE = 16
@@ -224,6 +225,13 @@ def flex_peer(s: Shape, q, k, v):
     return (lambda: run(q, k, v)), run(q, k, v)
 
 
+def kernel_configs(s: Shape) -> List[dict]:
+    """``attention_kernel``'s arguments for the layouts ``s`` is timed in: bhsd, and
+    paged (decode) or ragged (prefill)."""
+    return [dict(heads_q=s.heads_q, heads_kv=s.heads_kv, head_dim=s.head_dim, variant=s.variant(), dtype=s.dtype,
+                 layout=layout, target="cuda") for layout in ("bhsd", "paged" if s.queries <= 8 else "ragged")]
+
+
 def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> List[dict]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -251,9 +259,9 @@ def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> L
                      "roofline": roofline / ms if ms and decode else None,
                      "tflops": flops / ms / 1e9 if ms else None})
 
-    for layout in ("bhsd", "paged" if decode else "ragged"):
-        kernel = attention_kernel(s.heads_q, s.heads_kv, s.head_dim, variant=s.variant(), dtype=s.dtype,
-                                  layout=layout, target="cuda")
+    for config in kernel_configs(s):
+        layout = config["layout"]
+        kernel = attention_kernel(**config)
         args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if decode else ragged(q, k, v)
         plan = kernel.plan(*args)
         out = kernel(*args, plan=plan)
@@ -302,6 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = environment(argv)
     env["command"] = " ".join(["python", "-m", "benchmarks.models", *argv])
     print(f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    built = prebuild(config for s in shapes for config in kernel_configs(s))
+    print(f"built {len(built)} kernels in parallel", flush=True)
     for done, shape in enumerate(shapes, 1):
         rows = run_shape(shape, bandwidth, args.peers)
         results.extend(rows)

@@ -656,3 +656,19 @@ def test_tile_costs_fit_splits_times_into_key_and_row_tile_costs():
     assert "| 4 x 1024 over 128 keys | 0.0730 | 0.0365 | 0.50x |" in table
     assert "| tvm-cascade | 13.0 us | 7.5 us |" in table
     assert "| sdpa cudnn | 6.5 us | 3.8 us |" in table
+
+
+def test_prebuild_builds_each_kernel_once_into_the_cache(tmp_path, monkeypatch):
+    """``benchmarks.prebuild``: a configuration given twice is built once, in a worker
+    process, into the kernel cache, from which the caller then loads it."""
+    from benchmarks.prebuild import prebuild
+
+    from tvm_cascade.kernels import attention_kernel
+    from tvm_cascade.library import cache
+
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path))
+    config = dict(heads_q=2, heads_kv=1, head_dim=16, variant="causal", dtype="float32", target="llvm")
+    assert prebuild([config, dict(config)], workers=4) == [config]
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    kernel = attention_kernel(**config)
+    assert cache.load(kernel.spec, [f.name for f in kernel.families], tmp_path) is not None
