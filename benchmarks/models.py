@@ -51,6 +51,11 @@ class Shape:
     window: Optional[int] = None  # a sliding window (of keys a query sees) on the causal mask
     softcap: Optional[float] = None
 
+    @property
+    def decode(self) -> bool:
+        """Whether the shape is a decode step (at most 8 query rows: speculative decode)."""
+        return self.queries <= 8
+
     def variant(self):
         from tvm_cascade.ops import AttentionVariant
 
@@ -219,7 +224,7 @@ def flex_peer(s: Shape, q, k, v):
     from .configs import Config
     from .peers import flex
 
-    op = _Operator("decode" if s.queries <= 8 else "prefill", s.name, s.heads_q, s.heads_kv, s.window, s.softcap)
+    op = _Operator("decode" if s.decode else "prefill", s.name, s.heads_q, s.heads_kv, s.window, s.softcap)
     config = Config(op, s.batch, s.queries, s.keys, s.head_dim, s.dtype)
     run, _ = flex(config, q, k, v)
     return (lambda: run(q, k, v)), run(q, k, v)
@@ -229,7 +234,7 @@ def kernel_configs(s: Shape) -> List[dict]:
     """``attention_kernel``'s arguments for the layouts ``s`` is timed in: bhsd, and
     paged (decode) or ragged (prefill)."""
     return [dict(heads_q=s.heads_q, heads_kv=s.heads_kv, head_dim=s.head_dim, variant=s.variant(), dtype=s.dtype,
-                 layout=layout, target="cuda") for layout in ("bhsd", "paged" if s.queries <= 8 else "ragged")]
+                 layout=layout, target="cuda") for layout in ("bhsd", "paged" if s.decode else "ragged")]
 
 
 def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> List[dict]:
@@ -245,7 +250,6 @@ def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> L
     group = s.heads_q // s.heads_kv
     visible = causal_mask(s.queries, s.keys, "cuda", s.window)
     ref = reference(s, q, k, v, visible)
-    decode = s.queries <= 8
     seen = s.keys if s.window is None else min(s.keys, s.window + s.queries - 1)
     moved = 2 * (2 * q.numel() + 2 * k.numel() // s.keys * seen)  # bytes of Q, the output and the K, V rows seen
     roofline = moved / (bandwidth * 1e9) * 1e3
@@ -256,13 +260,13 @@ def run_shape(shape: Shape, bandwidth: float, peers: Sequence[str] = PEERS) -> L
         err = ((out.float() - ref).norm() / ref.norm()).item() if out is not None else None
         ms = bench(run) if err is not None and err < TOLERANCE[s.dtype] else None
         rows.append({"shape": s.name, "implementation": name, "error": err, "ms": ms,
-                     "roofline": roofline / ms if ms and decode else None,
+                     "roofline": roofline / ms if ms and s.decode else None,
                      "tflops": flops / ms / 1e9 if ms else None})
 
     for config in kernel_configs(s):
         layout = config["layout"]
         kernel = attention_kernel(**config)
-        args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if decode else ragged(q, k, v)
+        args = (q, k, v) if layout == "bhsd" else paged(q, k, v) if s.decode else ragged(q, k, v)
         plan = kernel.plan(*args)
         out = kernel(*args, plan=plan)
         if layout != "bhsd":
