@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
-from .spec import AttentionSpec
+from .spec import AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
@@ -52,14 +52,9 @@ STEP = 16
 #: on an H200 over chunk sizes at Llama-3-8B/70B and MHA decode shapes.
 BLOCKS_PER_SM = 2
 LEAST_CHUNK = 256
-#: The kernel's head dims (its lanes' K and V loads tile 32 and 64 dims).
+#: The kernel's head dims (its lanes' K and V loads tile 32 and 64 dims); one between
+#: runs the next one's kernel (:func:`.spec.kernel_head_dim`).
 HEAD_DIMS = (64, 128)
-
-
-def kernel_dim(head_dim):
-    """The head dim of the kernel that serves ``head_dim``: the least of
-    :data:`HEAD_DIMS` that holds it."""
-    return next(d for d in HEAD_DIMS if d >= head_dim)
 _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -77,8 +72,9 @@ class TensorCoreDecode(RuntimeLengthsOnly):
         arch = str(tvm.target.Target(spec.target).attrs.get("arch", ""))
         if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
             return f"mma.sync.m16n8k16 needs sm_80 or later; target arch is {arch or 'unknown'}"
-        if not HEAD_DIMS[0] <= spec.head_dim <= HEAD_DIMS[-1] or spec.head_dim % 8:
-            return f"head dim {spec.head_dim}: a multiple of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}"
+        reason = head_dim_unsupported(spec.head_dim, HEAD_DIMS)
+        if reason is not None:
+            return reason
         return None
 
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -115,7 +111,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     view = views(spec, tirx.decl_buffer)
     # d: the kernel's head dim; the tensors', the partials' and the output's is stored.
     stored, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
-    d = kernel_dim(stored)
+    d = kernel_head_dim(stored, HEAD_DIMS)
     ptx = _PTX_TYPE[dtype]
     k_steps, k_elems, v_elems = d // 16, d // 4, d // 8
     out = tirx.decl_buffer(view.out_shape, dtype, "out")
