@@ -70,6 +70,8 @@ def test_build_makes_one_tma_and_fp8_wgmma_kernel():
         "cvt.rn.satfinite.e4m3x2.f32", "__fdiv_rn", "wgmma_fp8_rs_mma_async_sync_aligned_m64n128k32_f32_e4m3_e4m3",
     ):
         assert mark in source, mark
+    # four output columns a thread at a time (whole 32-byte sectors a warp)
+    assert "*(half4*)(out_ptr" in source and "out_ptr[" not in source
 
 
 def test_a_variable_token_count_chooses_its_kernel_at_run_time():

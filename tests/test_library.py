@@ -254,7 +254,7 @@ def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, lay
 def test_tensor_core_decode_plans_and_refuses():
     """Chunks of whole steps of every warp fill at most about two blocks per SM, none below 256
     keys; a sliding window's chunks cover the window, not the keys before it. CUDA from
-    sm_80, fp16/bf16, head dims 64 and 128 only."""
+    sm_80, fp16/bf16, head dims from 64 to 128 (multiples of 8) only."""
     from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
 
     family = TensorCoreDecode()
@@ -269,8 +269,11 @@ def test_tensor_core_decode_plans_and_refuses():
     window = AttentionSpec.make(32, 8, 128, variant=AttentionVariant("w", causal=True, window=1000), target=sm90)
     assert family.plan(window, 1, 1, 32768, gpu) == [256]  # 1000 keys seen, not 32768
     assert family.supports(spec) is None
+    assert family.supports(AttentionSpec.make(32, 32, 96, target=sm90)) is None
     for kwargs, reason in [(dict(target="llvm"), "CUDA only"), (dict(dtype="float32", target=sm90), "fp16 and bf16"),
-                           (dict(head_dim=256, target=sm90), "head dim 256: one of (64, 128)"),
+                           (dict(head_dim=256, target=sm90), "head dim 256: a multiple of 8 from 64 to 128"),
+                           (dict(head_dim=100, target=sm90), "head dim 100: a multiple of 8 from 64 to 128"),
+                           (dict(head_dim=48, target=sm90), "head dim 48: a multiple of 8 from 64 to 128"),
                            (dict(target=tvm.target.Target({"kind": "cuda", "arch": "sm_75"})), "needs sm_80 or later")]:
         args = dict(head_dim=128) | kwargs
         assert reason in family.supports(AttentionSpec.make(32, 8, args.pop("head_dim"), **args))
@@ -282,21 +285,25 @@ def test_tensor_core_decode_plans_and_refuses():
 def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, tmp_path):
     """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
     and the warp-specialised prefill (no generic function: the prefill serves any number
-    of rows; head dims 80 and 96 in the head dim 128 kernel); through nvcc: no spills,
-    setmaxnreg honoured, wgmma not serialised; its lengths and batch are the PrimFunc's
+    of rows; head dims 80 and 96 in the head dim 128 kernels), storing 8 bytes a thread;
+    through nvcc: neither spills, setmaxnreg honoured, wgmma not serialised; its lengths and batch are the PrimFunc's
     variables; a mask tensor is a parameter the prefill reads."""
     pages = {"page_size": 16} if layout == "paged" else {}
     kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, mask=mask,
                      **pages)
-    # (a padded head dim has no decode family: the prefill serves its decode rows too)
-    decode = {64: ["tensor_core_decode"], 128: ["tensor_core_decode"], 256: ["split_k_decode"]}.get(head_dim, [])
+    decode = ["split_k_decode"] if head_dim == 256 else ["tensor_core_decode"]
     assert [f.name for f in kernel.families] == decode + ["warp_specialized_prefill"]
     func = kernel.mod["warp_specialized_prefill"]
     shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
     assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)
-    report = ptxas_report(kernel.module.imports[0].inspect_source(), tmp_path / "kernels.cu")
-    (prefill,) = [p for p in report.split("Compiling entry function ") if p.startswith("'warp_specialized_prefill_kernel'")]
-    assert " 0 bytes spill stores" in prefill
+    source = kernel.module.imports[0].inspect_source()
+    # The prefill stores four output columns a thread at a time (whole 32-byte sectors a warp).
+    body = source[source.rindex("warp_specialized_prefill_kernel("):]
+    assert "*(nv_bfloat164*)(out_ptr" in body and "out_ptr[" not in body
+    report = ptxas_report(source, tmp_path / "kernels.cu")
+    entries = {e.split("'")[1]: e for e in report.split("Compiling entry function ")[1:]}
+    for name in ("warp_specialized_prefill_kernel", f"{decode[0]}_kernel"):
+        assert " 0 bytes spill stores" in entries[name], report
     assert ("mask" in [p.name for p in func.params]) == (mask is not None)
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report

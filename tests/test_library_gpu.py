@@ -130,12 +130,13 @@ def test_warp_specialized_prefill_head_dims(head_dim, layout, variant, dtype):
     check_lengths(kernel, lengths, seed=9)
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_padded_head_dim_decode_rows(layout):
-    """Head dim 96 has no decode family: the warp-specialised prefill serves its decode
-    and speculative rows too."""
-    kernel = _kernel(layout, 32, 8, head_dim=96, variant=VARIANTS[1], dtype="float16")
-    assert [f.name for f in kernel.families] == ["warp_specialized_prefill"]
+def test_padded_head_dim_decode_rows(layout, head_dim):
+    """Head dims 80 and 96 run the tensor-core decode's head dim 128 kernel (the columns
+    past theirs read as zeros) for decode and speculative rows."""
+    kernel = _kernel(layout, 32, 8, head_dim=head_dim, variant=VARIANTS[1], dtype="float16")
+    assert [f.name for f in kernel.families] == ["tensor_core_decode", "warp_specialized_prefill"]
     lengths = [([1, 1], [777, 777]), ([4], [3000])] if layout in UNIFORM_LAYOUTS else \
         [([1, 4, 1], [777, 3000, 9])]
     check_lengths(kernel, lengths, seed=11)

@@ -102,13 +102,13 @@ def test_what_no_fast_kernel_serves_is_left_and_logged(shape, dtype, mask, reaso
     assert reason in caplog.text
 
 
-@pytest.mark.parametrize("seq_q", [64, 1])
-def test_a_head_dim_between_the_kernels_runs_the_next_kernels(seq_q):
-    """Head dim 96 (Phi-3's) runs the warp-specialised family's head dim 128 kernel, its
-    decode rows too (no decode family pads)."""
+@pytest.mark.parametrize("seq_q, family", [(64, "warp_specialized_prefill"), (1, "tensor_core_decode")])
+def test_a_head_dim_between_the_kernels_runs_the_next_kernels(seq_q, family):
+    """Head dim 96 (Phi-3's) runs the head dim 128 kernels: the warp-specialised
+    prefill's, and the tensor-core decode's for decode."""
     out = _dispatch(attention_module(2, seq_q, 64, 32, 32, 96, dtype="float16", causal_mask="BottomRight"))
     (name,) = _kernels(out)
-    assert name == "attention_warp_specialized_prefill_bshd_h32x32_d96_float16_causal"
+    assert name == f"attention_{family}_bshd_h32x32_d96_float16_causal"
 
 
 def test_cpu_targets_are_left_alone():

@@ -54,7 +54,8 @@ def test_the_trace_replays_from_json_to_the_same_kernel():
 def test_build_makes_one_tma_and_wgmma_kernel(layout):
     """One kernel: TMA copies, setmaxnreg, wgmma with the A operand in registers (made
     by fp16 pair products), W read MN-major as [K, N] (transpose flag 1), K-major as
-    [N, K] (0); eps and K in the epilogue; rows checked against M, a variable."""
+    [N, K] (0); eps and K in the epilogue, which stores four columns a thread at a time
+    (N a multiple of the tile's columns); rows checked against M, a variable."""
     rows = tvm.tirx.Var("m", "int32")
     source = _source(ws.schedule(cascades.rmsnorm_gemm(rows, 1024, 4096, eps=1e-5, dtype="float16", weight_layout=layout)))
     assert source.count("__global__") == 2  # declared and defined
@@ -63,6 +64,7 @@ def test_build_makes_one_tma_and_wgmma_kernel(layout):
     flag = "1" if layout == "kn" else "0"
     assert f"wgmma_f16_rs_mma_async_sync_aligned_m64n256k16_f32_f16_f16_1_1_{flag}(" in source
     assert re.search(r"< \(?m\b", source)
+    assert "*(half4*)(out_ptr" in source and "out_ptr[" not in source
 
 
 @pytest.mark.parametrize("layout, dtype, rows, k", [("kn", "float16", 2048, 4096), ("nk", "bfloat16", None, 520)])

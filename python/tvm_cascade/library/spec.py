@@ -29,6 +29,22 @@ PAGE_SIZE = 16
 MASK_DTYPES = ("bool",) + DTYPES
 
 
+def kernel_head_dim(head_dim: int, kernels) -> int:
+    """The head dim of the kernel of a family's ``kernels`` (head dims, ascending) that
+    serves ``head_dim``: the least that holds it (a head dim between two runs the next
+    one's kernel, the tensors' columns past theirs read as zeros)."""
+    return next(d for d in kernels if d >= head_dim)
+
+
+def head_dim_unsupported(head_dim: int, kernels) -> Optional[str]:
+    """Why no kernel of ``kernels`` (head dims, ascending) serves ``head_dim``, or None:
+    it must lie between the least and the largest and be a multiple of 8 (16-byte loads
+    and TMA strides)."""
+    if kernels[0] <= head_dim <= kernels[-1] and head_dim % 8 == 0:
+        return None
+    return f"head dim {head_dim}: a multiple of 8 from {kernels[0]} to {kernels[-1]}"
+
+
 @dataclass(frozen=True)
 class MaskTensor:
     """A mask the kernel takes as an input after its layout's tensors: ``mask[b, h, i,

@@ -1,6 +1,7 @@
 """The tensor-core split-k decode family: a few query rows per sequence over many keys
 (FlashDecoding) on ``mma.sync.m16n8k16``, lengths and chunk size at run time, for CUDA
-GPUs from sm_80, head dims 64 and 128.
+GPUs from sm_80, head dims from 64 to 128 (multiples of 8; between the two, the head
+dim 128 kernel with Q's, K's and V's columns past the tensors' read as zeros).
 
 A block takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
 (the rows (query, head) of the group's heads, as the M dimension of the products; more
@@ -32,7 +33,7 @@ from tvm.script import tirx as T
 
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
-from .spec import AttentionSpec
+from .spec import AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
@@ -51,6 +52,8 @@ STEP = 16
 #: on an H200 over chunk sizes at Llama-3-8B/70B and MHA decode shapes.
 BLOCKS_PER_SM = 2
 LEAST_CHUNK = 256
+#: The kernel's head dims (its lanes' K and V loads tile 32 and 64 dims); one between
+#: runs the next one's kernel (:func:`.spec.kernel_head_dim`).
 HEAD_DIMS = (64, 128)
 _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -69,8 +72,9 @@ class TensorCoreDecode(RuntimeLengthsOnly):
         arch = str(tvm.target.Target(spec.target).attrs.get("arch", ""))
         if not arch.startswith("sm_") or int(arch[3:].rstrip("a")) < 80:
             return f"mma.sync.m16n8k16 needs sm_80 or later; target arch is {arch or 'unknown'}"
-        if spec.head_dim not in HEAD_DIMS:
-            return f"head dim {spec.head_dim}: one of {HEAD_DIMS}"
+        reason = head_dim_unsupported(spec.head_dim, HEAD_DIMS)
+        if reason is not None:
+            return reason
         return None
 
     def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
@@ -105,7 +109,9 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     the scalar of its chunking (:func:`.split_k.chunking`), then ``out`` (and ``lse``
     where the layout has one)."""
     view = views(spec, tirx.decl_buffer)
-    d, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
+    # d: the kernel's head dim; the tensors', the partials' and the output's is stored.
+    stored, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
+    d = kernel_head_dim(stored, HEAD_DIMS)
     ptx = _PTX_TYPE[dtype]
     k_steps, k_elems, v_elems = d // 16, d // 4, d // 8
     out = tirx.decl_buffer(view.out_shape, dtype, "out")
@@ -130,8 +136,13 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                 row[1] = parts[1]
             located = T.meta_var((row[0], row[1]) if row_parts > 1 else (row[0],))
             for i in T.unroll(pieces):
-                for x in T.vectorized(8):
-                    dst[offset + i * 8 + x] = at(located, hk, dim(lane, i * 8 + x))
+                # (a piece's 8 dims are all the tensors' or all past them: zeros)
+                if stored == d or dim(lane, i * 8) < stored:
+                    for x in T.vectorized(8):
+                        dst[offset + i * 8 + x] = at(located, hk, dim(lane, i * 8 + x))
+                else:
+                    for x in T.vectorized(8):
+                        dst[offset + i * 8 + x] = T.Cast(dtype, 0)
         else:
             for i in T.unroll(pieces):
                 for x in T.vectorized(8):
@@ -155,7 +166,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
     @T.prim_func(private=True, check_well_formed=False)
     def body():
-        part_o = T.alloc_buffer(shape + (d,), ACC)
+        part_o = T.alloc_buffer(shape + (stored,), ACC)
         part_m = T.alloc_buffer(shape, ACC)
         part_l = T.alloc_buffer(shape, ACC)
         with T.launch_thread("blockIdx.x", num_chunks) as c:
@@ -197,10 +208,11 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                         staged[half * k_elems + i * 8 + x] = T.Cast(dtype, 0)
                 if rr < n_rows:
                     for i in T.unroll(k_elems // 8):
-                        for x in T.vectorized(8):
-                            staged[half * k_elems + i * 8 + x] = view.query(
-                                b, hk * group + rr % group, rr // group, _k_dim(quad, i * 8 + x)
-                            )
+                        if stored == d or _k_dim(quad, i * 8) < stored:
+                            for x in T.vectorized(8):
+                                staged[half * k_elems + i * 8 + x] = view.query(
+                                    b, hk * group + rr % group, rr // group, _k_dim(quad, i * 8 + x)
+                                )
             for t in T.unroll(k_steps):
                 for f in T.unroll(8):
                     q_frag[t * 8 + f] = staged[(f // 2) % 2 * k_elems + t * 4 + 2 * (f // 4) + f % 2]

@@ -34,19 +34,13 @@ from tvm import tirx
 from ..schedules import prefill
 from ..schedules import warp_specialized as ws
 from .layouts import views
-from .spec import CACHE_LAYOUTS, AttentionSpec
+from .spec import CACHE_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .split_k import LOG2E, maximum, minimum, sm_count
 
 #: The kernel's head dims (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide). A
 #: head dim between two, a multiple of 8 (TMA's 16-byte strides), runs the next one's
-#: kernel, its columns past the tensors' zeros (:func:`kernel_dim`).
+#: kernel, its columns past the tensors' zeros (:func:`.spec.kernel_head_dim`).
 HEAD_DIMS = (64, 128, 256)
-
-
-def kernel_dim(head_dim):
-    """The head dim of the kernel that serves ``head_dim``: the least of
-    :data:`HEAD_DIMS` that holds it."""
-    return next(d for d in HEAD_DIMS if d >= head_dim)
 
 
 class WarpSpecializedPrefill:
@@ -69,16 +63,17 @@ class WarpSpecializedPrefill:
             return f"needs sm_90a (wgmma, TMA, setmaxnreg); target is {spec.target}"
         if spec.dtype not in ("float16", "bfloat16"):
             return f"{spec.dtype}: fp16 and bf16 only"
-        if not HEAD_DIMS[0] <= spec.head_dim <= HEAD_DIMS[-1] or spec.head_dim % 8:
-            return f"head dim {spec.head_dim}: a multiple of 8 from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}"
-        keys = ws.key_tile(kernel_dim(spec.head_dim))
+        reason = head_dim_unsupported(spec.head_dim, HEAD_DIMS)
+        if reason is not None:
+            return reason
+        keys = ws.key_tile(kernel_head_dim(spec.head_dim, HEAD_DIMS))
         if spec.page_size is not None and (keys % spec.page_size or spec.page_size % 8):
             return f"pages of {spec.page_size} keys: a multiple of 8 dividing {keys} (a key tile)"
         return None
 
     def build(self, spec: AttentionSpec) -> tirx.PrimFunc:
         # As many K/V stages as shared memory holds.
-        stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(kernel_dim(spec.head_dim), s) <= ws.SHARED_BYTES)
+        stages = max(s for s in ws.STAGE_CHOICES if ws.shared_bytes(kernel_head_dim(spec.head_dim, HEAD_DIMS), s) <= ws.SHARED_BYTES)
         config = ws.WarpSpecializedConfig(stages=stages)
         laid = persistent(tiles(spec))
         # A cache layout's kernel takes the scale at run time.
@@ -135,7 +130,7 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
     layout, over the buffers of its view (:func:`~tvm_cascade.library.layouts.views`)."""
     view = views(spec, tirx.decl_buffer)
     d, hq, hkv = spec.head_dim, spec.heads_q, spec.heads_kv
-    padded = kernel_dim(d)
+    padded = kernel_head_dim(d, HEAD_DIMS)
     dim = None if padded == d else d
     if spec.layout == "bhsd":
         laid = ws.bhsd_tiles(view.batch, hq, hkv, view.rows, view.keys, padded, spec.dtype, dim=dim)

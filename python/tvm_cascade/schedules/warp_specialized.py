@@ -14,7 +14,7 @@ A thread block of three warpgroups owns :data:`ROWS` query rows of one head:
   softmax there (row max and sum by quad shuffles), the exps converted to fp16 in place:
   they are already the register A operand of P·V (``wgmma`` with V from shared memory,
   laid out as K is and read MN-major), accumulated onto the output in registers; the
-  epilogue divides by the row sums and stores.
+  epilogue multiplies by the inverted row sums and stores four columns a thread at a time.
 
 The rolling update is the one :meth:`~tvm.s_tir.Schedule.rolling_update` derives and
 proves for the function's softmax cascade (``m = max s``, ``l = Σ exp(s - m)``,
@@ -71,6 +71,7 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
+from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand, register_fence
 from ..trace import sample_uniform
@@ -599,6 +600,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             seen = T.And(seen, m_row > T.float32(MASKED_SCORE))
         return seen
 
+    def row_of(r0, cw, w, lane, g):
+        """The query row of accumulator row ``g`` of consumer ``cw``'s warp ``w``'s lane."""
+        return r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
+
+    def final(outputs, n, e):
+        """The output in column ``8 n + 2 (lane % 4) + e`` of the row of ``outputs``
+        (:func:`finish`'s): zero where the row sees no key."""
+        O_acc, inverse_l, m_row, row, seq_q, seq_kv, n_tiles, g = outputs
+        return T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] * inverse_l, T.float32(0))
+
     @T.macro
     def store(out, b, h, row, column, value, seq_q):
         # The rows of a part tile past the sequence's queries (another's, or TMA's zeros)
@@ -776,7 +787,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     @T.macro
     def finish(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, base, q_phase):
-        S, O_acc, P, m, l, m_new, repair, slope, bias, tx, cw = T.meta_var(state)
+        S, O_acc, P, m, l, m_new, repair, slope, bias, four, tx, cw = T.meta_var(state)
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         if variant.alibi:
@@ -794,20 +805,30 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         if tiles.lse_index is not None:
             if lane % 4 == 0:
                 for g in T.unroll(2):
-                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                    row = T.meta_var(row_of(r0, cw, w, lane, g))
                     if row < seq_q:
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
                             sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
-        for n in T.unroll(tiles.stored_dim // 8):
-            for g in T.unroll(2):
-                for e in T.unroll(2):
-                    row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                    store(
-                        tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e,
-                        T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), O_acc[4 * n + 2 * g + e] / l[g], T.float32(0)),
-                        seq_q,
-                    )
+        # Four columns stored at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
+        # two-column stores use a quarter of each sector, and stalls on them made most
+        # of a short row tile's time. The four have registers of their own: in the
+        # scores' registers, ptxas serialises every wgmma of the kernel (C7511). Each
+        # row's sum is inverted once: a division is a branch to a slow path, a product
+        # one instruction.
+        for g in T.unroll(2):
+            l[g] = T.float32(1) / l[g]
+        for g in T.unroll(2):
+            row = T.meta_var(row_of(r0, cw, w, lane, g))
+            outputs = T.meta_var((O_acc, l[g], m[g], row, seq_q, seq_kv, n_tiles, g))
+            for p in T.unroll(tiles.stored_dim // 16):
+                trade_halves(four, lane, lambda e: final(outputs, 2 * p, e), lambda e: final(outputs, 2 * p + 1, e))
+                for e in T.vectorized(4):
+                    store(tiles.out, b, h, row, 16 * p + first_column(lane) + e, four[e], seq_q)
+            if tiles.stored_dim % 16 != 0:
+                n = T.meta_var(tiles.stored_dim // 8 - 1)
+                for e in T.vectorized(2):
+                    store(tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e, final(outputs, n, e), seq_q)
 
     @T.macro
     def rows_of(role, state, bx, rank, smem, full, empty, q_full, q_empty, counts):
@@ -851,6 +872,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         repair = T.alloc_local((2,), "float32")
         slope = T.alloc_local((1,), "float32")
         bias = T.alloc_local((2,), "float32")
+        four = T.alloc_local((4,), "float32")
         counts = T.alloc_local((2,), "int32")
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         if tx == 0:
@@ -874,7 +896,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 rows_of(produce, (q_map, k_map, v_map, located), bx, rank, smem, full, empty, q_full, q_empty, counts)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
+            rows_of(finish, (S, O_acc, P, m, l, m_new, repair, slope, bias, four, tx, warpgroup - 1), bx, rank, smem, full, empty, q_full, q_empty, counts)
         if cluster > 1:
             # No block leaves while its peer may still arrive on its barriers.
             T.ptx.barrier.cluster.arrive()

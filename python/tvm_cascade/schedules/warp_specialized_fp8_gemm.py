@@ -30,7 +30,8 @@ A thread block owns :data:`ROWS` rows and ``cols`` columns of the output:
   repaired and the tile's added, in float32 (Hopper's fp8 tensor cores add with fewer
   bits than float32: accumulated there over all of K, outputs drifted by ~0.3% of the
   largest from the definition; added per tile, they agree to the output's rounding).
-  The epilogue scales each row by ``max(eps, m) / 448`` and each column by ``w_scale``.
+  The epilogue scales each row by ``max(eps, m) / 448`` and each column by ``w_scale``
+  and stores four columns a thread at a time.
   A consumer whose 64 rows all lie past M does nothing.
 
 Two sets of accumulators a thread bound a block to 128 columns. The kernel is bound by
@@ -59,6 +60,7 @@ from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
 from ..analysis.scope import buffer_params
+from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
@@ -549,8 +551,9 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
         peak = T.alloc_local((2,), "float32")
         factor = T.alloc_local((4,), "float32")  # a set per register set
         scale = T.alloc_local((2,), "float32")
-        sv = T.alloc_local((2,), "float32")
-        ov = T.alloc_local((2,), out_dtype)
+        sv = T.alloc_local((4,), "float32")
+        four = T.alloc_local((4,), "float32")
+        ov = T.alloc_local((4,), out_dtype)
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
         for g in T.unroll(2):
@@ -564,24 +567,30 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, pair * 2 + half, cw, w, lane)
         for g in T.unroll(2):
             scale[g] = T.max(peak[g], T.float32(EPS)) / T.float32(FP8_MAX)
-        for j in T.unroll(cols // 8):
-            col = T.meta_var(c0 + 8 * j + 2 * (lane % 4))
-            if part_n:
-                for e in T.unroll(2):
-                    sv[e] = w_scale[T.min(col + e, n - 1)]
-            else:
-                sv.vstore([0], w_scale.vload([col], "float32x2"))
+        # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
+        # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
+        for p in T.unroll(cols // 16):
+            for half in T.unroll(2):
+                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
+                if part_n:
+                    for e in T.unroll(2):
+                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
+                else:
+                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
+            col = T.meta_var(c0 + 16 * p + first_column(lane))
             for g in T.unroll(2):
                 row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                for e in T.unroll(2):
-                    ov[e] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * scale[g] * sv[e])
+                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
+                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
+                for e in T.unroll(4):
+                    ov[e] = T.Cast(out_dtype, four[e])
                 if row < m:
                     if part_n:
-                        for e in T.unroll(2):
+                        for e in T.unroll(4):
                             if col + e < n:
                                 out[row, col + e] = ov[e]
                     else:
-                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x2"))
+                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x4"))
 
     produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
 

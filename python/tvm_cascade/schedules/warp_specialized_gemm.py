@@ -19,7 +19,8 @@ block owns :data:`ROWS` rows and ``cols`` columns of the output:
   ``wgmma`` m64n{cols}k16 with that register operand and W's tile from shared memory
   (MN-major for W as ``[K, N]``, K-major for ``[N, K]``). The next tile's operand is
   read while the instructions of this one run (two register sets). The epilogue sums
-  each row's squares across its quad, scales the accumulators by ``r_i`` and stores.
+  each row's squares across its quad, scales the accumulators by ``r_i`` and stores
+  four columns a thread at a time.
 
 H200, 2048 x 4096 x 14336, ms: A's elements by 32-bit loads and γ from global memory
 0.410, by ``ldmatrix`` and γ from shared memory 0.366; the squares folded by two
@@ -46,6 +47,7 @@ from tvm.ir import expr as ir_expr
 from tvm.script import tirx as T
 
 from ..analysis.scope import buffer_params
+from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
@@ -427,7 +429,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         ss = T.alloc_local((2,), "float32")
         xv = T.alloc_local((2,), dtype)
         gv = T.alloc_local((2,), dtype)
-        ov = T.alloc_local((2,), out_dtype)
+        four = T.alloc_local((4,), "float32")
+        ov = T.alloc_local((4,), out_dtype)
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
         for g in T.unroll(2):
@@ -446,20 +449,22 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
             ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
             ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 2, 32)
             ss[g] = T.float32(1) / T.sqrt(ss[g] / T.float32(k) + T.float32(eps))
-        # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e
-        for j in T.unroll(cols // 8):
+        # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e;
+        # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`)
+        for p in T.unroll(cols // 16):
             for g in T.unroll(2):
                 row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                col = T.meta_var(c0 + 8 * j + 2 * (lane % 4))
-                for e in T.unroll(2):
-                    ov[e] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * ss[g])
+                col = T.meta_var(c0 + 16 * p + first_column(lane))
+                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * ss[g], lambda e: acc[8 * p + 4 + 2 * g + e] * ss[g])
+                for e in T.unroll(4):
+                    ov[e] = T.Cast(out_dtype, four[e])
                 if row < m:
                     if part_n:
-                        for e in T.unroll(2):
+                        for e in T.unroll(4):
                             if col + e < n:
                                 out[row, col + e] = ov[e]
                     else:
-                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x2"))
+                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x4"))
 
     @T.macro
     def produce(x_map, w_map, smem, full, empty, r0, c0):
