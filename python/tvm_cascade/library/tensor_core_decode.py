@@ -33,7 +33,7 @@ from tvm.script import tirx as T
 
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
-from .spec import AttentionSpec, head_dim_unsupported, kernel_head_dim
+from .spec import PAGED_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
     ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
@@ -55,6 +55,8 @@ LEAST_CHUNK = 256
 #: The kernel's head dims (its lanes' K and V loads tile 32 and 64 dims); one between
 #: runs the next one's kernel (:func:`.spec.kernel_head_dim`).
 HEAD_DIMS = (64, 128)
+#: Key rows a lane loads a step: two of K, four of V.
+LANE_KEYS = 6
 _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -124,17 +126,29 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     store = partials_store(spec, ROWS, WARPS, WARP * WARPS)
     shape = partial_shape(view, num_chunks, heads_q)
     row_parts = len(view.kv_row(0, 0))
+    # A page table is read a step before the keys it locates.
+    paged = spec.layout in PAGED_LAYOUTS
 
     @T.macro
-    def load_row(dst, offset, row, b, hk, j, end, at, pieces, dim, lane):
+    def locate(rows, n, b, j):
+        """Where key ``j`` lies (the layout's ``kv_row``), to entry ``n`` of ``rows``."""
+        parts = T.meta_var(view.kv_row(b, j))
+        rows[n * row_parts] = parts[0]
+        if row_parts > 1:
+            rows[n * row_parts + 1] = parts[1]
+
+    @T.macro
+    def load_row(dst, offset, rows, n, b, hk, j, end, at, pieces, dim, lane):
         """Key ``j``'s elements ``e < 8 pieces`` of ``lane``, dims ``dim(lane, e)``
-        (:func:`_k_dim`, :func:`_v_dim`), to ``dst[offset:]`` by ``at``, zeros past ``end``."""
+        (:func:`_k_dim`, :func:`_v_dim`), to ``dst[offset:]`` by ``at``, zeros past
+        ``end``; located by entry ``n`` of ``rows`` where paged (:func:`locate_step`), else
+        here."""
         if j < end:
-            parts = T.meta_var(view.kv_row(b, j))
-            row[0] = parts[0]
-            if row_parts > 1:
-                row[1] = parts[1]
-            located = T.meta_var((row[0], row[1]) if row_parts > 1 else (row[0],))
+            if not paged:
+                locate(rows, n, b, j)
+            located = T.meta_var(
+                (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
+            )
             for i in T.unroll(pieces):
                 # (a piece's 8 dims are all the tensors' or all past them: zeros)
                 if stored == d or dim(lane, i * 8) < stored:
@@ -154,14 +168,34 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             dtype="float32",
         )
 
+    def k_key(j0, n, g):
+        """Key ``n`` of the two a lane loads a quarter of the dims of at the step at ``j0``."""
+        return j0 + n * 8 + g
+
+    def v_key(j0, kk, quad):
+        """Key ``kk`` of the four a lane loads an eighth of the values of at the step at ``j0``."""
+        return j0 + 2 * quad + kk % 2 + 8 * (kk // 2)
+
     @T.macro
-    def load_step(k_buf, v_buf, row, b, hk, j0, end, g, quad):
+    def locate_step(rows, b, j0, end, g, quad):
+        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows`` (the two of
+        K, then the four of V)."""
+        for n in T.unroll(2):
+            if k_key(j0, n, g) < end:
+                locate(rows, n, b, k_key(j0, n, g))
+        for kk in T.unroll(4):
+            if v_key(j0, kk, quad) < end:
+                locate(rows, 2 + kk, b, v_key(j0, kk, quad))
+
+    @T.macro
+    def load_step(k_buf, v_buf, rows, b, hk, j0, end, g, quad):
         """The keys of the step at ``j0`` a lane needs: keys ``g`` and ``8 + g`` (a quarter
         of their dims each) and keys ``2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
         for n in T.unroll(2):
-            load_row(k_buf, n * k_elems, row, b, hk, j0 + n * 8 + g, end, view.key_at, k_elems // 8, _k_dim, quad)
+            load_row(k_buf, n * k_elems, rows, n if paged else 0, b, hk, k_key(j0, n, g), end, view.key_at,
+                     k_elems // 8, _k_dim, quad)
         for kk in T.unroll(4):
-            load_row(v_buf, kk * v_elems, row, b, hk, j0 + 2 * quad + kk % 2 + 8 * (kk // 2), end,
+            load_row(v_buf, kk * v_elems, rows, 2 + kk if paged else 0, b, hk, v_key(j0, kk, quad), end,
                      view.value_at, v_elems // 8, _v_dim, g)
 
     @T.prim_func(private=True, check_well_formed=False)
@@ -189,7 +223,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             l = T.alloc_local((2,), ACC)
             m_new = T.alloc_local((1,), ACC)
             repair = T.alloc_local((1,), ACC)
-            row = T.alloc_local((row_parts,), "int32")
+            rows = T.alloc_local(((LANE_KEYS if paged else 1) * row_parts,), "int32")
             merged_m = T.alloc_shared((WARPS, ROWS), ACC)
             merged_l = T.alloc_shared((WARPS, ROWS), ACC)
             merged_o = T.alloc_shared((WARPS, ROWS, d), ACC)
@@ -222,15 +256,21 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             for i in T.unroll(v_elems * 4):
                 o[i] = T.float32(0)
             # The warps take the chunk's steps in turn, each loading its next step's keys
-            # while it computes with this one's.
-            load_step(k_next, v_next, row, b, hk, start + ty * STEP, end, g, quad)
+            # while it computes with this one's (and, paged, locating the step after).
+            if paged:
+                locate_step(rows, b, start + ty * STEP, end, g, quad)
+            load_step(k_next, v_next, rows, b, hk, start + ty * STEP, end, g, quad)
+            if paged:
+                locate_step(rows, b, start + (WARPS + ty) * STEP, end, g, quad)
             for it in T.serial((T.max(end - start, 0) + WARPS * STEP - 1) // (WARPS * STEP)):
                 j0 = start + (it * WARPS + ty) * STEP
                 for i in T.unroll(2 * k_elems):
                     k_reg[i] = k_next[i]
                 for i in T.unroll(4 * v_elems):
                     v_reg[i] = v_next[i]
-                load_step(k_next, v_next, row, b, hk, j0 + WARPS * STEP, end, g, quad)
+                load_step(k_next, v_next, rows, b, hk, j0 + WARPS * STEP, end, g, quad)
+                if paged:
+                    locate_step(rows, b, j0 + 2 * WARPS * STEP, end, g, quad)
                 for n in T.unroll(2):
                     for e in T.unroll(4):
                         s[n * 4 + e] = T.float32(0)
