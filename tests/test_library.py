@@ -233,7 +233,7 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
 
 @pytest.mark.parametrize(
     "heads, head_dim, dtype, layout", [((32, 8), 128, "bfloat16", "paged"), ((28, 4), 128, "float16", "bhsd"), ((16, 16), 64, "bfloat16", "ragged"),
-     ((8, 1), 128, "float16", "bshd")]
+     ((8, 1), 128, "float16", "bshd"), ((16, 16), 64, "float16", "paged")]
 )
 def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, tmp_path):
     """The tensor-core decode's chunk kernel through nvcc: no register spills (its

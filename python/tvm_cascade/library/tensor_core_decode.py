@@ -6,8 +6,10 @@ dim 128 kernel with Q's, K's and V's columns past the tensors' read as zeros).
 A block takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
 (the rows (query, head) of the group's heads, as the M dimension of the products; more
 rows take further blocks); its :data:`WARPS` warps take the chunk's 16-key steps in
-turn, each loading its next step's keys into registers while it computes this one's,
-with no reduction across lanes but the row max and sum over the four lanes of a quad:
+turn, each loading its next step's keys into registers while it computes this one's
+(in a paged layout, with the page-table entries of those keys read a step before
+them, so that a load never waits on the read that locates it), with no reduction
+across lanes but the row max and sum over the four lanes of a quad:
 
 * scores ``S[row, key] = Q[row, :] · K[key, :]``: two 16 x 8 tiles of keys. Lane ``(g,
   q)`` (``g = lane / 4``, ``q = lane % 4``) loads key ``g`` of each tile, a quarter of
