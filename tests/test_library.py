@@ -238,23 +238,25 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
 def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, tmp_path):
     """The tensor-core decode's chunk kernel through nvcc: no register spills (its
     operands and accumulators stay in registers), its products on ``mma.sync``."""
-    from tvm_cascade.library.tensor_core_decode import TensorCoreDecode, decode_kernel
+    from tvm_cascade.library.tensor_core_decode import STEPS, TensorCoreDecode, decode_kernel
 
     spec = AttentionSpec.make(*heads, head_dim, variant="sliding_window", dtype=dtype, layout=layout,
                               target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     assert TensorCoreDecode().supports(spec) is None
     executable = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target)
     source = executable.mod.imports[0].inspect_source()
-    assert source.count("mma.sync.aligned.m16n8k16") == 4 * head_dim // 16  # QK: 2 tiles x k-steps; PV: d / 8 tiles
+    # Per 16 keys of a step, QK: 2 tiles x d / 16 k-steps, PV: d / 8 tiles
+    assert source.count("mma.sync.aligned.m16n8k16") == STEPS[head_dim] // 16 * 4 * head_dim // 16
     report = ptxas_report(source, tmp_path / "decode.cu")
     (chunks,) = [part for part in report.split("Compiling entry function ") if part.startswith("'tensor_core_decode_kernel'")]
     assert " 0 bytes spill stores" in chunks
 
 
 def test_tensor_core_decode_plans_and_refuses():
-    """Chunks of whole steps of every warp fill at most about two blocks per SM, none below 256
-    keys; a sliding window's chunks cover the window, not the keys before it. CUDA from
-    sm_80, fp16/bf16, head dims from 64 to 128 (multiples of 8) only."""
+    """Chunks of whole steps of every warp (16 keys a step, 32 at head dim 64) fill at most
+    about two blocks per SM, none below 256 keys; a sliding window's chunks cover the
+    window, not the keys before it. CUDA from sm_80, fp16/bf16, head dims from 64 to 128
+    (multiples of 8) only."""
     from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
 
     family = TensorCoreDecode()
@@ -263,6 +265,8 @@ def test_tensor_core_decode_plans_and_refuses():
     gpu = type("Device", (), {"exist": True, "multi_processor_count": 132})()
     assert family.plan(spec, 1, 1, 32768, gpu) == [1024]  # 8 blocks a chunk: 33 chunks
     assert family.plan(spec, 16, 1, 8000, gpu) == [4032]  # 128 blocks a chunk: 2 chunks (3 would be 1.5 waves)
+    d64 = AttentionSpec.make(32, 8, 64, variant="causal", layout="paged", target=sm90)
+    assert family.plan(d64, 16, 1, 8000, gpu) == [4096]  # steps of 32 keys: 4 warps' steps are 128 keys
     assert family.plan(spec, 64, 1, 4096, gpu) == [4096]  # 512 blocks: one chunk
     assert family.plan(spec, 1, 1, 4096, gpu) == [256]  # never below 256 keys
     assert family.plan(spec, 1, 8, 4096, gpu) == [256]  # 4 x 8 rows: 2 passes of 16 rows

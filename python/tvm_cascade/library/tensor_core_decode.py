@@ -5,20 +5,22 @@ dim 128 kernel with Q's, K's and V's columns past the tensors' read as zeros).
 
 A block takes one chunk of a sequence's keys for up to 16 query rows of one K/V head
 (the rows (query, head) of the group's heads, as the M dimension of the products; more
-rows take further blocks); its :data:`WARPS` warps take the chunk's 16-key steps in
-turn, each loading its next step's keys into registers while it computes this one's
+rows take further blocks); its :data:`WARPS` warps take the chunk's steps of
+:data:`STEPS` keys (16 or 32: the same K and V bytes at either head dim) in turn, each
+loading its next step's keys into registers while it computes this one's
 (in a paged layout, with the page-table entries of those keys read a step before
 them, so that a load never waits on the read that locates it), with no reduction
 across lanes but the row max and sum over the four lanes of a quad:
 
-* scores ``S[row, key] = Q[row, :] · K[key, :]``: two 16 x 8 tiles of keys. Lane ``(g,
+* scores ``S[row, key] = Q[row, :] · K[key, :]``: 16 x 8 tiles of keys. Lane ``(g,
   q)`` (``g = lane / 4``, ``q = lane % 4``) loads key ``g`` of each tile, a quarter of
   its dims with 128-bit loads, and holds the B fragments of every k-step as they come:
   the sum over the head dim is taken in an order of the dims in which each lane's
   quarter is contiguous, and Q's A fragments, loaded once, follow the same order;
 * ``O[row, dim] += P[row, key] · V[key, dim]``: the scores' accumulator fragments are
-  the A fragment of ``P`` as they stand (FlashAttention-2's observation); lane ``(g,
-  q)`` loads the four keys its B fragments need, an eighth of each row's dims
+  the A fragment of ``P`` as they stand (FlashAttention-2's observation), a k-step per
+  16 keys; lane ``(g, q)`` loads the four keys of each its B fragments need, an eighth
+  of each row's dims
   (128-bit loads), and output column ``g`` of tile ``t`` is the dim those loads hold
   at ``t``.
 
@@ -28,6 +30,8 @@ running max and the repair of sum and output are those of :mod:`.split_k`, score
 log2 units.
 """
 from __future__ import annotations
+
+import functools
 
 import tvm
 from tvm import tirx
@@ -47,8 +51,10 @@ WARP = 32
 WARPS = 4
 #: Query rows (query, head) of a K/V head a warp serves: the M of m16n8k16.
 ROWS = 16
-#: Keys a warp takes per step: two 8-key tiles of scores, one k-step of P·V.
-STEP = 16
+#: Keys a warp takes per step, by the kernel's head dim: 8-key tiles of scores, a k-step
+#: of P·V per 16. A head dim 64 step of 16 keys would hold half the bytes of a 128 one
+#: for the same exchanges of the row max and sum.
+STEPS = {64: 32, 128: 16}
 #: Blocks per SM the chunk size is planned for (two fit at once), and the fewest keys a
 #: chunk takes (a chunk's set-up and merge repay only a few steps of every warp). Swept
 #: on an H200 over chunk sizes at Llama-3-8B/70B and MHA decode shapes.
@@ -57,7 +63,7 @@ LEAST_CHUNK = 256
 #: The kernel's head dims (its lanes' K and V loads tile 32 and 64 dims); one between
 #: runs the next one's kernel (:func:`.spec.kernel_head_dim`).
 HEAD_DIMS = (64, 128)
-#: Key rows a lane loads a step: two of K, four of V.
+#: Key rows a lane loads per 16 keys of a step: two of K, four of V.
 LANE_KEYS = 6
 _PTX_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -90,7 +96,8 @@ class TensorCoreDecode(RuntimeLengthsOnly):
         :data:`BLOCKS_PER_SM` blocks run per SM (one wave), none shorter than
         :data:`LEAST_CHUNK`."""
         blocks = batch * spec.heads_kv * -(-spec.group * maximum(max_q, 1) // ROWS)
-        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * STEP, LEAST_CHUNK,
+        step = STEPS[kernel_head_dim(spec.head_dim, HEAD_DIMS)]
+        return [plan_chunk_keys(spec, blocks, max_q, max_kv, device, BLOCKS_PER_SM, WARPS * step, LEAST_CHUNK,
                                 whole_waves=True)]
 
     def compile_target(self, target):
@@ -119,7 +126,10 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     ptx = _PTX_TYPE[dtype]
     k_steps, k_elems, v_elems = d // 16, d // 4, d // 8
     out = tirx.decl_buffer(view.out_shape, dtype, "out")
-    chunks = chunking(spec, view, WARPS * STEP, LEAST_CHUNK)
+    step = STEPS[d]
+    # 16-key groups of a step: a k-step of P·V each
+    groups = step // 16
+    chunks = chunking(spec, view, WARPS * step, LEAST_CHUNK)
     num_chunks, chunk_keys = chunks.count, chunks.keys
     lse = view.lse_buffer()
     passes = (group * view.rows + ROWS - 1) // ROWS
@@ -175,30 +185,36 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         return j0 + n * 8 + g
 
     def v_key(j0, kk, quad):
-        """Key ``kk`` of the four a lane loads an eighth of the values of at the step at ``j0``."""
-        return j0 + 2 * quad + kk % 2 + 8 * (kk // 2)
+        """Key ``kk`` of the four per 16 keys a lane loads an eighth of the values of at
+        the step at ``j0``."""
+        return j0 + 16 * (kk // 4) + 2 * quad + kk % 2 + 8 * (kk % 4 // 2)
 
     @T.macro
     def locate_step(rows, b, j0, end, g, quad):
-        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows`` (the two of
-        K, then the four of V)."""
-        for n in T.unroll(2):
+        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows`` (those of
+        K, then those of V)."""
+        for n in T.unroll(2 * groups):
             if k_key(j0, n, g) < end:
                 locate(rows, n, b, k_key(j0, n, g))
-        for kk in T.unroll(4):
+        for kk in T.unroll(4 * groups):
             if v_key(j0, kk, quad) < end:
-                locate(rows, 2 + kk, b, v_key(j0, kk, quad))
+                locate(rows, 2 * groups + kk, b, v_key(j0, kk, quad))
 
     @T.macro
     def load_step(k_buf, v_buf, rows, b, hk, j0, end, g, quad):
-        """The keys of the step at ``j0`` a lane needs: keys ``g`` and ``8 + g`` (a quarter
-        of their dims each) and keys ``2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
-        for n in T.unroll(2):
+        """The keys of the step at ``j0`` a lane needs: keys ``8 n + g`` (a quarter of their
+        dims each) and keys ``16 n + 2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
+        for n in T.unroll(2 * groups):
             load_row(k_buf, n * k_elems, rows, n if paged else 0, b, hk, k_key(j0, n, g), end, view.key_at,
                      k_elems // 8, _k_dim, quad)
-        for kk in T.unroll(4):
-            load_row(v_buf, kk * v_elems, rows, 2 + kk if paged else 0, b, hk, v_key(j0, kk, quad), end,
+        for kk in T.unroll(4 * groups):
+            load_row(v_buf, kk * v_elems, rows, 2 * groups + kk if paged else 0, b, hk, v_key(j0, kk, quad), end,
                      view.value_at, v_elems // 8, _v_dim, g)
+
+    def row_max(s, half):
+        """The largest of a lane's scores of row ``g + 8 half``."""
+        pairs = [T.max(s[n * 4 + half * 2], s[n * 4 + half * 2 + 1]) for n in range(2 * groups)]
+        return functools.reduce(T.max, pairs)
 
     @T.prim_func(private=True, check_well_formed=False)
     def body():
@@ -212,20 +228,20 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             ty = T.launch_thread("threadIdx.y", WARPS)
             staged = T.alloc_local((2 * k_elems,), dtype)
             q_frag = T.alloc_local((k_steps * 8,), dtype)
-            k_reg = T.alloc_local((2 * k_elems,), dtype)
-            v_reg = T.alloc_local((4 * v_elems,), dtype)
-            k_next = T.alloc_local((2 * k_elems,), dtype)
-            v_next = T.alloc_local((4 * v_elems,), dtype)
+            k_reg = T.alloc_local((2 * groups * k_elems,), dtype)
+            v_reg = T.alloc_local((4 * groups * v_elems,), dtype)
+            k_next = T.alloc_local((2 * groups * k_elems,), dtype)
+            v_next = T.alloc_local((4 * groups * v_elems,), dtype)
             k_frag = T.alloc_local((4,), dtype)
             v_frag = T.alloc_local((4,), dtype)
-            s = T.alloc_local((8,), ACC)
-            p = T.alloc_local((8,), dtype)
+            s = T.alloc_local((8 * groups,), ACC)
+            p = T.alloc_local((8 * groups,), dtype)
             o = T.alloc_local((v_elems * 4,), ACC)
             m = T.alloc_local((2,), ACC)
             l = T.alloc_local((2,), ACC)
             m_new = T.alloc_local((1,), ACC)
             repair = T.alloc_local((1,), ACC)
-            rows = T.alloc_local(((LANE_KEYS if paged else 1) * row_parts,), "int32")
+            rows = T.alloc_local(((LANE_KEYS * groups if paged else 1) * row_parts,), "int32")
             merged_m = T.alloc_shared((WARPS, ROWS), ACC)
             merged_l = T.alloc_shared((WARPS, ROWS), ACC)
             merged_o = T.alloc_shared((WARPS, ROWS, d), ACC)
@@ -260,20 +276,20 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             # The warps take the chunk's steps in turn, each loading its next step's keys
             # while it computes with this one's (and, paged, locating the step after).
             if paged:
-                locate_step(rows, b, start + ty * STEP, end, g, quad)
-            load_step(k_next, v_next, rows, b, hk, start + ty * STEP, end, g, quad)
+                locate_step(rows, b, start + ty * step, end, g, quad)
+            load_step(k_next, v_next, rows, b, hk, start + ty * step, end, g, quad)
             if paged:
-                locate_step(rows, b, start + (WARPS + ty) * STEP, end, g, quad)
-            for it in T.serial((T.max(end - start, 0) + WARPS * STEP - 1) // (WARPS * STEP)):
-                j0 = start + (it * WARPS + ty) * STEP
-                for i in T.unroll(2 * k_elems):
+                locate_step(rows, b, start + (WARPS + ty) * step, end, g, quad)
+            for it in T.serial((T.max(end - start, 0) + WARPS * step - 1) // (WARPS * step)):
+                j0 = start + (it * WARPS + ty) * step
+                for i in T.unroll(2 * groups * k_elems):
                     k_reg[i] = k_next[i]
-                for i in T.unroll(4 * v_elems):
+                for i in T.unroll(4 * groups * v_elems):
                     v_reg[i] = v_next[i]
-                load_step(k_next, v_next, rows, b, hk, j0 + WARPS * STEP, end, g, quad)
+                load_step(k_next, v_next, rows, b, hk, j0 + WARPS * step, end, g, quad)
                 if paged:
-                    locate_step(rows, b, j0 + 2 * WARPS * STEP, end, g, quad)
-                for n in T.unroll(2):
+                    locate_step(rows, b, j0 + 2 * WARPS * step, end, g, quad)
+                for n in T.unroll(2 * groups):
                     for e in T.unroll(4):
                         s[n * 4 + e] = T.float32(0)
                     for t in T.unroll(k_steps):
@@ -281,12 +297,12 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                             k_frag[e] = k_reg[n * k_elems + t * 4 + e]
                         T.evaluate(mma(q_frag, t * 8, k_frag, 0, s, n * 4))
                 # s[4n + e]: row g + 8 (e // 2), key 8n + 2 quad + e % 2 of the step.
-                for e in T.unroll(8):
+                for e in T.unroll(8 * groups):
                     rr = bz * ROWS + g + 8 * (e % 4 // 2)
                     j = j0 + e // 4 * 8 + 2 * quad + e % 2
                     s[e] = T.if_then_else(j < end, score(s[e], b, hk * group + rr % group, rr // group, j), NEG_INF)
                 for half in T.unroll(2):
-                    m_new[0] = T.max(T.max(s[half * 2], s[half * 2 + 1]), T.max(s[4 + half * 2], s[5 + half * 2]))
+                    m_new[0] = row_max(s, half)
                     for k in T.unroll(2):
                         m_new[0] = T.max(m_new[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), m_new[0], 1 << k, 32))
                     m_new[0] = T.max(m_new[0], m[half])
@@ -296,14 +312,15 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                         for e in T.unroll(2):
                             o[i * 4 + half * 2 + e] = o[i * 4 + half * 2 + e] * repair[0]
                     m[half] = m_new[0]
-                for e in T.unroll(8):
+                for e in T.unroll(8 * groups):
                     s[e] = T.exp2(s[e] - finite(m[e % 4 // 2]))
                     l[e % 4 // 2] = l[e % 4 // 2] + s[e]
                     p[e] = T.Cast(dtype, s[e])
-                for i in T.unroll(v_elems):
-                    for kk in T.unroll(4):
-                        v_frag[kk] = v_reg[kk * v_elems + i]
-                    T.evaluate(mma(p, 0, v_frag, 0, o, i * 4))
+                for n in T.unroll(groups):
+                    for i in T.unroll(v_elems):
+                        for kk in T.unroll(4):
+                            v_frag[kk] = v_reg[(n * 4 + kk) * v_elems + i]
+                        T.evaluate(mma(p, n * 8, v_frag, 0, o, i * 4))
             # The warps' states merged: each repaired to the rows' common max.
             for half in T.unroll(2):
                 for k in T.unroll(2):
