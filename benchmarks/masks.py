@@ -8,7 +8,8 @@ side by side on one GPU.
 Decode shapes take a ``[b, 1, 1, skv]`` padding mask hiding a tenth of the keys at
 random; prefill shapes a ``[b, 1, s, s]`` causal mask with the first eighth of the keys
 hidden (left padding; the padded rows see every key), beside the causal kernel without a
-mask (which skips the tiles above the diagonal; a mask tensor is not known to skip any).
+mask (which skips the tiles above the diagonal; the prefill reading a mask skips the key
+tiles the mask hides from every row of a row tile, found by a scan of the mask first).
 Every output is checked first against float32 SDPA with the boolean mask; a peer that is
 wrong or fails shows its reason instead of a time (FlashAttention-2 takes no mask).
 Times are medians of CUDA-event timed calls with the L2 cache flushed before each

@@ -92,11 +92,16 @@ def masked_case(mask, batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype, 
     else:
         m = np.where(rng.random(shape) < 0.3, -1e4, rng.standard_normal(shape)).astype(mask.dtype)
         term = m.astype(np.float64)
-    group = heads_q // heads_kv
+    return (q, k, v, m), masked_reference(q, k, v, term)
+
+
+def masked_reference(q, k, v, term):
+    """float64 attention of bhsd ``q, k, v`` with ``term`` added to the scaled scores
+    (broadcast as a mask tensor is; a row that sees no key: zeros)."""
+    group = q.shape[1] // k.shape[1]
     k64, v64 = (np.repeat(x.astype(np.float64), group, axis=1) for x in (k, v))
-    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k64) / np.sqrt(head_dim) + term
+    s = np.einsum("bhid,bhjd->bhij", q.astype(np.float64), k64) / np.sqrt(q.shape[-1]) + term
     top = s.max(-1, keepdims=True)
     p = np.where(np.isfinite(top), np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
     total = p.sum(-1, keepdims=True)
-    ref = np.einsum("bhij,bhjd->bhid", np.divide(p, total, out=np.zeros_like(p), where=total > 0), v64)
-    return (q, k, v, m), ref
+    return np.einsum("bhij,bhjd->bhid", np.divide(p, total, out=np.zeros_like(p), where=total > 0), v64)

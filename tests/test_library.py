@@ -313,6 +313,41 @@ def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, t
         assert remark not in report, report
 
 
+def test_mask_key_tiles_serve_variants_without_terms_of_position():
+    """The key tiles a mask tensor shows are found for variants with no term of a key's
+    position (global, softcap): a causal mask, a window or ALiBi, which the scan of the
+    mask does not see, keep their own tiles."""
+    from tvm_cascade.library import mask_ranges
+
+    for variant in VARIANTS + [AttentionVariant("alibi", alibi=True)]:
+        spec = AttentionSpec.make(16, 4, 128, variant=variant, mask=MaskTensor("float16"))
+        reason = mask_ranges.unsupported(spec)
+        if variant.name in ("global", "softcap"):
+            assert reason is None
+        else:
+            assert "own terms of a key's position" in reason
+    assert mask_ranges.unsupported(AttentionSpec.make(16, 4, 128)) == "no mask tensor"
+
+
+@pytest.mark.parametrize("variant", ["global", "causal"])
+def test_a_mask_tensors_key_tiles_are_found_first(variant, tmp_path):
+    """With a mask tensor and a variant without terms of a key's position, the prefill's
+    function first clears each row tile's range of key tiles, then scans the mask's rows
+    (a warp each, the range widened by atomics), and its row tiles read only those (the
+    GPU test file checks it); a causal one reads its own tiles. Through nvcc: no spills
+    in the scan."""
+    found = variant == "global"
+    kernel = _kernel("bhsd", 16, 4, 128, variant=variant, dtype="float16", target={"kind": "cuda", "arch": "sm_90a"},
+                     mask=MaskTensor("float16"))
+    first = kernel.mod["warp_specialized_prefill"].body.seq[0]
+    assert isinstance(first, tvm.tirx.AllocBuffer) == found
+    assert not found or first.buffer.name == "mask_key_tiles"
+    source = kernel.module.imports[0].inspect_source()
+    assert ("atomicMin" in source and "atomicMax" in source) == found
+    report = ptxas_report(source, tmp_path / "kernels.cu")
+    assert not re.search(r"[1-9]\d* bytes spill stores", report), report
+
+
 @pytest.mark.parametrize(
     "kwargs, reason",
     [

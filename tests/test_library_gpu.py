@@ -6,9 +6,10 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, reference
+from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, masked_reference, reference
 from tvm_cascade.library import KernelArgumentError, attention_kernel
-from tvm_cascade.library.spec import UNIFORM_LAYOUTS
+from tvm_cascade.library.spec import UNIFORM_LAYOUTS, MaskTensor
+from tvm_cascade.schedules.warp_specialized import key_tile
 from tvm_cascade.ops import testing as tt
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -173,4 +174,38 @@ def test_mask_tensor(mask, head_dim, seq_q, seq_kv, family):
     dev = tvm.cuda(0)
     args = [tvm.runtime.tensor(x, dev) for x in (q, k, v, m)]
     assert kernel.plan(*args).family.name == family
+    check(kernel(*args).numpy(), ref, "float16")
+
+
+@pytest.mark.parametrize("mask", [MaskTensor("bool", heads=False), MaskTensor("float16", queries=False)],
+                         ids=lambda m: m.describe())
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_warp_specialized_prefill_reads_only_the_key_tiles_a_mask_shows(mask, head_dim):
+    """Key tiles a mask tensor hides from every row (a causal mask and padding as a
+    boolean tensor; padding as an additive float16 one, -65504 on hidden keys) hold NaN
+    in K and V: the prefill does not read them (the ranges its first kernels find). A
+    row tile whose rows all see no key reads one tile and gives zeros."""
+    batch, seq, valid = 2, 700, (300, 650)
+    kernel = attention_kernel(8, 2, head_dim, variant="global", dtype="float16", layout="bhsd", target="cuda",
+                              mask=mask)
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((batch, 8, seq, head_dim)).astype("float16")
+    k, v = (rng.standard_normal((batch, 2, seq, head_dim)).astype("float16") for _ in range(2))
+    keys = np.arange(seq)
+    shown = keys[None, :] < np.array(valid)[:, None]  # [b, key]
+    if mask.dtype == "bool":
+        m = (keys[None, None, :, None] >= keys[None, None, None, :]) & shown[:, None, None, :]
+        m[1, :, :128] = False
+        term = np.where(m, 0.0, -np.inf)
+    else:
+        m = np.where(shown, 0, -65504).astype("float16")[:, None, None, :]
+        term = m.astype(np.float64)
+    ref = masked_reference(q, k, v, term)
+    tile = key_tile(head_dim)
+    for b, n in enumerate(valid):
+        k[b, :, -(-n // tile) * tile :] = np.nan
+        v[b, :, -(-n // tile) * tile :] = np.nan
+    dev = tvm.cuda(0)
+    args = [tvm.runtime.tensor(x, dev) for x in (q, k, v, m)]
+    assert kernel.plan(*args).family.name == "warp_specialized_prefill"
     check(kernel(*args).numpy(), ref, "float16")

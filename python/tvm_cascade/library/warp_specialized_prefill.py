@@ -19,7 +19,9 @@ shorter sequence's rows are skipped. Each layout is a set of TMA maps over its t
   sequence does not have read as TMA's zeros (a coordinate past the map).
 
 Keys past a sequence's end in its last tile are masked, and their V rows cleared in
-shared memory before P·V reads them (a page's unused rows may hold anything).
+shared memory before P·V reads them (a page's unused rows may hold anything). A mask
+tensor's row tiles read only the key tiles it shows some of their rows, where the
+variant has no term of a key's position (:mod:`.mask_ranges`).
 
 Its schedule of static lengths (:mod:`.static_lengths`) is
 :mod:`tvm_cascade.schedules.warp_specialized`'s: ``ops.attention`` fused by the traced
@@ -33,6 +35,7 @@ from tvm import tirx
 
 from ..schedules import prefill
 from ..schedules import warp_specialized as ws
+from . import mask_ranges
 from .layouts import views
 from .spec import CACHE_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .split_k import LOG2E, maximum, minimum, sm_count
@@ -137,7 +140,8 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         if view.mask is None:
             return laid
         # The mask tensor follows q, k and v.
-        return replace(laid, params=laid.params[:3] + view.inputs[3:] + laid.params[3:], mask=_masked(spec, view))
+        return replace(laid, params=laid.params[:3] + view.inputs[3:] + laid.params[3:], mask=_masked(spec, view),
+                       key_ranges=_key_ranges(spec, view, padded))
     keys = ws.key_tile(padded)
     buffers = {t.name: t for t in view.inputs if isinstance(t, tirx.Buffer)}
     q = buffers["q"]
@@ -155,7 +159,7 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         lse_index=view.lse_index,
         batch=view.batch, rows=view.rows, q_len=view.query_length, kv_len=view.key_length,
         q_map=tokens(q, hq, ws.ROWS), q_at=lambda b, h, r0: (h, first_q(b) + r0), out_index=view.out_index,
-        mask=_masked(spec, view),
+        mask=_masked(spec, view), key_ranges=_key_ranges(spec, view, padded),
     )
     if spec.layout in ("ragged", "bshd", "kv_ragged"):
         k, v = buffers["k"], buffers["v"]
@@ -187,6 +191,14 @@ def _masked(spec, view):
         return None
     hidden, log2e = tirx.const(ws.MASKED_SCORE, "float32"), tirx.const(LOG2E, "float32")
     return lambda s, b, h, i, j: tirx.max(s + view.mask(b, h, i, j) * log2e, hidden)
+
+
+def _key_ranges(spec, view, head_dim):
+    """The :attr:`~tvm_cascade.schedules.warp_specialized.Tiles.key_ranges` of the view's
+    mask tensor (:mod:`.mask_ranges`), or None where its tiles are the variant's."""
+    if mask_ranges.unsupported(spec) is not None:
+        return None
+    return mask_ranges.MaskRanges(spec, view, ws.key_tile(head_dim))
 
 
 def _packed(spec, view, buffers):

@@ -349,6 +349,12 @@ class Tiles:
     #: ``mask(score, b, h, row, key)``: the score (log2 units) under a mask tensor (a
     #: parameter), no lower than :data:`MASKED_SCORE`; None: no mask tensor.
     mask: Optional[Callable] = None
+    #: Key tiles beyond which a row tile's rows see no key, found by kernels the
+    #: function runs first (a mask tensor's: :class:`~tvm_cascade.library.mask_ranges.MaskRanges`):
+    #: ``key_range(b, h, r0)``, ``(lo, hi)`` narrowing the variant's own tiles
+    #: (:func:`key_tiles`) for the row tile from ``r0``, and ``prepend(func)``, ``func``
+    #: with those kernels first; None: the variant's tiles.
+    key_ranges: Optional[object] = None
     #: The tensors' head dim where it is less than ``head_dim``, the kernel's (a multiple
     #: of 64): TMA fills Q's, K's and V's columns past it with zeros (adding nothing to
     #: Q·Kᵀ, making zero output columns), and only its columns are stored; None: the
@@ -830,6 +836,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 for e in T.vectorized(2):
                     store(tiles.out, b, h, row, 8 * n + 2 * (lane % 4) + e, final(outputs, n, e), seq_q)
 
+    def tile_range(b, h, r0, seq_q, seq_kv):
+        """The key tiles ``[lo, hi)`` the row tile from ``r0`` reads."""
+        lo, hi = key_tiles(r0, seq_q, seq_kv, variant, keys)
+        if tiles.key_ranges is None:
+            return lo, hi
+        least, most = tiles.key_ranges.key_range(b, h, r0)
+        return T.max(lo, least), T.min(hi, most)
+
     @T.macro
     def rows_of(role, state, bx, rank, smem, full, empty, q_full, q_empty, counts):
         """Run ``role`` (:func:`produce` or :func:`finish`) on each row tile the block
@@ -845,7 +859,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 seq_q = tiles.q_len(b)
                 seq_kv = tiles.kv_len(b)
                 r0 = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile) * ROWS
-                lo, hi = T.meta_var(key_tiles(r0, seq_q, seq_kv, variant, keys))
+                lo, hi = T.meta_var(tile_range(b, h, r0, seq_q, seq_kv))
                 n_tiles = hi - lo
                 # (a row tile past a shorter sequence's rows has no work)
                 if r0 < seq_q:
@@ -920,7 +934,10 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             tx = T.launch_thread("threadIdx.x", THREADS)
             block(q_map, k_map, v_map, bx, 0, tx)
 
-    return tvm.tirx.PrimFunc(tiles.params, main.body).with_attr("global_symbol", "main")
+    func = tvm.tirx.PrimFunc(tiles.params, main.body)
+    if tiles.key_ranges is not None:
+        func = tiles.key_ranges.prepend(func)
+    return func.with_attr("global_symbol", "main")
 
 
 def design_space(variant):
