@@ -6,7 +6,6 @@ torch and matplotlib are optional: the tests that need them skip without them.
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -388,6 +387,29 @@ def test_shape_runner_rewrites_its_json_after_each_shape(tmp_path, monkeypatch, 
 # --------------------------------------------------------------------------- CLI
 
 
+def _cuda_gpu():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def run_ahead(item, tmp_path_factory):
+    """The ``python -m`` run, from the repository, of a command-line test item, started
+    ahead of it (see ``runs_ahead.py``): each is a second or three of imports."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if item.originalname == "test_cli_without_gpu_skips" and not _cuda_gpu():
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        )
+        return {"args": [sys.executable, "-m", *params["command"]], "cwd": REPO, "env": env, "timeout": 300}
+    if item.originalname == "test_cli_rejects_unknown_configurations_and_arguments":
+        return {"args": [sys.executable, "-m", f"benchmarks.{params['module']}", *params["args"]], "cwd": REPO,
+                "timeout": 300}
+    return None
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -408,25 +430,10 @@ def test_shape_runner_rewrites_its_json_after_each_shape(tmp_path, monkeypatch, 
         ["benchmarks.kv_cache"],
     ],
 )
-def test_cli_without_gpu_skips(command):
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("a CUDA GPU is present: the harness would run")
-    except ImportError:
-        pass
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", *command],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_cli_without_gpu_skips(command, runs_ahead, request):
+    if _cuda_gpu():
+        pytest.skip("a CUDA GPU is present: the harness would run")
+    proc = runs_ahead.result(request.node)
     assert proc.returncode == 0, proc.stderr
     assert "skipping" in proc.stdout
 
@@ -480,14 +487,8 @@ def test_compare_trees_builds_each_tree_in_its_own_process(tmp_path, monkeypatch
         ),
     ],
 )
-def test_cli_rejects_unknown_configurations_and_arguments(module, args, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{module}", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_cli_rejects_unknown_configurations_and_arguments(module, args, message, runs_ahead, request):
+    proc = runs_ahead.result(request.node)
     assert proc.returncode == 2
     assert message in proc.stderr
 

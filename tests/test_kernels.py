@@ -252,14 +252,22 @@ def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_row
     )
 
 
-def test_installed_package_finds_its_records(tmp_path):
+def run_ahead(item, tmp_path_factory):
+    """The ``pip install`` of :func:`test_installed_package_finds_its_records`, started
+    ahead of it (see ``runs_ahead.py``): ten seconds and more of building."""
+    if item.originalname != "test_installed_package_finds_its_records":
+        return None
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path_factory.mktemp("installed") / "site"
+    return {"args": [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(root)]}
+
+
+def test_installed_package_finds_its_records(tmp_path, runs_ahead, request):
     """``pip install .`` (not editable: a wheel built in an isolated environment, C++ core
     included) into a folder of its own; the package imported from there finds the tuned
     records it ships."""
-    root = Path(__file__).resolve().parents[1]
-    site = tmp_path / "site"
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(root)],
-                             capture_output=True, text=True)
+    install = runs_ahead.result(request.node)
+    site = Path(install.args[install.args.index("--target") + 1])
     if install.returncode and "satisfies the requirement" in install.stderr:
         pytest.skip("the isolated build's requirements (setuptools, tvm-ffi) cannot be fetched here: no package index")
     assert install.returncode == 0, install.stderr

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -103,14 +102,18 @@ def test_unusable_entries_are_rebuilt(cache_dir, monkeypatch, damage):
 
 _WORKER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
+    from pathlib import Path
     import numpy as np
     import tvm_cascade
     from tvm_cascade.library import attention_kernel
     from tvm_cascade.ops import testing as tt
     from tvm_cascade.ops.reference import sequence_attention_ref
-    start = float(sys.argv[1])
-    while time.time() < start:
+    ready, workers = Path(sys.argv[1]), int(sys.argv[2])
+    (ready / str(os.getpid())).touch()
+    deadline = time.time() + 120
+    while len(list(ready.iterdir())) < workers:
+        assert time.time() < deadline, "the other workers did not get past their imports"
         time.sleep(0.005)
     for _ in range(3):
         kernel = attention_kernel(4, 2, 16, variant="causal", dtype="float32", layout="ragged", target="llvm")
@@ -128,9 +131,11 @@ def test_concurrent_processes(cache_dir, tmp_path):
     and the entry left behind loads."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    start = time.time() + 8  # past every worker's imports
+    # Each worker starts building once all are past their imports.
+    ready = tmp_path / "ready"
+    ready.mkdir()
     workers = [
-        subprocess.Popen([sys.executable, str(script), str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([sys.executable, str(script), str(ready), "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
         for _ in range(3)
     ]

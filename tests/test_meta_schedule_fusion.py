@@ -17,7 +17,7 @@ from tvm_cascade.meta_schedule import GPU_LANES, SKIP, cascade_space
 from tvm_cascade.ops import cascades, testing
 from tvm_cascade.ops import reference as R
 
-from test_meta_schedule import TARGET, clear_capture_handlers, tune_briefly
+from test_meta_schedule import TARGET, build_without_tensor_intrinsics, clear_capture_handlers, tune_briefly
 
 LLVM = tvm.target.Target(TARGET)
 FUSIONS = ("RollingUpdate", "SplitKUpdate")
@@ -177,7 +177,7 @@ def test_tune_relax_finds_the_fused_attention_of_a_model(tmp_path):
         mod, params={}, target=LLVM, work_dir=str(tmp_path), max_trials_global=4, num_trials_per_iter=4,
         space=cascade_space(unfused=False),
         strategy=ms.search_strategy.EvolutionarySearch(population_size=8, init_min_unmeasured=4),
-        builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=300),
+        builder=ms.builder.LocalBuilder(f_build=build_without_tensor_intrinsics(), max_workers=1, timeout_sec=300),
         runner=ms.runner.LocalRunner(timeout_sec=300), seed=0,
     )
     database = cascade_trace.JSONDatabase(work_dir=str(tmp_path))

@@ -1,6 +1,6 @@
 """The end-to-end examples run on the CPU: both pipelines agree with the reference."""
 
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -9,41 +9,71 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _run(script, *args):
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300
-    )
+def _runs_example(command, needs=None):
+    """Marks a test that checks the output of an example run: ``command(**the test's
+    parameters)``, the script and its arguments, run in a folder of its own; ``needs``:
+    a module the script imports, without which it is not run (the test skips)."""
+
+    def mark(test):
+        test.example_run = command, needs
+        return test
+
+    return mark
+
+
+def run_ahead(item, tmp_path_factory):
+    """The example run of a test marked by :func:`_runs_example`, started ahead of it
+    (see ``runs_ahead.py``)."""
+    marked = getattr(item.function, "example_run", None)
+    if marked is None:
+        return None
+    command, needs = marked
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        return None
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    script, *args = command(**params)
+    return {"args": [sys.executable, str(EXAMPLES / script), *args], "cwd": tmp_path_factory.mktemp("example"),
+            "timeout": 300}
+
+
+def _output(runs_ahead, request):
+    """The output of the example run of ``request``'s test, which exits 0."""
+    result = runs_ahead.result(request.node)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
-def test_llama_block_fuses_attention_and_matches_numpy():
-    out = _run("llama_block.py", "--shapes", "1x31,8x40")
+@_runs_example(lambda: ["llama_block.py", "--shapes", "1x31,8x40"])
+def test_llama_block_fuses_attention_and_matches_numpy(runs_ahead, request):
+    out = _output(runs_ahead, request)
     assert "attention kernels: 1" in out
     assert out.count("|default - cascade|") == 2
 
 
-def test_llama_block_attention_tuned_by_metaschedule(tmp_path):
+@_runs_example(lambda: ["llama_block.py", "--tune", "4", "--shapes", "1x63", "--work-dir", "tuning"])
+def test_llama_block_attention_tuned_by_metaschedule(runs_ahead, request):
     """``--tune``: ``tune_relax`` over the grouped attention's fused schedules measures
     fusions, the records apply to the block, and the block matches numpy."""
-    out = _run("llama_block.py", "--tune", "4", "--shapes", "1x63", "--work-dir", str(tmp_path))
+    out = _output(runs_ahead, request)
     assert "attention: 4 schedules measured, 4 of them fused; the best fused" in out
     assert "tuned, seq 1, past 63" in out
 
 
+@_runs_example(lambda attention: ["torch_export.py", "--seq", "32", "--attention", attention], needs="torch")
 @pytest.mark.parametrize("attention", ["sdpa", "manual"])
-def test_torch_export_fuses_attention_and_matches_pytorch(attention):
+def test_torch_export_fuses_attention_and_matches_pytorch(attention, runs_ahead, request):
     pytest.importorskip("torch")
-    out = _run("torch_export.py", "--seq", "32", "--attention", attention)
+    out = _output(runs_ahead, request)
     assert "attention kernels: 1" in out
     assert "|cascade - ref|" in out
 
 
-def test_torch_export_with_a_dynamic_length_matches_pytorch():
+@_runs_example(lambda: ["torch_export.py", "--seq", "32,17", "--dynamic"], needs="torch")
+def test_torch_export_with_a_dynamic_length_matches_pytorch(runs_ahead, request):
     """``--dynamic``: the exported length is symbolic; both pipelines compile once and
     agree at every length."""
     pytest.importorskip("torch")
-    out = _run("torch_export.py", "--seq", "32,17", "--dynamic")
+    out = _output(runs_ahead, request)
     assert out.count("attention kernels:") == 1
     assert "seq 32 (dynamic)" in out and "seq 17 (dynamic)" in out
 
@@ -72,13 +102,15 @@ def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(seq, past, fami
     assert [p.name for p in kernels[0].params][3] == "mask"
 
 
+@_runs_example(lambda attention, dtype: ["torch_export.py", "--seq", "32", "--attention", attention, "--dtype", dtype],
+               needs="torch")
 @pytest.mark.parametrize("attention, dtype", [("manual", "float16"), ("sdpa", "bfloat16")])
-def test_torch_export_in_16_bits_matches_pytorch(attention, dtype):
+def test_torch_export_in_16_bits_matches_pytorch(attention, dtype, runs_ahead, request):
     """``--dtype float16`` / ``bfloat16``: the example's converters (matmuls accumulated in
     float32; bfloat16 layer norms in float32) let TVM import and compile the block;
     attention is fused and both pipelines agree with PyTorch in float64."""
     pytest.importorskip("torch")
-    out = _run("torch_export.py", "--seq", "32", "--attention", attention, "--dtype", dtype)
+    out = _output(runs_ahead, request)
     assert "attention kernels: 1" in out and f"seq 32, {attention}, {dtype}" in out
 
 

@@ -25,7 +25,7 @@ from tvm_cascade.rpc_tuning import (
     count_servers, create_session, parse_tracker, remote_cuda_target, resolve_runner, rpc_config, rpc_runner,
 )
 
-from test_meta_schedule import TARGET, clear_capture_handlers
+from test_meta_schedule import TARGET, build_without_tensor_intrinsics, clear_capture_handlers
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
@@ -115,21 +115,6 @@ def _kill_mid_session(server_pid, records, after, killed_at, stop, settled=0.1):
         time.sleep(0.002)
 
 
-def _build_without_tensor_intrinsics():
-    """MetaSchedule's default build less its import of TVM's tensor intrinsics, half a
-    minute in each builder process (which the builder starts anew each round); llvm
-    candidates of logsumexp use none. A closure, so that it reaches the builder's
-    processes by value."""
-
-    def build(mod, target, _params):
-        from tvm.driver import build as tvm_build
-        from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-        return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
-
-    return build
-
-
 def test_tracker_address_and_runner_arguments_are_checked():
     assert parse_tracker("10.0.0.1:9190") == ("10.0.0.1", 9190)
     assert parse_tracker("[::1]:9190") == ("::1", 9190)
@@ -203,7 +188,7 @@ def test_tuning_finishes_on_the_server_left_when_one_is_lost(fleet, tmp_path):
     try:
         tune_tir(
             func, TARGET, str(tmp_path), TRIALS, num_trials_per_iter=PER_ROUND, rpc_tracker=address, rpc_key=KEY,
-            builder=ms.builder.LocalBuilder(f_build=_build_without_tensor_intrinsics(), max_workers=2, timeout_sec=120),
+            builder=ms.builder.LocalBuilder(f_build=build_without_tensor_intrinsics(), max_workers=2, timeout_sec=120),
             strategy=ms.search_strategy.EvolutionarySearch(population_size=8, init_min_unmeasured=4),
             cost_model="random", num_tuning_cores=1, seed=0,
         )

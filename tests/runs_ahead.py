@@ -1,0 +1,80 @@
+"""Subprocesses of the session's tests, started ahead of the tests that check them.
+
+The pytest process keeps one core busy, which leaves the second core of the two-core CI
+machine idle. A test that only waits on a subprocess of its own (an example script, a
+command-line entry point, ``pip install``) has its module say so in a function
+``run_ahead(item, tmp_path_factory)``: the run of test item ``item``, a dict of
+``subprocess.run``'s arguments (output captured as text), or None. The session's
+``runs_ahead`` fixture (``conftest.py``) starts the runs of all its selected tests when
+it starts, one at a time in the tests' order, and such a test checks the result of its
+own run (:meth:`RunsAhead.result`)."""
+import os
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+#: One run at a time: the other core is the pytest process's.
+WORKERS = 1
+
+
+class RunsAhead:
+    """The runs of ``items`` that their modules' ``run_ahead`` give, in the environment
+    and working directory of the process when made (a test's ``monkeypatch`` of either
+    does not reach a run started meanwhile) unless a run names its own."""
+
+    def __init__(self, items, tmp_path_factory):
+        self._tmp_path_factory = tmp_path_factory
+        self._defaults = {"env": dict(os.environ), "cwd": os.getcwd()}
+        self._pool = ThreadPoolExecutor(WORKERS)
+        self._futures = {}
+        self._running = set()
+        self._closed = False
+        self._lock = threading.Lock()
+        for item in items:
+            self._future(item)
+
+    def _future(self, item):
+        if item.nodeid not in self._futures:
+            run_of = getattr(getattr(item, "module", None), "run_ahead", None)
+            run = None if run_of is None else run_of(item, self._tmp_path_factory)
+            self._futures[item.nodeid] = None if run is None else self._pool.submit(self._run, **{**self._defaults, **run})
+        return self._futures[item.nodeid]
+
+    def _run(self, args, timeout=None, **kwargs):
+        """``subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)``
+        whose process :meth:`close` can kill."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session's runs ahead are closed")
+            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+            self._running.add(process)
+        with process:
+            try:
+                stdout, stderr = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise
+            finally:
+                with self._lock:
+                    self._running.discard(process)
+        return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+    def result(self, item) -> subprocess.CompletedProcess:
+        """The finished run of test item ``item``; raises what ``subprocess.run`` would
+        (``TimeoutExpired`` past the run's ``timeout``)."""
+        future = self._future(item)
+        assert future is not None, f"{item.module.__name__}.run_ahead gives {item.nodeid} no run"
+        return future.result()
+
+    def close(self):
+        """Drops the runs not started and kills those under way (a session stopped
+        early checks neither)."""
+        for future in self._futures.values():
+            if future is not None:
+                future.cancel()
+        with self._lock:
+            self._closed = True
+            for process in self._running:
+                process.kill()
+        self._pool.shutdown(wait=True)
