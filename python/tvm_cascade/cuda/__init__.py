@@ -4,3 +4,6 @@ fragments to registers (``tensor_cores.build``), and the passes it and the prefi
 run (``copy_waits``, ``cast_offsets``, ``software_pipeline``, ``async_prologue``,
 ``dependent_launch``, ``merged_tiles``, ``wgmma_batches``), with ``padding``, the
 inlining of padded inputs into the kernels' loads."""
+
+#: The mask of a warp's 32 lanes, for the shuffles every lane of a warp takes part in.
+ALL_LANES = 0xFFFFFFFF

@@ -9,7 +9,7 @@ first group's columns from ``2 (lane % 4)``, an odd one the second group's from
 """
 from tvm.script import tirx as T
 
-ALL_LANES = 0xFFFFFFFF
+from . import ALL_LANES
 
 
 @T.macro
@@ -21,6 +21,22 @@ def trade_halves(four, lane, first, second):
         got = T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), T.if_then_else(lane % 2 == 1, first(e), second(e)), 1, 32)
         four[e] = T.if_then_else(lane % 2 == 1, got, first(e))
         four[2 + e] = T.if_then_else(lane % 2 == 1, second(e), got)
+
+
+@T.macro
+def store_four(out, ov, four, row, col, m, n, part_n):
+    """Row ``row``'s four columns from ``col`` (:func:`first_column`) of ``four``, cast
+    through ``ov`` to ``out``'s dtype, stored in ``out`` [m, n] where they lie in it: one
+    8-byte store, or column by column where ``part_n`` (columns may lie past ``n``)."""
+    for e in T.unroll(4):
+        ov[e] = T.Cast(out.dtype, four[e])
+    if row < m:
+        if part_n:
+            for e in T.unroll(4):
+                if col + e < n:
+                    out[row, col + e] = ov[e]
+        else:
+            out.vstore([row, col], ov.vload([0], f"{out.dtype}x4"))
 
 
 def first_column(lane):

@@ -29,7 +29,6 @@ from .spec import CACHE_LAYOUTS
 #: Query rows a sequence may have for the split-k decode families to serve it.
 QUERIES = 8
 LOG2E = math.log2(math.e)
-ALL_LANES = 0xFFFFFFFF
 ACC = "float32"
 NEG_INF = T.float32("-inf")
 

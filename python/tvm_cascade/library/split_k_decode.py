@@ -29,13 +29,13 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..cuda import mma16x8, tensor_cores
+from ..cuda import ALL_LANES, mma16x8, tensor_cores
 from ..schedules import decode
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import AttentionSpec
 from .split_k import (
-    ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
+    ACC, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
     maximum, plan_chunk_keys, score_of, sm_count, unsupported,
 )
 

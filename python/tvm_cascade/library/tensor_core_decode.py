@@ -37,12 +37,13 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda import ALL_LANES
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
 from .spec import PAGED_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
-    ACC, ALL_LANES, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
+    ACC, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
     maximum, plan_chunk_keys, score_of, unsupported,
 )
 

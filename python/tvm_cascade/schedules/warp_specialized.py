@@ -71,6 +71,7 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
+from ..cuda import ALL_LANES
 from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand, register_fence
@@ -90,7 +91,6 @@ SHARED_BYTES = 227 * 1024
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
 MASKED_SCORE = float(np.finfo(np.float32).min)
 _LOG2E = math.log2(math.e)
-ALL_LANES = 0xFFFFFFFF
 #: A TMA copy of a tile of the given rank into shared memory, completing on an mbarrier.
 TMA_COPY = "cp.async.bulk.tensor.{}d.shared::cluster.global.mbarrier::complete_tx::bytes"
 #: wgmma's names of the 16-bit input types.

@@ -60,7 +60,8 @@ from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
 from ..analysis.scope import buffer_params
-from ..cuda.accumulator_stores import first_column, trade_halves
+from ..cuda import ALL_LANES
+from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
@@ -68,7 +69,7 @@ from ..ops import cascades
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
-from .warp_specialized import ALL_LANES, PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
+from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
 from .warp_specialized_gemm import tma_kernel
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
@@ -582,15 +583,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                 row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
                 trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
                              lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
-                for e in T.unroll(4):
-                    ov[e] = T.Cast(out_dtype, four[e])
-                if row < m:
-                    if part_n:
-                        for e in T.unroll(4):
-                            if col + e < n:
-                                out[row, col + e] = ov[e]
-                    else:
-                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x4"))
+                store_four(out, ov, four, row, col, m, n, part_n)
 
     produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
 

@@ -47,7 +47,8 @@ from tvm.ir import expr as ir_expr
 from tvm.script import tirx as T
 
 from ..analysis.scope import buffer_params
-from ..cuda.accumulator_stores import first_column, trade_halves
+from ..cuda import ALL_LANES
+from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..errors import FusionError
@@ -56,7 +57,7 @@ from ..primitives import ir
 from ..primitives.row_scales import find_gemm
 # (the producer and two consumer warpgroups, the shared memory of an sm_90 block: as the
 # attention kernel's)
-from .warp_specialized import ALL_LANES, PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
+from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -456,15 +457,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                 row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
                 col = T.meta_var(c0 + 16 * p + first_column(lane))
                 trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * ss[g], lambda e: acc[8 * p + 4 + 2 * g + e] * ss[g])
-                for e in T.unroll(4):
-                    ov[e] = T.Cast(out_dtype, four[e])
-                if row < m:
-                    if part_n:
-                        for e in T.unroll(4):
-                            if col + e < n:
-                                out[row, col + e] = ov[e]
-                    else:
-                        out.vstore([row, col], ov.vload([0], f"{out_dtype}x4"))
+                store_four(out, ov, four, row, col, m, n, part_n)
 
     @T.macro
     def produce(x_map, w_map, smem, full, empty, r0, c0):
