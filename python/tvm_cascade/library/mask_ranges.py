@@ -30,6 +30,7 @@ from typing import Optional
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda import ALL_LANES
 from ..schedules import warp_specialized as ws
 from .spec import AttentionSpec
 
@@ -113,7 +114,7 @@ class MaskRanges:
                         if k * WARP + lane < seq_kv:
                             top[0] = T.max(top[0], value(b, h, i, k * WARP + lane))
                     for s in T.unroll(5):
-                        top[0] = T.max(top[0], T.cuda.__shfl_xor_sync(T.uint32(0xFFFFFFFF), top[0], 1 << s, WARP))
+                        top[0] = T.max(top[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), top[0], 1 << s, WARP))
                     first[0] = seq_kv
                     last[0] = -1
                     for k in T.serial((seq_kv + WARP - 1) // WARP):
@@ -122,8 +123,8 @@ class MaskRanges:
                                 first[0] = T.min(first[0], k * WARP + lane)
                                 last[0] = k * WARP + lane
                     for s in T.unroll(5):
-                        first[0] = T.min(first[0], T.cuda.__shfl_xor_sync(T.uint32(0xFFFFFFFF), first[0], 1 << s, WARP))
-                        last[0] = T.max(last[0], T.cuda.__shfl_xor_sync(T.uint32(0xFFFFFFFF), last[0], 1 << s, WARP))
+                        first[0] = T.min(first[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), first[0], 1 << s, WARP))
+                        last[0] = T.max(last[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), last[0], 1 << s, WARP))
                     if lane == 0 and last[0] >= 0:
                         T.evaluate(widen("atomicMin", (b, h, i // ws.ROWS, 0), first[0] // keys))
                         T.evaluate(widen("atomicMax", (b, h, i // ws.ROWS, 1), last[0] // keys + 1))
