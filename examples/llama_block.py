@@ -194,15 +194,15 @@ def _standalone_kernel(args):
     return attention_kernel(args.heads_q, args.heads_kv, args.hidden // args.heads_q, dtype=args.dtype, mask=mask)
 
 
-def _standalone_tensors(args, seq, past):
+def _standalone_tensors(args, seq, past, mask):
     """Random torch tensors of the shapes the block's attention has at ``seq`` new tokens
-    over ``past``: q, k, v and the mask."""
+    over ``past`` (q, k, v), and the block's ``mask`` (numpy) on the GPU."""
     import torch
 
     d, dtype = args.hidden // args.heads_q, getattr(torch, args.dtype)
     q = torch.randn(1, args.heads_q, seq, d, dtype=dtype, device="cuda")
     k, v = (torch.randn(1, args.heads_kv, past + seq, d, dtype=dtype, device="cuda") for _ in "kv")
-    return q, k, v, torch.zeros(1, 1, seq, past + seq, dtype=dtype, device="cuda")
+    return q, k, v, torch.from_numpy(mask.astype(np.float32)).to(device="cuda", dtype=dtype)
 
 
 def main():
@@ -246,7 +246,7 @@ def main():
             report(f"seq {seq}, past {past}", outs, expected, tol, times)
             if alone is not None:
                 report_attention(cascade, data + list(params.values()), "forward", alone,
-                                 _standalone_tensors(args, seq, past))
+                                 _standalone_tensors(args, seq, past, data[3]))
 
 
 if __name__ == "__main__":

@@ -177,35 +177,41 @@ def test_mask_tensor(mask, head_dim, seq_q, seq_kv, family):
     check(kernel(*args).numpy(), ref, "float16")
 
 
-@pytest.mark.parametrize("mask", [MaskTensor("bool", heads=False), MaskTensor("float16", queries=False)],
-                         ids=lambda m: m.describe())
+@pytest.mark.parametrize("mask", [MaskTensor("bool", heads=False), MaskTensor("float16", queries=False),
+                                  MaskTensor("bfloat16", queries=False)], ids=lambda m: m.describe())
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_warp_specialized_prefill_reads_only_the_key_tiles_a_mask_shows(mask, head_dim):
-    """Key tiles a mask tensor hides from every row (a causal mask and padding as a
-    boolean tensor; padding as an additive float16 one, -65504 on hidden keys) hold NaN
-    in K and V: the prefill does not read them (the ranges its first kernels find). A
-    row tile whose rows all see no key reads one tile and gives zeros."""
+    """Key tiles a mask tensor hides from every row hold NaN in K and V: the prefill does
+    not read them (the ranges its first kernels find). The masks: a causal mask and
+    right padding as a boolean tensor; right padding as an additive float16 one (-65504
+    on hidden keys); left and right padding as a bfloat16 one written for float16
+    (-1e4, which bfloat16 rounds to -9984), on bfloat16 tensors. A row tile whose rows
+    all see no key reads one tile and gives zeros."""
     batch, seq, valid = 2, 700, (300, 650)
-    kernel = attention_kernel(8, 2, head_dim, variant="global", dtype="float16", layout="bhsd", target="cuda",
+    dtype = "bfloat16" if mask.dtype == "bfloat16" else "float16"
+    kernel = attention_kernel(8, 2, head_dim, variant="global", dtype=dtype, layout="bhsd", target="cuda",
                               mask=mask)
     rng = np.random.default_rng(9)
-    q = rng.standard_normal((batch, 8, seq, head_dim)).astype("float16")
-    k, v = (rng.standard_normal((batch, 2, seq, head_dim)).astype("float16") for _ in range(2))
+    q = rng.standard_normal((batch, 8, seq, head_dim)).astype(tt.np_dtype(dtype))
+    k, v = (rng.standard_normal((batch, 2, seq, head_dim)).astype(tt.np_dtype(dtype)) for _ in range(2))
     keys = np.arange(seq)
-    shown = keys[None, :] < np.array(valid)[:, None]  # [b, key]
+    first = (0, 200) if mask.dtype == "bfloat16" else (0, 0)
+    shown = (keys[None, :] < np.array(valid)[:, None]) & (keys[None, :] >= np.array(first)[:, None])  # [b, key]
     if mask.dtype == "bool":
         m = (keys[None, None, :, None] >= keys[None, None, None, :]) & shown[:, None, None, :]
         m[1, :, :128] = False
         term = np.where(m, 0.0, -np.inf)
     else:
-        m = np.where(shown, 0, -65504).astype("float16")[:, None, None, :]
+        m = np.where(shown, 0, -1e4 if mask.dtype == "bfloat16" else -65504).astype(tt.np_dtype(mask.dtype))
+        m = m[:, None, None, :]
         term = m.astype(np.float64)
     ref = masked_reference(q, k, v, term)
     tile = key_tile(head_dim)
     for b, n in enumerate(valid):
-        k[b, :, -(-n // tile) * tile :] = np.nan
-        v[b, :, -(-n // tile) * tile :] = np.nan
+        for part in (slice(-(-n // tile) * tile, None), slice(0, first[b] // tile * tile)):
+            k[b, :, part] = np.nan
+            v[b, :, part] = np.nan
     dev = tvm.cuda(0)
     args = [tvm.runtime.tensor(x, dev) for x in (q, k, v, m)]
     assert kernel.plan(*args).family.name == "warp_specialized_prefill"
-    check(kernel(*args).numpy(), ref, "float16")
+    check(kernel(*args).numpy(), ref, dtype)

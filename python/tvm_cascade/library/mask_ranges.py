@@ -8,16 +8,22 @@ tensor hides about half of them). Two small kernels run first, in the prefill's
 function:
 
 - one clears each row tile's range (``[lo, hi)`` key tiles: empty);
-- one scans the mask's rows, a warp each: the row's largest entry ``top``, then the
-  first and the last key whose entry is above ``top -`` :data:`MARGIN`; its key tiles
-  widen its row tile's range (atomic min and max).
+- one scans the mask's rows, a warp each, in one pass: the first and the last key of
+  the row not hidden by a larger entry (below); their key tiles widen the row tile's
+  range (atomic min and max).
 
-An entry at least :data:`MARGIN` below its row's largest hides its key: its weight
-beside the largest's is at most ``exp(s - s' - MARGIN)`` for the two keys' scaled
-scores ``s, s'``, zero in float32 unless they differ by more than ``MARGIN - 104``. A
-boolean mask's hidden keys are exactly its False ones. A row whose entries all hide
-(all ``-inf``, or False) sees no key whatever is read and widens nothing; a row tile
-no row of which sees a key reads one tile (its rows' outputs are zeros).
+An entry at least :data:`MARGIN` below another of its row hides its key: its weight
+beside the other's is at most ``exp(s - s' - MARGIN)`` for the two keys' scaled scores
+``s, s'``, zero in float32 unless they differ by more than ``MARGIN - 104``. Each lane
+keeps the largest entry it has read (``top``) and the first and last key it has read
+not so hidden by ``top``; an entry above ``top + MARGIN`` hides every key the lane read
+before it, so the lane starts over. The keys kept are those no larger entry hides (for
+a mask of two values, 0 and ``-inf`` or a large negative number, exactly its visible
+keys; else perhaps more, which the prefill reads and masks). A boolean mask's hidden
+keys are exactly its False ones. A row whose entries all hide (all ``-inf``, or False)
+sees no key whatever is read and widens nothing; a row tile no row of which sees a key
+reads one tile (its rows' outputs are zeros). The loads come :data:`UNROLL` at a time
+into registers before their comparisons, so that a lane has that many in flight.
 
 Ranges serve variants that hide no key and add no bias by position themselves (no
 causal mask, window or ALiBi, whose terms the scan does not see); the prefill of other
@@ -34,11 +40,14 @@ from ..cuda import ALL_LANES
 from ..schedules import warp_specialized as ws
 from .spec import AttentionSpec
 
-#: How far below its row's largest a mask entry hides its key (natural units, as the mask
-#: is added to the scaled scores).
-MARGIN = 1e4
+#: How far below another entry of its row a mask entry hides its key (natural units, as
+#: the mask is added to the scaled scores): well below the -1e4 that masks written for
+#: float16 use, which bfloat16 rounds to -9984.
+MARGIN = 5e3
 #: Mask rows a block of the scan takes, a warp each.
 WARPS = 4
+#: Loads a lane of the scan issues before comparing them.
+UNROLL = 8
 WARP = 32
 _EMPTY = 2**30
 
@@ -101,6 +110,8 @@ class MaskRanges:
             with T.launch_thread("blockIdx.x", (n_rows + WARPS - 1) // WARPS) as bx:
                 tx = T.launch_thread("threadIdx.x", WARP * WARPS)
                 top = T.alloc_local((1,), "float32")
+                row_top = T.alloc_local((1,), "float32")
+                read = T.alloc_local((UNROLL,), "float32")
                 first = T.alloc_local((1,), "int32")
                 last = T.alloc_local((1,), "int32")
                 r = bx * WARPS + tx // WARP
@@ -110,18 +121,31 @@ class MaskRanges:
                     h = r // rows % heads
                     i = r % rows
                     top[0] = neg_inf
-                    for k in T.serial((seq_kv + WARP - 1) // WARP):
-                        if k * WARP + lane < seq_kv:
-                            top[0] = T.max(top[0], value(b, h, i, k * WARP + lane))
-                    for s in T.unroll(5):
-                        top[0] = T.max(top[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), top[0], 1 << s, WARP))
                     first[0] = seq_kv
                     last[0] = -1
-                    for k in T.serial((seq_kv + WARP - 1) // WARP):
-                        if k * WARP + lane < seq_kv:
-                            if value(b, h, i, k * WARP + lane) > top[0] - T.float32(MARGIN):
-                                first[0] = T.min(first[0], k * WARP + lane)
-                                last[0] = k * WARP + lane
+                    for k in T.serial((seq_kv + WARP * UNROLL - 1) // (WARP * UNROLL)):
+                        for u in T.unroll(UNROLL):
+                            j = (k * UNROLL + u) * WARP + lane
+                            # A clamped index, not a condition: the loads issue together.
+                            read[u] = value(b, h, i, T.min(j, seq_kv - 1))
+                        for u in T.unroll(UNROLL):
+                            j = (k * UNROLL + u) * WARP + lane
+                            read[u] = T.if_then_else(j < seq_kv, read[u], neg_inf)
+                            if read[u] > top[0] + T.float32(MARGIN):
+                                top[0] = read[u]
+                                first[0] = j
+                                last[0] = j
+                            elif read[u] > top[0] - T.float32(MARGIN):
+                                top[0] = T.max(top[0], read[u])
+                                first[0] = T.min(first[0], j)
+                                last[0] = j
+                    # A lane whose largest entry the row's hides read no key the row sees.
+                    row_top[0] = top[0]
+                    for s in T.unroll(5):
+                        row_top[0] = T.max(row_top[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), row_top[0], 1 << s, WARP))
+                    if top[0] <= row_top[0] - T.float32(MARGIN):
+                        first[0] = seq_kv
+                        last[0] = -1
                     for s in T.unroll(5):
                         first[0] = T.min(first[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), first[0], 1 << s, WARP))
                         last[0] = T.max(last[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), last[0], 1 << s, WARP))
