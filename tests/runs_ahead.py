@@ -2,9 +2,7 @@
 
 The pytest process keeps one core busy, which leaves the second core of the two-core CI
 machine idle. A test that only waits on a subprocess of its own (an example script, a
-command-line entry point, ``pip install``) has its module say so in a function
-``run_ahead(item, tmp_path_factory)``: the run of test item ``item``, a dict of
-``subprocess.run``'s arguments (output captured as text), or None. The session's
+command-line entry point, ``pip install``) is marked by :func:`runs`. The session's
 ``runs_ahead`` fixture (``conftest.py``) starts the runs of all its selected tests when
 it starts, one at a time in the tests' order, and such a test checks the result of its
 own run (:meth:`RunsAhead.result`)."""
@@ -17,8 +15,19 @@ from concurrent.futures import ThreadPoolExecutor
 WORKERS = 1
 
 
+def runs(make):
+    """Marks a test whose run ``make(tmp_path_factory, **the test's parameters)`` gives: a
+    dict of ``subprocess.run``'s arguments (output captured as text), or None (no run)."""
+
+    def mark(test):
+        test.run_ahead = make
+        return test
+
+    return mark
+
+
 class RunsAhead:
-    """The runs of ``items`` that their modules' ``run_ahead`` give, in the environment
+    """The runs of the ``items`` :func:`runs` marks, in the environment
     and working directory of the process when made (a test's ``monkeypatch`` of either
     does not reach a run started meanwhile) unless a run names its own."""
 
@@ -35,8 +44,9 @@ class RunsAhead:
 
     def _future(self, item):
         if item.nodeid not in self._futures:
-            run_of = getattr(getattr(item, "module", None), "run_ahead", None)
-            run = None if run_of is None else run_of(item, self._tmp_path_factory)
+            make = getattr(getattr(item, "function", None), "run_ahead", None)
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            run = None if make is None else make(self._tmp_path_factory, **params)
             self._futures[item.nodeid] = None if run is None else self._pool.submit(self._run, **{**self._defaults, **run})
         return self._futures[item.nodeid]
 
@@ -64,7 +74,7 @@ class RunsAhead:
         """The finished run of test item ``item``; raises what ``subprocess.run`` would
         (``TimeoutExpired`` past the run's ``timeout``)."""
         future = self._future(item)
-        assert future is not None, f"{item.module.__name__}.run_ahead gives {item.nodeid} no run"
+        assert future is not None, f"{item.nodeid} is not marked with a run (runs_ahead.runs)"
         return future.result()
 
     def close(self):

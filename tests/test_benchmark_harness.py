@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 from benchmarks import configs, reference, report  # noqa: E402
 from benchmarks.configs import OPERATORS, Config, suite  # noqa: E402
 from benchmarks.report import NA, OK, WRONG, Cell  # noqa: E402
+from runs_ahead import runs  # noqa: E402
 
 
 def _op(kind, name):
@@ -395,19 +396,19 @@ def _cuda_gpu():
     return torch.cuda.is_available()
 
 
-def run_ahead(item, tmp_path_factory):
-    """The ``python -m`` run, from the repository, of a command-line test item, started
-    ahead of it (see ``runs_ahead.py``): each is a second or three of imports."""
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    if item.originalname == "test_cli_without_gpu_skips" and not _cuda_gpu():
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        )
-        return {"args": [sys.executable, "-m", *params["command"]], "cwd": REPO, "env": env, "timeout": 300}
-    if item.originalname == "test_cli_rejects_unknown_configurations_and_arguments":
-        return {"args": [sys.executable, "-m", f"benchmarks.{params['module']}", *params["args"]], "cwd": REPO,
-                "timeout": 300}
-    return None
+def _cli_run(module, args, **kwargs):
+    """The ``python -m module args`` run, from the repository, of a command-line test,
+    started ahead of it (see ``runs_ahead.py``): each is a second or three of imports."""
+    return {"args": [sys.executable, "-m", module, *args], "cwd": REPO, "timeout": 300, **kwargs}
+
+
+def _run_without_gpu(_, command):
+    """:func:`test_cli_without_gpu_skips`'s run, the repository on ``PYTHONPATH``; none on a
+    machine with a CUDA GPU (the test skips)."""
+    if _cuda_gpu():
+        return None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return _cli_run(command[0], command[1:], env=env)
 
 
 @pytest.mark.parametrize(
@@ -430,6 +431,7 @@ def run_ahead(item, tmp_path_factory):
         ["benchmarks.kv_cache"],
     ],
 )
+@runs(_run_without_gpu)
 def test_cli_without_gpu_skips(command, runs_ahead, request):
     if _cuda_gpu():
         pytest.skip("a CUDA GPU is present: the harness would run")
@@ -487,6 +489,7 @@ def test_compare_trees_builds_each_tree_in_its_own_process(tmp_path, monkeypatch
         ),
     ],
 )
+@runs(lambda _, module, args, message: _cli_run(f"benchmarks.{module}", args))
 def test_cli_rejects_unknown_configurations_and_arguments(module, args, message, runs_ahead, request):
     proc = runs_ahead.result(request.node)
     assert proc.returncode == 2

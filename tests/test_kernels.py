@@ -16,6 +16,7 @@ from tvm_cascade import kernels, ops
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import random_attention_inputs
+from runs_ahead import runs
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 GPU = tvm.cuda(0).exist
@@ -252,16 +253,15 @@ def test_wgmma_prefill_kernels_match_the_reference(variant, keys, rows, warp_row
     )
 
 
-def run_ahead(item, tmp_path_factory):
+def _pip_install(tmp_path_factory):
     """The ``pip install`` of :func:`test_installed_package_finds_its_records`, started
     ahead of it (see ``runs_ahead.py``): ten seconds and more of building."""
-    if item.originalname != "test_installed_package_finds_its_records":
-        return None
     root = Path(__file__).resolve().parents[1]
     site = tmp_path_factory.mktemp("installed") / "site"
     return {"args": [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(root)]}
 
 
+@runs(_pip_install)
 def test_installed_package_finds_its_records(tmp_path, runs_ahead, request):
     """``pip install .`` (not editable: a wheel built in an isolated environment, C++ core
     included) into a folder of its own; the package imported from there finds the tuned

@@ -1048,9 +1048,10 @@ def test_checked_in_records_replay_into_prefill_schedules(monkeypatch):
 
 def test_tuning_builder_processes_build_design_space_samples(monkeypatch):
     """MetaSchedule's builder processes, as ``kernels.tune`` starts them (fresh
-    interpreters), build a sample of the design space: their initializer registers the
-    build function and TVM's CUDA tensor intrinsics, whose index maps the CUDA codegen
-    reads."""
+    interpreters running ``kernels.builder_init``), build a sample of the design space:
+    the build function is found there and the sample compiles. (Whether the sample's
+    CUDA needs the tensor intrinsics the initializer registers is not checked: it
+    compiles without them.)"""
     from tvm.s_tir import meta_schedule as ms
 
     # LocalBuilder's constructor starts a process of its own, running the initializer

@@ -5,35 +5,25 @@ import sys
 from pathlib import Path
 
 import pytest
+from runs_ahead import runs
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def _runs_example(command, needs=None):
-    """Marks a test that checks the output of an example run: ``command(**the test's
-    parameters)``, the script and its arguments, run in a folder of its own; ``needs``:
-    a module the script imports, without which it is not run (the test skips)."""
+    """Marks a test that checks the output of an example run (started ahead of it, see
+    ``runs_ahead.py``): ``command(**the test's parameters)``, the script and its
+    arguments, run in a folder of its own; ``needs``: a module the script imports,
+    without which it is not run (the test skips)."""
 
-    def mark(test):
-        test.example_run = command, needs
-        return test
+    def make(tmp_path_factory, **params):
+        if needs is not None and importlib.util.find_spec(needs) is None:
+            return None
+        script, *args = command(**params)
+        return {"args": [sys.executable, str(EXAMPLES / script), *args], "cwd": tmp_path_factory.mktemp("example"),
+                "timeout": 300}
 
-    return mark
-
-
-def run_ahead(item, tmp_path_factory):
-    """The example run of a test marked by :func:`_runs_example`, started ahead of it
-    (see ``runs_ahead.py``)."""
-    marked = getattr(item.function, "example_run", None)
-    if marked is None:
-        return None
-    command, needs = marked
-    if needs is not None and importlib.util.find_spec(needs) is None:
-        return None
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    script, *args = command(**params)
-    return {"args": [sys.executable, str(EXAMPLES / script), *args], "cwd": tmp_path_factory.mktemp("example"),
-            "timeout": 300}
+    return runs(make)
 
 
 def _output(runs_ahead, request):
