@@ -376,6 +376,24 @@ def _causal_below(threshold):
     return seen
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_mask_of_minus_ten_thousand_in_the_models_type_is_causal(dtype):
+    """A causal ``where(seen, 0, -1e4)`` in the model's type (bfloat16 rounds -1e4 to
+    -9984) hides keys: the chain is the causal variant, no mask tensor read."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 300, 64), dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 300, 1, "int64")), axis=[-1]))
+            cols = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 300, 1, "int64")), axis=[-2]))
+            mask = bb.emit(relax.op.where(bb.emit(_causal_rows(bb, rows, cols)), relax.const(0.0, dtype),
+                                          relax.const(-1e4, dtype)))
+            s = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(x, [0, 1, 3, 2])))), mask))
+            out = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), x))
+        bb.emit_func_output(out)
+    assert list(_kernels(_dispatch(bb.get()))) == [f"attention_warp_specialized_prefill_bhsd_h4x4_d64_{dtype}_causal"]
+
+
 def test_masks_over_a_symbolic_length_are_read_at_several_lengths():
     """A mask built of ``arange``s over a symbolic length: causal, or a sliding window
     whose width shows only at lengths past it, is the library's variant; a mask that is

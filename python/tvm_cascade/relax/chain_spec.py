@@ -40,11 +40,14 @@ import tvm
 from tvm import relax
 
 from ..analysis.chain import substitute
+from ..library.mask_ranges import MARGIN
 from ..library.spec import MaskTensor
 from ..ops.variants import AttentionVariant
 
-#: An additive mask's entries at or below this hide a key (``-1e9``, ``finfo.min``...).
-MASKED_BELOW = -1e4
+#: An additive mask's entries at or below this hide a key (``-1e9``, ``finfo.min``, the
+#: ``-1e4`` of masks written for float16, which bfloat16 rounds to -9984...): as the mask
+#: tensors' scan takes them (:data:`~tvm_cascade.library.mask_ranges.MARGIN`).
+MASKED_BELOW = -MARGIN
 #: The largest integer constant of a mask over symbolic lengths that :func:`sample_lengths`
 #: checks past (at lengths up to twice it).
 LONGEST_SAMPLE = 1 << 13
