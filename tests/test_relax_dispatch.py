@@ -334,21 +334,25 @@ def test_torch_export_with_a_dynamic_length_is_one_kernel():
     assert call.op.name == "relax.call_tir" and not isinstance(call.ty.shape.values[2], tirx.IntImm)
 
 
-def _arange_mask_chain(length, seen):
-    """Self-attention over ``length`` positions (symbolic or not) whose additive mask is
-    ``where(seen(rows, cols), 0, -1e9)``: ``rows``/``cols`` the [n, 1] and [1, n]
-    ``arange``s of the queries and keys (emitted relax expressions)."""
+def _arange_mask_chain(length, seen, dtype="float16", mask_dtype="float32", fill=-1e9):
+    """Self-attention over ``length`` positions (symbolic or not) of ``dtype`` whose
+    additive mask is ``where(seen(rows, cols), 0, fill)`` in ``mask_dtype``, the type the
+    softmax computes in: ``rows``/``cols`` the [n, 1] and [1, n] ``arange``s of the
+    queries and keys (emitted relax expressions)."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 4, length, 64), "float16"))
+    x = relax.Var("x", relax.TensorType((1, 4, length, 64), dtype))
     with bb.function("main", [x]):
         with bb.dataflow():
             rows = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, length, 1, "int64")), axis=[-1]))
             cols = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, length, 1, "int64")), axis=[-2]))
-            mask = bb.emit(relax.op.where(bb.emit(seen(bb, rows, cols)), relax.const(0.0, "float32"),
-                                          relax.const(-1e9, "float32")))
+            mask = bb.emit(relax.op.where(bb.emit(seen(bb, rows, cols)), relax.const(0.0, mask_dtype),
+                                          relax.const(fill, mask_dtype)))
             s = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(x, [0, 1, 3, 2]))))
-            s = bb.emit(relax.op.add(bb.emit(relax.op.astype(s, "float32")), mask))
-            p = bb.emit(relax.op.astype(bb.emit(relax.op.nn.softmax(s, axis=-1)), "float16"))
+            if mask_dtype != dtype:
+                s = bb.emit(relax.op.astype(s, mask_dtype))
+            p = bb.emit(relax.op.nn.softmax(bb.emit(relax.op.add(s, mask)), axis=-1))
+            if mask_dtype != dtype:
+                p = bb.emit(relax.op.astype(p, dtype))
             out = bb.emit_output(relax.op.matmul(p, x))
         bb.emit_func_output(out)
     return bb.get()
@@ -380,18 +384,8 @@ def _causal_below(threshold):
 def test_a_mask_of_minus_ten_thousand_in_the_models_type_is_causal(dtype):
     """A causal ``where(seen, 0, -1e4)`` in the model's type (bfloat16 rounds -1e4 to
     -9984) hides keys: the chain is the causal variant, no mask tensor read."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 4, 300, 64), dtype))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            rows = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 300, 1, "int64")), axis=[-1]))
-            cols = bb.emit(relax.op.expand_dims(bb.emit(relax.op.arange(0, 300, 1, "int64")), axis=[-2]))
-            mask = bb.emit(relax.op.where(bb.emit(_causal_rows(bb, rows, cols)), relax.const(0.0, dtype),
-                                          relax.const(-1e4, dtype)))
-            s = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(x, [0, 1, 3, 2])))), mask))
-            out = bb.emit_output(relax.op.matmul(bb.emit(relax.op.nn.softmax(s, axis=-1)), x))
-        bb.emit_func_output(out)
-    assert list(_kernels(_dispatch(bb.get()))) == [f"attention_warp_specialized_prefill_bhsd_h4x4_d64_{dtype}_causal"]
+    mod = _arange_mask_chain(300, _causal_rows, dtype=dtype, mask_dtype=dtype, fill=-1e4)
+    assert list(_kernels(_dispatch(mod))) == [f"attention_warp_specialized_prefill_bhsd_h4x4_d64_{dtype}_causal"]
 
 
 def test_masks_over_a_symbolic_length_are_read_at_several_lengths():
