@@ -368,6 +368,28 @@ def test_tuning_searches_the_kernels_space_beside_the_tensor_cores_on_hopper():
         kernels.design_space(func, ampere, variant, spaces=("warp-specialized",))
 
 
+def _grid(func):
+    """The extent of ``func``'s ``blockIdx.x``."""
+    extents = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.AttrStmt) and node.attr_key == "thread_extent" and node.node.thread_tag == "blockIdx.x":
+            extents.append(int(node.value))
+
+    tvm_ffi.structural_walk(func.body, visit)
+    return extents
+
+
+@pytest.mark.parametrize("batch, seq, cluster, grid", [(8, 1024, 1, 132), (1, 256, 1, 16), (1, 256, 2, 16)])
+def test_blocks_are_persistent_without_a_cluster(batch, seq, cluster, grid):
+    """Without a cluster the kernel of static lengths launches a block per SM (132
+    without a GPU to ask), or per row tile where there are fewer, each taking row tiles
+    in turn, as the runtime-length kernel does; a cluster launches a block per row tile."""
+    func = ws.attention(batch, 8, 2, seq, seq, 128, VARIANTS["causal"], ws.WarpSpecializedConfig(cluster=cluster))
+    sms = tvm.cuda(0).multi_processor_count if tvm.cuda(0).exist else 132
+    assert _grid(func) == [min(grid, sms) if cluster == 1 else grid]
+
+
 def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_tiles():
     """``cluster=2`` (through ``compile_attention``'s schedule path, whose annotation
     carries it): the cluster launch, K and V multicast, stages released in both blocks;

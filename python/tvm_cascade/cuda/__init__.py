@@ -7,3 +7,8 @@ inlining of padded inputs into the kernels' loads."""
 
 #: The mask of a warp's 32 lanes, for the shuffles every lane of a warp takes part in.
 ALL_LANES = 0xFFFFFFFF
+
+
+def sm_count(device) -> int:
+    """``device``'s SMs (an H100/H200's where the device is not there to ask)."""
+    return device.multi_processor_count if device.exist else 132

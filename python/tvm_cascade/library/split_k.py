@@ -22,6 +22,7 @@ from typing import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda import sm_count
 from ..ops.flex_attention import NO_KEYS_LSE, variant_te_mods
 from ..schedules.warp_specialized import repair_factor
 from .spec import CACHE_LAYOUTS
@@ -222,11 +223,6 @@ def combine_kernel(spec, view, chunks: Chunking, out, lse=None, threads=128):
                             )
 
     return combine
-
-
-def sm_count(device) -> int:
-    """``device``'s SMs (an H100/H200's where the device is not there to ask)."""
-    return device.multi_processor_count if device.exist else 132
 
 
 def plan_chunk_keys(spec, blocks, max_q, max_kv, device, per_sm: int, step: int, least: int, whole_waves: bool):

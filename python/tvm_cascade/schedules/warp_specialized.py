@@ -71,7 +71,7 @@ from ..errors import FusionError
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
-from ..cuda import ALL_LANES
+from ..cuda import ALL_LANES, sm_count
 from ..cuda.accumulator_stores import first_column, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import fence_operand, register_fence
@@ -341,7 +341,8 @@ class Tiles:
     q_at: Callable
     kv_at: Callable
     out_index: Callable
-    #: The grid's blocks (a scalar parameter, persistent blocks), or None: a block per row tile.
+    #: The grid's blocks (persistent, each taking row tiles in turn: a scalar parameter, or an int), or
+    #: None: a block per row tile.
     blocks: object = None
     #: ``lse_index(b, h, row)``: where row ``row`` of sequence ``b`` stores its base-2
     #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
@@ -413,11 +414,18 @@ def bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype="float16
 
 def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config=WarpSpecializedConfig(), dtype="float16"):
     """The kernel's PrimFunc for ``q[b, hq, sq, d], k/v[b, hkv, skv, d] -> out`` (like
-    ``ops.attention``'s ``main``); :func:`unsupported` must hold None for it."""
+    ``ops.attention``'s ``main``); :func:`unsupported` must hold None for it. Without a
+    cluster its blocks are persistent, one per SM (or per row tile where there are
+    fewer) as the runtime-length kernel's (:mod:`tvm_cascade.library.warp_specialized_prefill`):
+    a block's next row tile's loads overlap its last one's epilogue."""
     refusal = cluster_unsupported(config.cluster, heads_q, heads_kv, seq_q, variant)
     if refusal:
         raise ValueError(refusal)
-    return kernel(bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype), variant, config)
+    tiles = bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype)
+    if config.cluster == 1:
+        row_tiles = batch * heads_q * -(-seq_q // ROWS)
+        tiles = dataclasses.replace(tiles, blocks=min(row_tiles, sm_count(tvm.cuda(0))))
+    return kernel(tiles, variant, config)
 
 
 def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
