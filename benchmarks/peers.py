@@ -15,6 +15,7 @@ from typing import Callable, Dict, Tuple
 from .configs import Config
 
 TVM_CASCADE = "tvm-cascade"
+TVM_CASCADE_RUNTIME = "tvm-cascade-runtime"
 #: Dynamo's recompile limits: at the default (8) every further FlexAttention shape or
 #: score_mod silently falls back to an unfused eager path.
 DYNAMO_RECOMPILE_LIMIT = 256
@@ -53,6 +54,18 @@ def tvm_cascade(cfg: Config, q, k, v, config=None) -> Built:
     except NotImplementedError as err:
         raise Unsupported(str(err) or "NotImplementedError") from err
     return fn, ""
+
+
+def tvm_cascade_runtime(cfg: Config, q, k, v) -> Built:
+    """tvm-cascade's kernel of runtime lengths (``kernels.attention_kernel``: one kernel for
+    the operator's heads, head dim, variant and dtype, lengths given at the call), planned
+    once for the configuration's shapes; the note names the family that runs them."""
+    try:
+        from tvm_cascade.bench import build_runtime_attention
+    except ImportError as err:
+        raise Unsupported(f"tvm_cascade.bench.build_runtime_attention unavailable ({err})") from err
+    o = cfg.op
+    return build_runtime_attention(o.variant, o.heads_q, o.heads_kv, cfg.head_dim, cfg.dtype, q, k, v)
 
 
 def _join(*notes: str) -> str:
@@ -222,6 +235,7 @@ def stock_tvm(cfg: Config, q, k, v) -> Built:
 
 PEERS: Dict[str, Callable[..., Built]] = {
     TVM_CASCADE: tvm_cascade,
+    TVM_CASCADE_RUNTIME: tvm_cascade_runtime,
     "sdpa-flash": sdpa("FLASH_ATTENTION"),
     "sdpa-cudnn": sdpa("CUDNN_ATTENTION"),
     "sdpa-efficient": sdpa("EFFICIENT_ATTENTION"),

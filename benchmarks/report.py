@@ -3,7 +3,7 @@
 A configuration's measurements are :class:`Cell` objects; :func:`records` turns
 them into plain dicts (the JSON rows) with TFLOP/s, GB/s, % of the measured
 copy-bandwidth roofline and the speed relative to the best peer, i.e. the
-fastest correct implementation other than tvm-cascade (``best_peer_ms / ms``,
+fastest correct implementation other than tvm-cascade's kernels (``best_peer_ms / ms``,
 so > 1 means faster than every peer).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .configs import Config
-from .peers import TVM_CASCADE
+from .peers import TVM_CASCADE, TVM_CASCADE_RUNTIME
 
 OK, NA, WRONG = "ok", "n/a", "wrong"
 
@@ -29,8 +29,8 @@ class Cell:
 
 
 def best_peer(rows: Sequence[Dict]) -> Optional[Dict]:
-    """The fastest correct record other than tvm-cascade, or None."""
-    timed = [r for r in rows if r["status"] == OK and r["impl"] != TVM_CASCADE]
+    """The fastest correct record other than tvm-cascade's kernels, or None."""
+    timed = [r for r in rows if r["status"] == OK and r["impl"] not in (TVM_CASCADE, TVM_CASCADE_RUNTIME)]
     return min(timed, key=lambda r: r["ms"]) if timed else None
 
 

@@ -267,6 +267,34 @@ def test_torch_peers_express_the_variants(cfg, small_window, monkeypatch):
     torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name, seq_q, seq_kv", [("prefill-alibi", 4, 10), ("prefill-gqa", 7, 7), ("decode-softcap", 1, 16)])
+def test_the_runtime_length_kernel_takes_the_harness_configurations(name, seq_q, seq_kv):
+    """``tvm_cascade.bench.build_runtime_attention`` (the ``tvm-cascade-runtime`` peer's
+    kernel) on the llvm target: the harness's variant, planned once for the shapes, the
+    output the reference's; the family that runs it named."""
+    torch = pytest.importorskip("torch")
+    from tvm_cascade.bench import build_runtime_attention
+
+    cfg = next(c for c in TINY if c.name.startswith(name) and (c.seq_q, c.seq_kv) == (seq_q, seq_kv))
+    q, k, v = _inputs(cfg)
+    o = cfg.op
+    fn, family = build_runtime_attention(o.variant, o.heads_q, o.heads_kv, cfg.head_dim, cfg.dtype,
+                                         *(torch.from_numpy(x) for x in (q, k, v)), target="llvm")
+    assert family == "generic"
+    out = fn(*(torch.from_numpy(x) for x in (q, k, v)))
+    np.testing.assert_allclose(out.float().numpy(), reference.attention_reference(cfg, q, k, v), rtol=2e-3, atol=2e-3)
+
+
+def test_the_runtime_length_kernel_is_not_a_peer():
+    """The best peer is the fastest of the other implementations: neither tvm-cascade
+    kernel is one."""
+    cfg = suite("decode", quick=True)[0]
+    rows = report.records(cfg, [Cell("tvm-cascade", OK, ms=1.0), Cell("tvm-cascade-runtime", OK, ms=0.5),
+                                Cell("flex", OK, ms=2.0)], None)
+    assert report.best_peer(rows)["impl"] == "flex"
+    assert [r["vs_best_peer"] for r in rows] == [2.0, 4.0, 1.0]
+
+
 # --------------------------------------------------------------------------- reporting
 
 

@@ -1,11 +1,14 @@
 """tvm-cascade kernels as callables on PyTorch CUDA tensors, for the benchmark harness.
 
-Each configuration is compiled by :func:`tvm_cascade.kernels.compile_attention`: with the
-best record of the tuning databases (the user's, then ``tvm_cascade/tuned/decode`` and
-``tvm_cascade/tuned/prefill`` shipped with the package, or ``TVM_CASCADE_TUNED`` /
-``TVM_CASCADE_TUNED_PREFILL``), else the heuristic decode or tensor-core prefill schedule.
+:func:`build_attention` compiles each configuration by
+:func:`tvm_cascade.kernels.compile_attention`: with the best record of the tuning
+databases (the user's, then ``tvm_cascade/tuned/decode`` and ``tvm_cascade/tuned/prefill``
+shipped with the package, or ``TVM_CASCADE_TUNED`` / ``TVM_CASCADE_TUNED_PREFILL``), else
+the heuristic decode or tensor-core prefill schedule. :func:`build_runtime_attention`
+takes the kernel of runtime lengths, :func:`tvm_cascade.kernels.attention_kernel`, for
+the same configuration, so that the two are timed side by side.
 """
-from .kernels import compile_attention
+from .kernels import attention_kernel, compile_attention
 from .ops.variants import AttentionVariant
 
 #: The harness's variant names, in tvm_cascade.ops terms (softcap 50, window 256 keys).
@@ -43,3 +46,17 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
         return out
 
     return run
+
+
+def build_runtime_attention(variant, heads_q, heads_kv, head_dim, dtype, q, k, v, target="cuda"):
+    """The kernel of runtime lengths (:func:`~tvm_cascade.kernels.attention_kernel`, bhsd)
+    for the harness's ``variant`` and ``q, k, v`` (torch tensors on ``target``'s device),
+    planned once for their shapes; returns ``(fn(q, k, v) -> out, the family that runs
+    them)``."""
+    kernel = attention_kernel(heads_q, heads_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, target=target)
+    plan = kernel.plan(q, k, v)
+
+    def run(q, k, v):
+        return kernel(q, k, v, plan=plan)
+
+    return run, plan.family.name
