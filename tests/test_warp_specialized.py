@@ -14,6 +14,7 @@ import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
 from tvm_cascade.bench import VARIANTS
+from tvm_cascade.cuda import sm_count
 from tvm_cascade.ops.variants import AttentionVariant
 from tvm_cascade.schedules import warp_specialized as ws
 from tvm_cascade.schedules.prefill import PrefillConfig
@@ -386,8 +387,7 @@ def test_blocks_are_persistent_without_a_cluster(batch, seq, cluster, grid):
     without a GPU to ask), or per row tile where there are fewer, each taking row tiles
     in turn, as the runtime-length kernel does; a cluster launches a block per row tile."""
     func = ws.attention(batch, 8, 2, seq, seq, 128, VARIANTS["causal"], ws.WarpSpecializedConfig(cluster=cluster))
-    sms = tvm.cuda(0).multi_processor_count if tvm.cuda(0).exist else 132
-    assert _grid(func) == [min(grid, sms) if cluster == 1 else grid]
+    assert _grid(func) == [min(grid, sm_count(tvm.cuda(0))) if cluster == 1 else grid]
 
 
 def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_tiles():

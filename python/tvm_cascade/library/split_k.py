@@ -14,7 +14,6 @@ before it.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +23,7 @@ from tvm.script import tirx as T
 
 from ..cuda import sm_count
 from ..ops.flex_attention import NO_KEYS_LSE, variant_te_mods
+from ..primitives.ir import maximum, minimum
 from ..schedules.warp_specialized import repair_factor
 from .spec import CACHE_LAYOUTS
 
@@ -91,21 +91,6 @@ def chunk_count(spec, view, chunk_keys):
     if spec.variant.window is not None:
         keys = T.min(keys, spec.variant.window + view.rows - 1)
     return (keys + chunk_keys - 1) // chunk_keys
-
-
-def maximum(*values):
-    """The largest of ``values``: ints (a call's plan) or PrimExprs (a plan in a
-    compiled graph, over its symbolic shapes)."""
-    if all(isinstance(v, int) for v in values):
-        return max(values)
-    return functools.reduce(tirx.max, values)
-
-
-def minimum(*values):
-    """The smallest of ``values`` (as :func:`maximum`)."""
-    if all(isinstance(v, int) for v in values):
-        return min(values)
-    return functools.reduce(tirx.min, values)
 
 
 def visible_keys(spec, max_q, max_kv):
@@ -232,7 +217,7 @@ def plan_chunk_keys(spec, blocks, max_q, max_kv, device, per_sm: int, step: int,
     many if ``whole_waves`` (a family whose ``per_sm`` blocks fit an SM at once: one wave
     rather than one and a fraction), else at least. Never more chunks than needed to
     cover the keys a sequence's rows see. Lengths are ints, or PrimExprs for a plan
-    over symbolic shapes (:func:`maximum`)."""
+    over symbolic shapes (:func:`~tvm_cascade.primitives.ir.maximum`)."""
     sms = sm_count(device)
     blocks = maximum(blocks, 1)
     chunks = maximum(1, per_sm * sms // blocks if whole_waves else -(-per_sm * sms // blocks))

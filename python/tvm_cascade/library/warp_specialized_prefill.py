@@ -38,7 +38,7 @@ from ..schedules import warp_specialized as ws
 from . import mask_ranges
 from .layouts import views
 from .spec import CACHE_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
-from .split_k import LOG2E, maximum, minimum, sm_count
+from .split_k import LOG2E
 
 #: The kernel's head dims (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide). A
 #: head dim between two, a multiple of 8 (TMA's 16-byte strides), runs the next one's
@@ -86,7 +86,7 @@ class WarpSpecializedPrefill:
 
     def plan(self, spec, batch, max_q, max_kv, device) -> list:
         """``[blocks]``: one block per SM, or per row tile where there are fewer."""
-        return [maximum(1, minimum(batch * spec.heads_q * -(-max_q // ws.ROWS), sm_count(device)))]
+        return [ws.persistent_blocks(batch, spec.heads_q, max_q, device)]
 
     def compile_target(self, target):
         return ws.sm90a(target)

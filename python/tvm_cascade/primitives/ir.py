@@ -1,4 +1,6 @@
 """Small IR-building helpers shared by the fusion primitives."""
+import functools
+
 import tvm
 import tvm_ffi
 from tvm.ir import expr as ir_expr
@@ -214,3 +216,18 @@ def with_fresh_iter_vars(block: SBlock) -> SBlock:
         iter_vars.append(tvm.tirx.IterVar(iv.dom, var, iv.iter_type))
     init = None if block.init is None else substitute(block.init, vmap)
     return copy_block(block, iter_vars=iter_vars, body=substitute(block.body, vmap), init=init)
+
+
+def maximum(*values):
+    """The largest of ``values``: ints (a call's plan) or PrimExprs (a plan in a
+    compiled graph, over its symbolic shapes)."""
+    if all(isinstance(v, int) for v in values):
+        return max(values)
+    return functools.reduce(tvm.tirx.max, values)
+
+
+def minimum(*values):
+    """The smallest of ``values`` (as :func:`maximum`)."""
+    if all(isinstance(v, int) for v in values):
+        return min(values)
+    return functools.reduce(tvm.tirx.min, values)

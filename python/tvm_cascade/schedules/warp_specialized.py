@@ -423,9 +423,15 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
         raise ValueError(refusal)
     tiles = bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype)
     if config.cluster == 1:
-        row_tiles = batch * heads_q * -(-seq_q // ROWS)
-        tiles = dataclasses.replace(tiles, blocks=min(row_tiles, sm_count(tvm.cuda(0))))
+        tiles = dataclasses.replace(tiles, blocks=persistent_blocks(batch, heads_q, seq_q, tvm.cuda(0)))
     return kernel(tiles, variant, config)
+
+
+def persistent_blocks(batch, heads_q, rows, device):
+    """The persistent blocks of a kernel over ``batch`` sequences of at most ``rows``
+    query rows: one per SM of ``device``, or one per row tile where there are fewer (at
+    least one). Ints, or PrimExprs of a plan over a call's lengths."""
+    return ir.maximum(1, ir.minimum(batch * heads_q * -(-rows // ROWS), sm_count(device)))
 
 
 def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
