@@ -50,6 +50,9 @@ def test_rmsnorm_gemm(m, n, k):
     (16, 1024, 4096, "kn", "float16", WarpSpecializedGemmConfig(cols=128), "float16"),
     (300, 512, 1024, "nk", "bfloat16", WarpSpecializedGemmConfig(), "bfloat16"),
     (128, 384, 4096, "kn", "float32", WarpSpecializedGemmConfig(cols=128), "bfloat16"),
+    # persistent blocks taking two tiles or more each
+    (2048, 4096, 1024, "kn", "float16", WarpSpecializedGemmConfig(), "float16"),
+    (1100, 2048, 512, "nk", "bfloat16", WarpSpecializedGemmConfig(), "bfloat16"),
 ])
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_warp_specialized_rmsnorm_gemm(m, n, k, layout, out_dtype, config, dtype, symbolic):

@@ -19,6 +19,7 @@ from tvm_cascade.ops.variants import AttentionVariant
 from tvm_cascade.schedules import warp_specialized as ws
 from tvm_cascade.schedules.prefill import PrefillConfig
 
+from launches import grid as launched
 from ptxas import ptxas_report
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -369,25 +370,13 @@ def test_tuning_searches_the_kernels_space_beside_the_tensor_cores_on_hopper():
         kernels.design_space(func, ampere, variant, spaces=("warp-specialized",))
 
 
-def _grid(func):
-    """The extent of ``func``'s ``blockIdx.x``."""
-    extents = []
-
-    def visit(node):
-        if isinstance(node, tvm.tirx.AttrStmt) and node.attr_key == "thread_extent" and node.node.thread_tag == "blockIdx.x":
-            extents.append(int(node.value))
-
-    tvm_ffi.structural_walk(func.body, visit)
-    return extents
-
-
 @pytest.mark.parametrize("batch, seq, cluster, grid", [(8, 1024, 1, 132), (1, 256, 1, 16), (1, 256, 2, 16)])
 def test_blocks_are_persistent_without_a_cluster(batch, seq, cluster, grid):
     """Without a cluster the kernel of static lengths launches a block per SM (132
     without a GPU to ask), or per row tile where there are fewer, each taking row tiles
     in turn, as the runtime-length kernel does; a cluster launches a block per row tile."""
     func = ws.attention(batch, 8, 2, seq, seq, 128, VARIANTS["causal"], ws.WarpSpecializedConfig(cluster=cluster))
-    assert _grid(func) == [min(grid, sm_count(tvm.cuda(0))) if cluster == 1 else grid]
+    assert launched(func) == (min(grid, sm_count(tvm.cuda(0))) if cluster == 1 else grid)
 
 
 def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_tiles():

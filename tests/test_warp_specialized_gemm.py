@@ -9,11 +9,14 @@ import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401  (schedule primitives)
+from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.errors import FusionError
+from tvm_cascade.cuda import sm_count
 from tvm_cascade.ops import cascades
 from tvm_cascade.schedules import scaled_gemm
 from tvm_cascade.schedules import warp_specialized_gemm as ws
 from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
+from launches import grid as launched
 from ptxas import ptxas_report
 from tvm_cascade import trace as cascade_trace
 
@@ -152,3 +155,16 @@ def test_metaschedule_proposes_the_kernel_and_its_builder_lowers_it():
     ]
     source = tvm.get_global_func(BUILD_FUNC)(sample.mod, target, None).imports[0].inspect_source()
     assert f"m64n{config.cols}k16_f32_f16_f16" in source
+
+
+@pytest.mark.parametrize("m, n, grid", [(2048, 14336, 132), (16, 14336, 56), (200, 512, 4)])
+def test_blocks_are_persistent(m, n, grid):
+    """A block per SM (132 without a GPU to ask), or per output tile where there are
+    fewer (128 x 256 tiles), each taking output tiles in turn; with a variable row
+    count, the grid an expression of it."""
+    sms = sm_count(tvm.cuda(0))
+    assert launched(ws.kernel(m, n, 4096)) == min(grid, sms)
+    rows = tvm.tirx.Var("m", "int32")
+    extent = launched(ws.kernel(rows, n, 4096))
+    assert int(tvm.sym.Analyzer().simplify(substitute(extent, {rows: tvm.tirx.IntImm("int32", m)}))) == min(grid, sms)
+

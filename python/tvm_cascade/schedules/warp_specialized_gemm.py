@@ -5,8 +5,10 @@ CUDA codegen, as :mod:`.warp_specialized`'s attention is.
 
 ``ops.rmsnorm_gemm``'s chain, after ``Schedule.defer_row_scales`` (:mod:`.scaled_gemm`),
 is ``y[i, n] = r_i · Σ_k (X[i, k]·γ_k)·W[k, n]`` with ``r_i = 1/sqrt(Σ_k X[i, k]²/K +
-eps)``: the statistic and the GEMM read the same tiles of X in one pass over k. A thread
-block owns :data:`ROWS` rows and ``cols`` columns of the output:
+eps)``: the statistic and the GEMM read the same tiles of X in one pass over k. An output
+tile is :data:`ROWS` rows and ``cols`` columns; the blocks are persistent, one per SM
+(or per output tile where there are fewer), each taking output tiles in turn, its ring
+of stages running on from one tile to the next:
 
 * warpgroup 0, the producer: one thread issues the TMA copies of each k tile (X's
   ``ROWS x DEPTH`` box, W's ``DEPTH x cols`` in 64-column boxes), 128-byte swizzled, into
@@ -26,8 +28,9 @@ H200, 2048 x 4096 x 14336, ms: A's elements by 32-bit loads and γ from global m
 0.410, by ``ldmatrix`` and γ from shared memory 0.366; the squares folded by two
 producer warps instead (two rows a thread) 0.412 against 0.402 in the consumers.
 
-Blocks take output tiles in groups of ``group`` row tiles, rows fastest, so that the
-blocks running together share their W columns and X rows in L2.
+Output tiles go in groups of ``group`` row tiles, rows fastest, so that the blocks
+running together share their W columns and X rows in L2. The producer loads a block's
+next tile's first k tiles during the consumers' epilogue of its last.
 
 Reached as a schedule of ``ops.rmsnorm_gemm`` (:func:`schedule`: the traced
 ``defer_row_scales``, then the choices of :class:`WarpSpecializedGemmConfig` annotated
@@ -47,7 +50,7 @@ from tvm.ir import expr as ir_expr
 from tvm.script import tirx as T
 
 from ..analysis.scope import buffer_params
-from ..cuda import ALL_LANES
+from ..cuda import ALL_LANES, sm_count
 from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
@@ -334,6 +337,20 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     ptx = PTX_TYPE[dtype]
     mma = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32, ptx), ptx)
     group = config.group
+    # Persistent blocks, one per SM (or per output tile where there are fewer), each
+    # taking output tiles in turn: a tile's first k tiles load during the last one's
+    # epilogue, and γ is read once a block.
+    total = m_tiles * n_tiles
+    blocks = ir.minimum(total, sm_count(tvm.cuda(0)))
+    rounds = (total + blocks - 1) // blocks
+
+    def tile_at(index):
+        """(first row, first column) of output tile ``index``: groups of ``group`` row
+        tiles, rows fastest within a group."""
+        first = index // (group * n_tiles) * group
+        rows_here = T.min(m_tiles - first, group)
+        within = index % (group * n_tiles)
+        return (first + within % rows_here) * ROWS, within // rows_here * cols
 
     def w_operand(smem, st, ks):
         if kn:
@@ -360,9 +377,9 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
             gv.vstore([0], gamma.vload([t * DEPTH + col], f"{dtype}x2"))
 
     @T.macro
-    def operand(smem, A, ss, xv, gv, half, t, cw, w, lane):
-        """Tile ``t``'s A operand into register set ``half``: this thread's elements of
-        its rows, squares into ``ss``, times γ, in pairs."""
+    def operand(smem, A, ss, xv, gv, half, t, st, cw, w, lane):
+        """Tile ``t``'s A operand (in stage ``st``) into register set ``half``: this
+        thread's elements of its rows, squares into ``ss``, times γ, in pairs."""
         for ks in T.unroll(DEPTH // 16):
             # Lane L points at row L % 8 of matrix L // 8: rows + 8 for matrices 1 and 3,
             # columns + 8 for 2 and 3; the 16-byte chunk c of row r lies at c ^ (r % 8).
@@ -372,7 +389,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                 T.cuda.func_call(
                     _LDMATRIX, *[A[half * 16 + ks * 4 + q] for q in range(4)],
                     T.Cast("uint32", T.cuda.cvta_generic_to_shared(
-                        smem.ptr_to([(t % stages) * x_tile + row * DEPTH + (chunk ^ (row % 8)) * 8])
+                        smem.ptr_to([st * x_tile + row * DEPTH + (chunk ^ (row % 8)) * 8])
                     )),
                     source_code=_LDMATRIX_SOURCE,
                 )
@@ -394,35 +411,36 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     fence_accumulators, fence_a = register_fence(n_acc), register_fence(16)
 
     @T.macro
-    def issue(acc, A, smem, half, t):
+    def issue(acc, A, smem, half, st):
         for ks in T.unroll(DEPTH // 16):
             T.evaluate(
                 mma(
                     *[acc[i] for i in range(n_acc)],
                     *[A[half * 16 + ks * 4 + q] for q in range(4)],
-                    w_operand(smem, t % stages, ks), True, 1, 1, 1 if kn else 0,
+                    w_operand(smem, st, ks), True, 1, 1, 1 if kn else 0,
                 )
             )
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
-    def step(smem, full, empty, acc, A, ss, xv, gv, half, t, cw, w, lane):
+    def step(smem, full, empty, acc, A, ss, xv, gv, half, t, base, cw, w, lane):
         # Tile t's instructions run while tile t + 1's operand is read into the other set;
-        # the set tile t - 1 read is free once at most one batch is in flight.
+        # the set tile t - 1 read is free once at most one batch is in flight. The ring's
+        # k tile `base + t` (`base`: the k tiles of the block's earlier output tiles).
         fence_accumulators(acc, 0)
         fence_a(A, 16 * half)
         T.ptx.wgmma.fence.sync.aligned()
-        issue(acc, A, smem, half, t)
+        issue(acc, A, smem, half, (base + t) % stages)
         T.ptx.wgmma.wait_group.sync.aligned(1)
         fence_a(A, 16 * (1 - half))
         if t > 0:
-            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(t - 1) % stages]), T.uint32(1))
+            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(base + t - 1) % stages]), T.uint32(1))
         if t + 1 < k_tiles:
-            wait(full, t + 1)
-            operand(smem, A, ss, xv, gv, 1 - half, t + 1, cw, w, lane)
+            wait(full, base + t + 1)
+            operand(smem, A, ss, xv, gv, 1 - half, t + 1, (base + t + 1) % stages, cw, w, lane)
 
     @T.macro
-    def consume(smem, full, empty, r0, c0, tx, cw):
+    def consume(smem, full, empty, bx, tx, cw):
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
@@ -432,50 +450,60 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         gv = T.alloc_local((2,), dtype)
         four = T.alloc_local((4,), "float32")
         ov = T.alloc_local((4,), out_dtype)
-        for i in T.unroll(n_acc):
-            acc[i] = T.float32(0)
-        for g in T.unroll(2):
-            ss[g] = T.float32(0)
-        wait(full, 0)
-        operand(smem, A, ss, xv, gv, 0, 0, cw, w, lane)
-        # two tiles an iteration: the register set is a constant in each
-        for pair in T.serial((k_tiles + 1) // 2):
-            for half in T.unroll(2):
-                if pair * 2 + half < k_tiles:
-                    step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, cw, w, lane)
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        fence_accumulators(acc, 0)
-        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(k_tiles - 1) % stages]), T.uint32(1))
-        for g in T.unroll(2):
-            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
-            ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 2, 32)
-            ss[g] = T.float32(1) / T.sqrt(ss[g] / T.float32(k) + T.float32(eps))
-        # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e;
-        # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`)
-        for p in T.unroll(cols // 16):
-            for g in T.unroll(2):
-                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                col = T.meta_var(c0 + 16 * p + first_column(lane))
-                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * ss[g], lambda e: acc[8 * p + 4 + 2 * g + e] * ss[g])
-                store_four(out, ov, four, row, col, m, n, part_n)
+        for j in T.serial(rounds):
+            if j * blocks + bx < total:
+                r0, c0 = T.meta_var(tile_at(j * blocks + bx))
+                base = T.meta_var(j * k_tiles)
+                for i in T.unroll(n_acc):
+                    acc[i] = T.float32(0)
+                for g in T.unroll(2):
+                    ss[g] = T.float32(0)
+                wait(full, base)
+                operand(smem, A, ss, xv, gv, 0, 0, base % stages, cw, w, lane)
+                # two tiles an iteration: the register set is a constant in each
+                for pair in T.serial((k_tiles + 1) // 2):
+                    for half in T.unroll(2):
+                        if pair * 2 + half < k_tiles:
+                            step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, base, cw, w, lane)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_accumulators(acc, 0)
+                # (the producer fills the stages with the next tile's k tiles during the epilogue)
+                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(base + k_tiles - 1) % stages]), T.uint32(1))
+                for g in T.unroll(2):
+                    ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
+                    ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 2, 32)
+                    ss[g] = T.float32(1) / T.sqrt(ss[g] / T.float32(k) + T.float32(eps))
+                # accumulator 4 j + 2 g + e: row 16 w + lane / 4 + 8 g, column 8 j + 2 (lane % 4) + e;
+                # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`)
+                for p in T.unroll(cols // 16):
+                    for g in T.unroll(2):
+                        row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                        col = T.meta_var(c0 + 16 * p + first_column(lane))
+                        trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * ss[g], lambda e: acc[8 * p + 4 + 2 * g + e] * ss[g])
+                        store_four(out, ov, four, row, col, m, n, part_n)
 
     @T.macro
-    def produce(x_map, w_map, smem, full, empty, r0, c0):
-        for t in T.serial(k_tiles):
-            st = T.meta_var(t % stages)
-            T.cuda.mbarrier_wait(empty.ptr_to([st]), ((t // stages) & 1) ^ 1)
-            T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32((x_tile + w_tile) * 2))
-            T.ptx[_TMA](smem.ptr_to([st * x_tile]), T.address_of(x_map), T.int32(t * DEPTH), r0, full.ptr_to([st]))
-            if kn:
-                for p in T.unroll(panels):
-                    T.ptx[_TMA](
-                        smem.ptr_to([w_base + st * w_tile + p * DEPTH * 64]), T.address_of(w_map), c0 + p * 64,
-                        T.int32(t * DEPTH), full.ptr_to([st]),
-                    )
-            else:
-                T.ptx[_TMA](
-                    smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0, full.ptr_to([st])
-                )
+    def produce(x_map, w_map, smem, full, empty, bx):
+        for j in T.serial(rounds):
+            if j * blocks + bx < total:
+                r0, c0 = T.meta_var(tile_at(j * blocks + bx))
+                for t in T.serial(k_tiles):
+                    # the ring's k tile j * k_tiles + t
+                    st = T.meta_var((j * k_tiles + t) % stages)
+                    T.cuda.mbarrier_wait(empty.ptr_to([st]), (((j * k_tiles + t) // stages) & 1) ^ 1)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32((x_tile + w_tile) * 2))
+                    T.ptx[_TMA](smem.ptr_to([st * x_tile]), T.address_of(x_map), T.int32(t * DEPTH), r0, full.ptr_to([st]))
+                    if kn:
+                        for p in T.unroll(panels):
+                            T.ptx[_TMA](
+                                smem.ptr_to([w_base + st * w_tile + p * DEPTH * 64]), T.address_of(w_map), c0 + p * 64,
+                                T.int32(t * DEPTH), full.ptr_to([st]),
+                            )
+                    else:
+                        T.ptx[_TMA](
+                            smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0,
+                            full.ptr_to([st]),
+                        )
 
     @T.macro
     def block(x_map, w_map, bx, tx):
@@ -484,12 +512,6 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         smem = T.alloc_buffer((smem_elements,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
-        # Tile bx: groups of `group` row tiles, rows fastest within a group.
-        first = bx // (group * n_tiles) * group
-        rows_here = T.min(m_tiles - first, group)
-        within = bx % (group * n_tiles)
-        r0 = (first + within % rows_here) * ROWS
-        c0 = within // rows_here * cols
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         if gamma_shared:
             # γ in 16-byte pieces, zeros past k (k is a multiple of 8)
@@ -509,17 +531,17 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
-                produce(x_map, w_map, smem, full, empty, r0, c0)
+                produce(x_map, w_map, smem, full, empty, bx)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+            consume(smem, full, empty, bx, tx, warpgroup - 1)
 
     if kn:
         w_dims, w_box = (n, k, n * 2), (64, DEPTH)
     else:
         w_dims, w_box = (k, n, k * 2), (DEPTH, cols)
     maps = ((X, k, m, k * 2, DEPTH, ROWS, 1, 1, dtype), (W, *w_dims, *w_box, 1, 1, dtype))
-    return tma_kernel([X, gamma, W, out], maps, m_tiles * n_tiles, THREADS, block)
+    return tma_kernel([X, gamma, W, out], maps, blocks, THREADS, block)
 
 
 def tma_kernel(params, maps, blocks, threads, block):
