@@ -232,15 +232,19 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "heads, head_dim, dtype, layout", [((32, 8), 128, "bfloat16", "paged"), ((28, 4), 128, "float16", "bhsd"), ((16, 16), 64, "bfloat16", "ragged"),
-     ((8, 1), 128, "float16", "bshd"), ((16, 16), 64, "float16", "paged")]
+    "heads, head_dim, dtype, layout, variant", [
+        ((32, 8), 128, "bfloat16", "paged", "sliding_window"), ((28, 4), 128, "float16", "bhsd", "sliding_window"),
+        ((16, 16), 64, "bfloat16", "ragged", "sliding_window"), ((8, 1), 128, "float16", "bshd", "sliding_window"),
+        ((16, 16), 64, "float16", "paged", "sliding_window"), ((32, 8), 128, "float16", "paged", "causal"),
+        ((16, 16), 64, "bfloat16", "paged", "causal"),
+    ]
 )
-def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, tmp_path):
+def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, variant, tmp_path):
     """The tensor-core decode's chunk kernel through nvcc: no register spills (its
     operands and accumulators stay in registers), its products on ``mma.sync``."""
     from tvm_cascade.library.tensor_core_decode import STEPS, TensorCoreDecode, decode_kernel
 
-    spec = AttentionSpec.make(*heads, head_dim, variant="sliding_window", dtype=dtype, layout=layout,
+    spec = AttentionSpec.make(*heads, head_dim, variant=variant, dtype=dtype, layout=layout,
                               target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     assert TensorCoreDecode().supports(spec) is None
     executable = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target)
@@ -460,3 +464,25 @@ def test_mask_tensor_call_refusals(make, message):
         AttentionSpec.make(4, 2, 16, layout="ragged", mask=MASKS[0])
     with pytest.raises(ValueError, match="a mask tensor's dtype must be one of"):
         AttentionSpec.make(4, 2, 16, mask=MaskTensor("int8"))
+
+
+@pytest.mark.parametrize("layout, variant, head_dim, page_size, reads", [
+    ("paged", "causal", 128, 16, 3), ("paged", "causal", 64, 16, 6), ("paged", "global", 128, 32, 3),
+    ("kv_decode", None, 128, 16, 3),
+    ("paged", "sliding_window", 128, 16, 6),  # a window's first key lies anywhere in a page: two pages a group
+    ("paged", "causal", 128, 8, 18),  # pages of 8 keys: a read a key
+    ("kv_decode_window", None, 128, 16, 18),  # sinks and evicted keys: a read a key
+])
+def test_paged_decode_reads_the_page_table_once_a_group_of_keys(layout, variant, head_dim, page_size, reads):
+    """The tensor-core decode reads the page table a step ahead at three places (the
+    warps' first two steps, then in the loop): where pages hold a multiple of 16 keys in
+    order, the page of each 16-key group of the step (one group a step at head dim 128,
+    two at 64), or the pages of its first and last keys under a sliding window; else the
+    place of each of the six keys a lane loads a group."""
+    from tvm_cascade.library.tensor_core_decode import decode_kernel
+
+    spec = AttentionSpec.make(32, 8, head_dim, variant=variant, dtype="float16", layout=layout, page_size=page_size,
+                              target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    source = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target).mod.imports[0].inspect_source()
+    table = "page_ids_ptr[" if layout == "paged" else "page_indices_ptr["
+    assert source.count(table) == reads

@@ -9,7 +9,8 @@ rows take further blocks); its :data:`WARPS` warps take the chunk's steps of
 :data:`STEPS` keys (16 or 32: the same K and V bytes at either head dim) in turn, each
 loading its next step's keys into registers while it computes this one's
 (in a paged layout, with the page-table entries of those keys read a step before
-them, so that a load never waits on the read that locates it), with no reduction
+them, so that a load never waits on the read that locates it: one entry a 16-key group
+where the group lies in one page, else one a key), with no reduction
 across lanes but the row max and sum over the four lanes of a quad:
 
 * scores ``S[row, key] = Q[row, :] · K[key, :]``: 16 x 8 tiles of keys. Lane ``(g,
@@ -40,7 +41,7 @@ from tvm.script import tirx as T
 from ..cuda import ALL_LANES
 from ..schedules.warp_specialized import repair_factor
 from .layouts import views
-from .spec import PAGED_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
+from .spec import PAGED_LAYOUTS, WINDOW_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .static_lengths import RuntimeLengthsOnly
 from .split_k import (
     ACC, NEG_INF, QUERIES, chunking, combine_kernel, finite, first_key, partial_shape, partials_store,
@@ -139,8 +140,14 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     store = partials_store(spec, ROWS, WARPS, WARP * WARPS)
     shape = partial_shape(view, num_chunks, heads_q)
     row_parts = len(view.kv_row(0, 0))
-    # A page table is read a step before the keys it locates.
+    # A page table is read a step before the keys it locates: the pages of each 16-key
+    # group where pages hold a multiple of 16 keys stored in order (one page a group where
+    # chunks start at a sequence's first key, in whole steps; two where a sliding window's
+    # first key may lie anywhere in a page), else every key's place.
     paged = spec.layout in PAGED_LAYOUTS
+    by_page = paged and spec.layout not in WINDOW_LAYOUTS and spec.page_size % 16 == 0
+    spans = 1 if spec.variant.window is None else 2
+    entries = groups * spans if by_page else (LANE_KEYS * groups if paged else 1) * row_parts
 
     @T.macro
     def locate(rows, n, b, j):
@@ -150,18 +157,29 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         if row_parts > 1:
             rows[n * row_parts + 1] = parts[1]
 
+    def located_by(rows, n, b, j, j0):
+        """The indices that locate key ``j`` (as the layout's ``kv_row``) from entry ``n``
+        of ``rows``: where ``by_page``, the page of 16-key group ``n`` of the step at
+        ``j0`` that holds it (the group's first's or last's) and its place in it; else the
+        key's own."""
+        if by_page:
+            page = rows[n * spans]
+            if spans > 1:
+                first = j0 + 16 * n
+                page = T.if_then_else(j // spec.page_size == first // spec.page_size, page, rows[n * spans + 1])
+            return page, view.kv_row(b, j)[1]
+        return (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
+
     @T.macro
-    def load_row(dst, offset, rows, n, b, hk, j, end, at, pieces, dim, lane):
-        """Key ``j``'s elements ``e < 8 pieces`` of ``lane``, dims ``dim(lane, e)``
-        (:func:`_k_dim`, :func:`_v_dim`), to ``dst[offset:]`` by ``at``, zeros past
-        ``end``; located by entry ``n`` of ``rows`` where paged (:func:`locate_step`), else
-        here."""
+    def load_row(dst, offset, rows, n, b, hk, j, j0, end, at, pieces, dim, lane):
+        """Key ``j`` (of the step at ``j0``)'s elements ``e < 8 pieces`` of ``lane``, dims
+        ``dim(lane, e)`` (:func:`_k_dim`, :func:`_v_dim`), to ``dst[offset:]`` by ``at``,
+        zeros past ``end``; located by entry ``n`` of ``rows`` where paged
+        (:func:`locate_step`), else here."""
         if j < end:
             if not paged:
                 locate(rows, n, b, j)
-            located = T.meta_var(
-                (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
-            )
+            located = T.meta_var(located_by(rows, n, b, j, j0))
             for i in T.unroll(pieces):
                 # (a piece's 8 dims are all the tensors' or all past them: zeros)
                 if stored == d or dim(lane, i * 8) < stored:
@@ -192,24 +210,35 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
 
     @T.macro
     def locate_step(rows, b, j0, end, g, quad):
-        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows`` (those of
-        K, then those of V)."""
-        for n in T.unroll(2 * groups):
-            if k_key(j0, n, g) < end:
-                locate(rows, n, b, k_key(j0, n, g))
-        for kk in T.unroll(4 * groups):
-            if v_key(j0, kk, quad) < end:
-                locate(rows, 2 * groups + kk, b, v_key(j0, kk, quad))
+        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows``: the pages of
+        each 16-key group where ``by_page`` (its first key's, and with ``spans`` 2 its
+        last's), else each key's place (those of K, then those of V)."""
+        if by_page:
+            for n in T.unroll(groups):
+                if j0 + 16 * n < end:
+                    rows[n * spans] = view.kv_row(b, j0 + 16 * n)[0]
+                    if spans > 1:
+                        rows[n * spans + 1] = view.kv_row(b, T.min(j0 + 16 * n + 15, end - 1))[0]
+        else:
+            for n in T.unroll(2 * groups):
+                if k_key(j0, n, g) < end:
+                    locate(rows, n, b, k_key(j0, n, g))
+            for kk in T.unroll(4 * groups):
+                if v_key(j0, kk, quad) < end:
+                    locate(rows, 2 * groups + kk, b, v_key(j0, kk, quad))
 
     @T.macro
     def load_step(k_buf, v_buf, rows, b, hk, j0, end, g, quad):
         """The keys of the step at ``j0`` a lane needs: keys ``8 n + g`` (a quarter of their
         dims each) and keys ``16 n + 2 quad + {0, 1, 8, 9}`` (an eighth of their values)."""
+        # (entries of rows: by_page, the 16-key group's; paged, the key's; else one)
         for n in T.unroll(2 * groups):
-            load_row(k_buf, n * k_elems, rows, n if paged else 0, b, hk, k_key(j0, n, g), end, view.key_at,
+            entry = T.meta_var(n // 2 if by_page else (n if paged else 0))
+            load_row(k_buf, n * k_elems, rows, entry, b, hk, k_key(j0, n, g), j0, end, view.key_at,
                      k_elems // 8, _k_dim, quad)
         for kk in T.unroll(4 * groups):
-            load_row(v_buf, kk * v_elems, rows, 2 * groups + kk if paged else 0, b, hk, v_key(j0, kk, quad), end,
+            entry = T.meta_var(kk // 4 if by_page else (2 * groups + kk if paged else 0))
+            load_row(v_buf, kk * v_elems, rows, entry, b, hk, v_key(j0, kk, quad), j0, end,
                      view.value_at, v_elems // 8, _v_dim, g)
 
     def row_max(s, half):
@@ -242,7 +271,7 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             l = T.alloc_local((2,), ACC)
             m_new = T.alloc_local((1,), ACC)
             repair = T.alloc_local((1,), ACC)
-            rows = T.alloc_local(((LANE_KEYS * groups if paged else 1) * row_parts,), "int32")
+            rows = T.alloc_local((entries,), "int32")
             merged_m = T.alloc_shared((WARPS, ROWS), ACC)
             merged_l = T.alloc_shared((WARPS, ROWS), ACC)
             merged_o = T.alloc_shared((WARPS, ROWS, d), ACC)
