@@ -127,3 +127,13 @@ def test_calls_it_does_not_serve_run_the_fallback(kind):
 
 #: The mask each kind's kernel is built for (``causal``).
 CONVENTION_MASK = {"ragged": 1, "prefill": 0}
+
+
+@pytest.mark.parametrize("kind", sorted(CONVENTION))
+def test_the_fast_families_functions_are_well_formed(kind):
+    """The sm_90a families' functions (built here, run by the GPU tests) use no variable
+    they do not define: their plans are of the cache's own shapes."""
+    kernel, why = cache_kernel(kind, 32, 8, 128, "float16", {"kind": "cuda", "arch": "sm_90a"})
+    assert kernel is not None, why
+    assert kernel.family.name != "generic"
+    assert tvm.tirx.analysis.verify_well_formed(kernel.func)

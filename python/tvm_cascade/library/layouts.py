@@ -278,7 +278,8 @@ def _kv_ragged(spec, tensor):
     q_rope_position = tensor(q.shape[:1], INDEX_DTYPE, "q_rope_position")
     k_rope_pos_offset = tensor((fields["batch"],), INDEX_DTYPE, "k_rope_pos_offset")
     sm_scale, cache = _cache_fields(fields["out_index"])
-    fields.update(rows=q.shape[0], keys=total_kv)
+    # k's own extent: ``tensor`` may give buffers of their own shape variables.
+    fields.update(rows=q.shape[0], keys=k.shape[0])
     return Views(
         inputs=[q, qo_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, sm_scale],
         kv_row=lambda b, j: (kv_indptr[b] + j,),
