@@ -13,6 +13,7 @@ import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
+from tvm_cascade.analysis.chain import substitute
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.cuda import sm_count
 from tvm_cascade.ops.variants import AttentionVariant
@@ -400,3 +401,48 @@ def test_clusters_share_each_tile_by_multicast_where_their_blocks_see_the_same_t
         ws.attention(1, 4, 4, 384, 384, 128, VARIANTS["global"], ws.WarpSpecializedConfig(cluster=2))
     with pytest.raises(ValueError, match="clusters of 1 or 2 blocks, not 4"):
         ws.attention(1, 8, 2, 256, 256, 128, VARIANTS["global"], ws.WarpSpecializedConfig(cluster=4))
+
+
+@pytest.mark.parametrize("heads, q_tiles, span", [(6, 4, 2), (7, 3, 3), (5, 4, 8), (4, 2, None), (1, 5, 1)])
+def test_causal_order_takes_a_span_of_heads_longest_row_tiles_first(heads, q_tiles, span):
+    """Each row tile comes once; the heads go ``span`` at a time (the last span may hold
+    fewer), within a span the row tiles from the longest (unit 0) down, each unit's heads
+    together; as PrimExprs the same order as ints."""
+    order = [ws.causal_order(n, heads, q_tiles, span) for n in range(heads * q_tiles)]
+    assert sorted(order) == [(h, u) for h in range(heads) for u in range(q_tiles)]
+    width = heads if span is None else span
+    for first in range(0, heads, width):
+        taken = order[first * q_tiles: min(first + width, heads) * q_tiles]
+        assert {h for h, _ in taken} == set(range(first, min(first + width, heads)))
+        assert [u for _, u in taken] == sorted(u for _, u in taken)
+    n = tvm.tirx.Var("n", "int32")
+    head, unit = ws.causal_order(n, tvm.tirx.IntImm("int32", heads), q_tiles, None if span is None else tvm.tirx.IntImm("int32", span))
+    at = [{n: tvm.tirx.IntImm("int32", i)} for i in range(heads * q_tiles)]
+    assert [(_value(substitute(head, v)), _value(substitute(unit, v))) for v in at] == order
+
+
+@pytest.mark.parametrize("heads_q, heads_kv, keys, span", [(32, 32, 1024, 32), (32, 32, 4096, 8), (32, 8, 4096, 32),
+                                                           (32, 32, 16384, 2), (32, 8, 1 << 20, 4), (8, 8, 0, 32768)])
+def test_a_causal_span_holds_the_heads_whose_keys_fit_a_share_of_l2(heads_q, heads_kv, keys, span):
+    """At head dim 128 a K/V head's keys take 512 bytes each: :data:`L2_SHARE` (16 MB)
+    holds 32768 keys of K/V heads, at least one, and a span is whole groups."""
+    assert ws.causal_span(heads_q, heads_kv, 128, keys) == span
+    n = tvm.tirx.Var("keys", "int32")
+    assert _value(substitute(ws.causal_span(heads_q, heads_kv, 128, n), {n: tvm.tirx.IntImm("int32", keys)})) == span
+
+
+def test_a_causal_kernel_takes_its_span_from_its_keys():
+    """The kernel of static lengths orders a causal mask's row tiles by the span of its
+    key length, and its runtime-length family plans the span from a call's lengths (a
+    scalar parameter after ``blocks``); a kernel without a causal mask has no span."""
+    from tvm_cascade.library.spec import AttentionSpec
+    from tvm_cascade.library.warp_specialized_prefill import WarpSpecializedPrefill
+
+    family = WarpSpecializedPrefill()
+    for variant, scalars in (("causal", ["blocks", "span"]), (None, ["blocks"])):
+        spec = AttentionSpec.make(32, 8, 128, variant=variant, layout="ragged", target=HOPPER)
+        func = family.build(spec)
+        names = [p.name for p in func.params]
+        assert names[names.index("blocks"): names.index("out")] == scalars
+        plan = family.plan(spec, 4, 1000, 4096, tvm.cuda(0))
+        assert plan[1:] == ([ws.causal_span(32, 8, 128, 4096)] if variant else [])

@@ -86,6 +86,12 @@ HEAD_DIM = 128
 THREADS = 384
 #: Dynamic shared memory an sm_90 thread block may have (227 KB).
 SHARED_BYTES = 227 * 1024
+#: Bytes of K and V that a causal kernel's running blocks read at once (a third of an
+#: H100's or H200's 50 MB L2): its row tiles go a span of heads at a time
+#: (:func:`causal_span`), so that a head's K and V, read by each of its row tiles, are
+#: read from memory about once. Every head's last row tile at once would read as many
+#: heads' K and V as there are blocks (132 at 2 MB for 4096 keys of head dim 128).
+L2_SHARE = 16 << 20
 #: The score of a masked key, as in :mod:`tvm_cascade.ops` (finite: while a row has seen
 #: only masked keys their exps are exp2(0) = 1, and the repair at its first visible key,
 #: exp2(MASKED_SCORE - m), zeroes them; never NaN).
@@ -344,6 +350,10 @@ class Tiles:
     #: The grid's blocks (persistent, each taking row tiles in turn: a scalar parameter, or an int), or
     #: None: a block per row tile.
     blocks: object = None
+    #: Under a causal mask, the heads (of every sequence; an int or a scalar parameter)
+    #: whose row tiles the blocks take before the next heads' (:func:`causal_span`);
+    #: None: every head's last row tile first, then every head's one before.
+    span: object = None
     #: ``lse_index(b, h, row)``: where row ``row`` of sequence ``b`` stores its base-2
     #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
     lse_index: Optional[Callable] = None
@@ -371,6 +381,28 @@ class Tiles:
     def out(self):
         """The output's buffer."""
         return self.params[-1] if self.lse_index is None else self.params[-2]
+
+
+def causal_span(heads_q, heads_kv, head_dim, keys):
+    """The heads whose row tiles a causal kernel takes before the next heads' (the
+    longest row tiles first among them): those of as many K/V heads as :data:`L2_SHARE`
+    holds ``keys`` keys of (K and V, 2-byte elements), at least a group's. Ints, or
+    PrimExprs of a plan over a call's lengths."""
+    group = heads_q // heads_kv
+    return ir.maximum(1, L2_SHARE // (4 * head_dim) // ir.maximum(keys, 1)) * group
+
+
+def causal_order(n, heads, q_tiles, span):
+    """``(head, unit)``: the ``n``-th of ``heads`` heads' ``q_tiles`` row tiles in a causal
+    kernel's order, ``unit`` counted from the last row tile (the longest). Heads go
+    ``span`` at a time (None: all at once), the last row tile of each of them first,
+    then their ones before. Ints, or PrimExprs."""
+    if span is None:
+        return n % heads, n // heads
+    first = n // (span * q_tiles) * span
+    width = ir.minimum(span, heads - first)
+    within = n - first * q_tiles
+    return first + within % width, within // width
 
 
 def key_tile(head_dim):
@@ -424,6 +456,8 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     tiles = bhsd_tiles(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, dtype)
     if config.cluster == 1:
         tiles = dataclasses.replace(tiles, blocks=persistent_blocks(batch, heads_q, seq_q, tvm.cuda(0)))
+    if variant.is_causal:
+        tiles = dataclasses.replace(tiles, span=causal_span(heads_q, heads_kv, head_dim, seq_kv))
     return kernel(tiles, variant, config)
 
 
@@ -766,13 +800,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     def row_tile_of(pair, rank):
         """(the (sequence, head) index, the row tile) of block ``rank`` of ``pair``.
-        Under a causal mask the last row tiles see the most keys: every head's last
-        row tile comes first, then every head's one before."""
+        Under a causal mask the last row tiles see the most keys: a span of heads'
+        (:attr:`Tiles.span`) last row tiles come first, then their ones before, then the
+        next span's."""
         if cluster > 1 and not pair_heads:
             return pair // (q_tiles // 2), pair % (q_tiles // 2) * 2 + rank
         per = heads // cluster
-        unit = pair // per if causal else pair % q_tiles
-        index = pair % per if causal else pair // q_tiles
+        if not causal:
+            index, unit = pair // q_tiles, pair % q_tiles
+        else:
+            index, unit = causal_order(pair, per, q_tiles, None if tiles.span is None else ir.maximum(1, tiles.span // cluster))
         return (index * 2 + rank if pair_heads else index), unit
 
     def has_keys(n_tiles):
