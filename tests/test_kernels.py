@@ -205,6 +205,27 @@ def test_warp_specialized_prefill_kernels_match_the_reference(variant, batch, he
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
+    "variant, batch, heads_q, heads_kv, seq_q, seq_kv",
+    [("causal", 2, 4, 4, 512, 512), ("gqa", 1, 8, 2, 384, 640), ("alibi", 2, 4, 4, 136, 136), ("causal", 1, 4, 4, 300, 456)],
+)
+def test_warp_specialized_prefill_in_folds_matches_the_reference(monkeypatch, variant, batch, heads_q, heads_kv, seq_q, seq_kv):
+    """Where a causal mask's K/V heads overflow the kernel's share of L2, the blocks take a
+    span of heads' row tiles in folds (an odd count of row tiles, part tiles, a GQA
+    group): with the share made 256 KB, these short sequences' spans are fewer heads."""
+    from tvm_cascade.schedules import warp_specialized as ws
+
+    if tvm.cuda(0).compute_version != "9.0":
+        pytest.skip("the warp-specialised kernel needs an sm_90 GPU")
+    monkeypatch.setattr(ws, "L2_SHARE", 256 << 10)
+    assert ws.causal_span(heads_q, heads_kv, 128, seq_kv) < batch * heads_q
+    _check_against_the_reference(
+        variant, batch, heads_q, heads_kv, seq_q, seq_kv, 128, "float16", {"rtol": 2e-2, "atol": 5e-3},
+        config=ws.WarpSpecializedConfig(),
+    )
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
     "variant, heads_q, heads_kv, seq_q, seq_kv, head_dim",
     # Decode on tensor cores (GQA groups of 8 and 16, head dims 128 and 64; 8 query rows
     # of one head) and without.

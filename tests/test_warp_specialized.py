@@ -148,6 +148,7 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         ("causal", 4, ws.WarpSpecializedConfig(overlap=False, pingpong=False, stages=2), 512, 512),
         ("global", 4, ws.WarpSpecializedConfig(), 200, 200),  # part tiles
         ("causal", 4, ws.WarpSpecializedConfig(), 300, 456),
+        ("causal", 4, ws.WarpSpecializedConfig(), 65536, 65536),  # folds: a span of one head
         ("gqa", 2, ws.WarpSpecializedConfig(cluster=2), 384, 640),  # clusters: two heads of a group
         ("global", 4, ws.WarpSpecializedConfig(cluster=2), 512, 512),  # two row tiles of a head
     ],
@@ -419,6 +420,37 @@ def test_causal_order_takes_a_span_of_heads_longest_row_tiles_first(heads, q_til
     head, unit = ws.causal_order(n, tvm.tirx.IntImm("int32", heads), q_tiles, None if span is None else tvm.tirx.IntImm("int32", span))
     at = [{n: tvm.tirx.IntImm("int32", i)} for i in range(heads * q_tiles)]
     assert [(_value(substitute(head, v)), _value(substitute(unit, v))) for v in at] == order
+
+
+@pytest.mark.parametrize("heads, q_tiles, blocks, span", [(8, 16, 14, 2), (6, 7, 5, 4), (3, 9, 4, 1), (2, 1, 3, 1)])
+def test_causal_folds_take_each_row_tile_once_and_even_out_the_blocks(heads, q_tiles, blocks, span):
+    """Blocks taking fold ``n // 2 * blocks + block`` in round ``n`` (as the persistent
+    kernel does) take each row tile once, and their shares of keys (a row tile's count
+    from the first) differ by at most one fold's (``q_tiles + 1``) in a span's order
+    (two where the count is odd: a middle row tile is a fold alone);
+    row tiles one a round longest first (rounds of alternate direction) leave a span of
+    two heads' 16 row tiles on 14 blocks more than twice as far apart."""
+    unit, n = tvm.tirx.Var("unit", "int32"), tvm.tirx.Var("n", "int32")
+    real, head, tile = ws.causal_fold(unit, n, tvm.tirx.IntImm("int32", heads), q_tiles, tvm.tirx.IntImm("int32", span))
+    folds = heads * ((q_tiles + 1) // 2)
+    taken, shares = [], []
+    for block in range(blocks):
+        share = 0
+        for r in range(-(-folds // blocks) * 2):
+            at = {unit: tvm.tirx.IntImm("int32", r // 2 * blocks + block), n: tvm.tirx.IntImm("int32", r)}
+            if r // 2 * blocks + block < folds and _value(substitute(real, at)):
+                taken.append((_value(substitute(head, at)), _value(substitute(tile, at))))
+                share += q_tiles - taken[-1][1]
+        shares.append(share)
+    assert sorted(taken) == [(h, t) for h in range(heads) for t in range(q_tiles)]
+    assert max(shares) - min(shares) <= (q_tiles + 1) * (1 + q_tiles % 2)
+    if (heads, q_tiles, blocks, span) == (8, 16, 14, 2):
+        order = [ws.causal_order(i, heads, q_tiles, span) for i in range(heads * q_tiles)]
+        longest_first = [0] * blocks
+        for i, (_, t) in enumerate(order):
+            r, at = divmod(i, blocks)
+            longest_first[at if r % 2 == 0 else blocks - 1 - at] += q_tiles - t
+        assert max(longest_first) - min(longest_first) > 2 * (max(shares) - min(shares))
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, keys, span", [(32, 32, 1024, 32), (32, 32, 4096, 8), (32, 8, 4096, 32),

@@ -352,7 +352,7 @@ class Tiles:
     blocks: object = None
     #: Under a causal mask, the heads (of every sequence; an int or a scalar parameter)
     #: whose row tiles the blocks take before the next heads' (:func:`causal_span`);
-    #: None: every head's last row tile first, then every head's one before.
+    #: None: every head's longest first, then every head's next.
     span: object = None
     #: ``lse_index(b, h, row)``: where row ``row`` of sequence ``b`` stores its base-2
     #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
@@ -385,7 +385,7 @@ class Tiles:
 
 def causal_span(heads_q, heads_kv, head_dim, keys):
     """The heads whose row tiles a causal kernel takes before the next heads' (the
-    longest row tiles first among them): those of as many K/V heads as :data:`L2_SHARE`
+    longest first among them): those of as many K/V heads as :data:`L2_SHARE`
     holds ``keys`` keys of (K and V, 2-byte elements), at least a group's. Ints, or
     PrimExprs of a plan over a call's lengths."""
     group = heads_q // heads_kv
@@ -393,16 +393,27 @@ def causal_span(heads_q, heads_kv, head_dim, keys):
 
 
 def causal_order(n, heads, q_tiles, span):
-    """``(head, unit)``: the ``n``-th of ``heads`` heads' ``q_tiles`` row tiles in a causal
-    kernel's order, ``unit`` counted from the last row tile (the longest). Heads go
-    ``span`` at a time (None: all at once), the last row tile of each of them first,
-    then their ones before. Ints, or PrimExprs."""
+    """``(head, unit)``: the ``n``-th of ``heads`` heads' ``q_tiles`` units (row tiles, or
+    folds of two) in a causal kernel's order, ``unit`` counted from the last (the
+    longest). Heads go ``span`` at a time (None: all at once), the last unit of each of
+    them first, then their ones before. Ints, or PrimExprs."""
     if span is None:
         return n % heads, n // heads
     first = n // (span * q_tiles) * span
     width = ir.minimum(span, heads - first)
     within = n - first * q_tiles
     return first + within % width, within // width
+
+
+def causal_fold(unit, n, heads, q_tiles, span):
+    """``(real, head, tile)``: what fold ``unit`` of ``heads`` heads' ``q_tiles`` row tiles
+    gives in round ``n``: in an even round its head's ``u``-th row tile from the last,
+    in an odd one its ``u``-th from the first (``tile`` counted from the last); ``real``
+    is false where the two are one (the middle of an odd count). The folds go in
+    :func:`causal_order`, ``(q_tiles + 1) // 2`` a head. PrimExprs of ``n``."""
+    head, u = causal_order(unit, heads, (q_tiles + 1) // 2, span)
+    even = n % 2 == 0
+    return T.Or(even, u * 2 + 1 < q_tiles), head, T.if_then_else(even, u, q_tiles - 1 - u)
 
 
 def key_tile(head_dim):
@@ -789,28 +800,44 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     # row tile, or two row tiles of one head) at a time.
     grid = tiles.blocks if tiles.blocks is not None else heads * q_tiles
     clusters = grid // cluster
+    per = heads // cluster
+    span = None if tiles.span is None else ir.maximum(1, tiles.span // cluster)
+    # Under a causal mask persistent blocks take a span's row tiles in folds, in two
+    # rounds: a head's u-th row tile from the last, then its u-th from the first. The two
+    # see a row tile's keys and one more tile's whatever u, so the blocks' shares even
+    # out in any order of the folds; row tiles taken longest first even out only over
+    # the whole order (a span's restart of it leaves some blocks the longest tiles of
+    # every span), but a fold's last round is whole folds where theirs is short tiles:
+    # they are kept where the span holds every head.
+    foldable = causal and tiles.blocks is not None and (cluster == 1 or pair_heads) and span is not None
+    folded = span < per if foldable else False
     pairs = heads * q_tiles // cluster
-    rounds = (pairs + clusters - 1) // clusters
+    folds = per * ((q_tiles + 1) // 2)
+    units = ir.select(folded, folds, pairs)
+    rounds = ir.select(folded, (folds + clusters - 1) // clusters * 2, (pairs + clusters - 1) // clusters)
 
-    def pair_at(c, n):
-        """The pair of row tiles cluster ``c`` takes in its round ``n``: rounds alternate
-        direction over the pairs (longest first under a causal mask), so the clusters'
-        shares of work even out."""
-        return n * clusters + T.if_then_else(n % 2 == 0, c, clusters - 1 - c)
+    def unit_at(c, n):
+        """The unit (a fold, else a pair of row tiles) cluster ``c`` takes in its round
+        ``n``: a fold over two rounds; pairs in rounds of alternate direction (longest
+        first under a causal mask), so the clusters' shares even out."""
+        return ir.select(folded, n // 2 * clusters + c, n * clusters + T.if_then_else(n % 2 == 0, c, clusters - 1 - c))
 
-    def row_tile_of(pair, rank):
-        """(the (sequence, head) index, the row tile) of block ``rank`` of ``pair``.
-        Under a causal mask the last row tiles see the most keys: a span of heads'
-        (:attr:`Tiles.span`) last row tiles come first, then their ones before, then the
-        next span's."""
+    def row_tile_of(unit, n, rank):
+        """(whether block ``rank`` of ``unit`` takes a row tile in round ``n``, its
+        (sequence, head) index, the row tile: counted from the last under a causal
+        mask). A span of heads' (:attr:`Tiles.span`) units come before the next span's."""
+        takes = unit < units
         if cluster > 1 and not pair_heads:
-            return pair // (q_tiles // 2), pair % (q_tiles // 2) * 2 + rank
-        per = heads // cluster
+            return takes, unit // (q_tiles // 2), unit % (q_tiles // 2) * 2 + rank
         if not causal:
-            index, unit = pair // q_tiles, pair % q_tiles
+            index, tile = unit // q_tiles, unit % q_tiles
         else:
-            index, unit = causal_order(pair, per, q_tiles, None if tiles.span is None else ir.maximum(1, tiles.span // cluster))
-        return (index * 2 + rank if pair_heads else index), unit
+            index, tile = causal_order(unit, per, q_tiles, span)
+            if foldable:
+                real, at_head, at_tile = causal_fold(unit, n, per, q_tiles, span)
+                takes = ir.select(folded, T.And(takes, real), takes)
+                index, tile = ir.select(folded, at_head, index), ir.select(folded, at_tile, tile)
+        return takes, (index * 2 + rank if pair_heads else index), tile
 
     def has_keys(n_tiles):
         """Whether the row tile reads keys (a Q load and K/V tiles); else its rows are zeros."""
@@ -902,9 +929,9 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         counts[0] = 0
         counts[1] = 0
         for n in range(rounds):
-            pair = pair_at(bx // cluster, n)
-            if pair < pairs:
-                bh, row_tile = T.meta_var(row_tile_of(pair, rank))
+            unit = unit_at(bx // cluster, n)
+            takes, bh, row_tile = T.meta_var(row_tile_of(unit, n, rank))
+            if takes:
                 b = bh // heads_q
                 h = bh % heads_q
                 seq_q = tiles.q_len(b)
