@@ -315,9 +315,8 @@ def _space_generator(families, spec):
 def builder_init(families):
     """MetaSchedule builder-process initializer for candidates of the named ``families``:
     importing this module registers the build functions; the tensor intrinsics of the
-    families' schedules (the CUDA ones of the tensor-core prefill: half a minute, once
-    per process rather than per build) are registered, whose index maps the CUDA
-    codegen reads."""
+    families' schedules (the CUDA ones of the tensor-core prefill, once per process
+    rather than per build) are registered, whose index maps the CUDA codegen reads."""
     for family in FAMILIES:
         if family.name in families:
             family.register_intrinsics()

@@ -77,6 +77,7 @@ from .schedules import warp_specialized_fp8_gemm, warp_specialized_gemm
 from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
 from .schedules.warp_specialized import serves_target
 from .trace import JSONDatabase, sample_uniform
+from .tvm_intrinsics import imported
 from .transform.detect import find_candidates
 from .transform.fuse import (
     FusedChain,
@@ -333,7 +334,7 @@ def _fused_blocks(func) -> frozenset:
 
 def _most_default_rules() -> int:
     """The most default rules a target kind has (MetaSchedule's "cuda-tensorcore" list)."""
-    import tvm.s_tir.tensor_intrin  # noqa: F401  pylint: disable=import-outside-toplevel  (the tensor-core rules name them)
+    imported("tvm.s_tir.tensor_intrin")  # the tensor-core rules name them
 
     return max(len(ms.ScheduleRule.create(kind)) for kind in ("llvm", "cuda", "cuda-tensorcore", "hexagon"))
 
@@ -350,10 +351,11 @@ def cascade_space(tiles: Sequence[int] = TILES, chunks: Sequence[int] = CHUNKS, 
 def candidate_builder(max_workers: int | None = None, timeout_sec: float = 30.0) -> ms.builder.LocalBuilder:
     """MetaSchedule's local builder whose processes load TVM's tensor intrinsics and
     tvm-cascade as they start, and which builds with :data:`BUILD_FUNC`. MetaSchedule's
-    default build imports the intrinsics inside each candidate's ``timeout_sec``: half a
-    minute per fresh builder process, more with many at once, so on a many-core machine
-    every candidate of a round ran out of time. Loaded by the initializer, they cost the
-    same once per process but no candidate's time limit."""
+    default build imports the intrinsics inside each candidate's ``timeout_sec`` (TVM's
+    own import: half a minute per fresh builder process, more with many at once, so on
+    a many-core machine every candidate of a round ran out of time). Loaded by the
+    initializer (:func:`~tvm_cascade.tvm_intrinsics.imported`), they cost no candidate's
+    time limit."""
     return ms.builder.LocalBuilder(
         max_workers=max_workers,
         timeout_sec=timeout_sec,
@@ -363,7 +365,7 @@ def candidate_builder(max_workers: int | None = None, timeout_sec: float = 30.0)
 
 
 def _prepare_builder_process() -> None:
-    importlib.import_module("tvm.s_tir.tensor_intrin")
+    imported("tvm.s_tir.tensor_intrin")
     importlib.import_module("tvm_cascade.meta_schedule")  # registers BUILD_FUNC
 
 

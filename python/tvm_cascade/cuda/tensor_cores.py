@@ -8,18 +8,17 @@ import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 
 from ..primitives import ir
+from ..tvm_intrinsics import imported
 from . import dependent_launch, wgmma_batches
 from .copy_waits import defer_copy_waits
 from .cast_offsets import hoist_cast_offsets
 
 
 def cuda_intrinsics():
-    """TVM's CUDA tensor intrinsics module, registered on first import (it takes half a
-    minute): the prefill schedule tensorizes with them, the CUDA codegen reads their index
-    maps, and tuning records name them."""
-    from tvm.s_tir.tensor_intrin import cuda
-
-    return cuda
+    """TVM's CUDA tensor intrinsics module, registered on first import
+    (:func:`~tvm_cascade.tvm_intrinsics.imported`): the prefill schedule tensorizes with
+    them, the CUDA codegen reads their index maps, and tuning records name them."""
+    return imported("tvm.s_tir.tensor_intrin.cuda")
 
 
 def build(mod, target, register_usage_level=None, min_blocks=None):

@@ -2,17 +2,16 @@
 products into fp32, a wavefront of 64 lanes) as a schedule uses them: the register
 layouts of the A, B and accumulator tiles over the last two axes of a buffer, and a
 load of a B operand stored [N, K] (a linear layer's weight), which TVM ships
-unregistered. (TVM's module registers every ROCm intrinsic when imported, half a minute:
-it is imported when a ROCm schedule is made.)"""
+unregistered. (TVM's module registers every ROCm intrinsic when imported: it is imported
+when a ROCm schedule is made, by :func:`~tvm_cascade.tvm_intrinsics.imported`.)"""
+from ..tvm_intrinsics import imported
 
 LANES = 64  # a wavefront
 TILE = 16  # m, n and k of one instruction
 
 
 def _rocm():
-    from tvm.s_tir.tensor_intrin import rocm  # pylint: disable=import-outside-toplevel
-
-    return rocm
+    return imported("tvm.s_tir.tensor_intrin.rocm")
 
 
 def _tiled(layout_name):
