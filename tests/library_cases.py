@@ -44,14 +44,12 @@ def pack(layout, sequences, page_size=None):
     return tt.pack_ragged(sequences) if layout == "ragged" else tt.pack_paged(sequences, page_size)
 
 
-def run(kernel, sequences, replan=None):
+def run(kernel, sequences):
     """Run ``kernel`` on per-sequence numpy arrays in its layout, as TVM tensors on its
-    device (numpy has no DLPack for bfloat16), with the plan ``replan`` makes of the
-    call's if given; returns its output per sequence."""
+    device (numpy has no DLPack for bfloat16); returns its output per sequence."""
     layout = kernel.spec.layout
     args = pack(layout, sequences, kernel.spec.page_size)
-    tensors = [tvm.runtime.tensor(a, kernel.device) for a in args]
-    out = kernel(*tensors, plan=None if replan is None else replan(kernel.plan(*tensors))).numpy()
+    out = kernel(*(tvm.runtime.tensor(a, kernel.device) for a in args)).numpy()
     if layout == "bhsd":
         return list(out.transpose(0, 2, 1, 3))
     if layout == "bshd":

@@ -1,14 +1,12 @@
 """tvm_cascade.library's kernels on a CUDA GPU (skipped without one): every layout,
 variant, dtype, GQA group and head dim against float64 numpy, lengths that are no tile
 multiples, torch tensors through DLPack."""
-import dataclasses
-
 import numpy as np
 import pytest
 import tvm
 
 import tvm_cascade  # noqa: F401
-from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, masked_reference, reference, run
+from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, masked_reference, reference
 from tvm_cascade.library import KernelArgumentError, attention_kernel
 from tvm_cascade.library.spec import UNIFORM_LAYOUTS, MaskTensor
 from tvm_cascade.schedules.warp_specialized import key_tile
@@ -116,28 +114,6 @@ def test_warp_specialized_prefill(layout, variant, dtype):
     else:
         lengths = [([37, 9, 200, 512, 130], [300, 999, 100, 3012, 130]), ([1000, 9], [1000, 4000])]
     check_lengths(kernel, lengths, seed=7)
-
-
-@pytest.mark.parametrize("layout", ["bhsd", "ragged"])
-@pytest.mark.parametrize("span", [1, 4, 12, 1000])
-def test_warp_specialized_prefill_takes_any_span_of_heads(layout, span):
-    """A causal kernel's plan gives long sequences a span of heads fewer than the call's
-    (:func:`~tvm_cascade.schedules.warp_specialized.causal_span`), whose row tiles the
-    blocks take in folds; given here for short ones, every span (fewer heads than the
-    call's three sequences of 8, or all of them: row tiles longest first) gives the
-    reference's outputs."""
-    kernel = _kernel(layout, 8, 2, head_dim=128)
-    rng = np.random.default_rng(13)
-    sequences = tt.random_sequences([700, 129, 1000], [700, 300, 1000], 8, 2, 128, "float16", rng) \
-        if layout == "ragged" else tt.random_sequences([1000] * 3, [1000] * 3, 8, 2, 128, "float16", rng)
-
-    def replan(plan):
-        assert plan.family.name == "warp_specialized_prefill" and len(plan.scalars) == 2 + (layout == "ragged") * 2
-        return dataclasses.replace(plan, scalars=plan.scalars[:-1] + (span,))
-
-    outs = run(kernel, sequences, replan)
-    for got, ref in zip(outs, reference(sequences, "causal")):
-        check(got, ref, "float16")
 
 
 @pytest.mark.parametrize("head_dim", [64, 256, 80, 96, 200])

@@ -49,8 +49,7 @@ def _cuda_source(executable):
 
 def test_prefill_calls_the_warp_specialized_kernel():
     """A static prefill: one call of the warp-specialised family's bshd kernel, its
-    persistent blocks (2 sequences x 8 heads x 3 row tiles) and its causal span (the
-    heads of the K/V heads whose 300 keys fit 16 MB: 109 x 4) arguments."""
+    persistent blocks (2 sequences x 8 heads x 3 row tiles) an argument."""
     mod = attention_module(2, 300, 300, 8, 2, 128)
     out = _dispatch(mod)
     (name, kernel), = _kernels(out).items()
@@ -63,7 +62,7 @@ def test_prefill_calls_the_warp_specialized_kernel():
     q, k, v = (relax.Var(p.name, p.ty) for p in mod["main"].params)
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            o = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48), tirx.IntImm("int32", 436)], q.ty))
+            o = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
         bb.emit_func_output(o)
     tvm.ir.assert_structural_equal(out, bb.get())
 
@@ -147,7 +146,7 @@ def test_transposes_from_bhsd_fold_into_the_kernel():
     gvar = bb.add_func(kernel, name)
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48), tirx.IntImm("int32", 436)], q.ty))
+            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
         bb.emit_func_output(result)
     tvm.ir.assert_structural_equal(out, bb.get())
 
@@ -278,7 +277,7 @@ def test_a_chain_becomes_one_kernel_call():
     q, k, v = mod["main"].params
     with bb.function("main", [q, k, v]):
         with bb.dataflow():
-            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48), tirx.IntImm("int32", 436)], q.ty))
+            result = bb.emit_output(relax.call_tir(gvar, [q, k, v, tirx.IntImm("int32", 48)], q.ty))
         bb.emit_func_output(result)
     tvm.ir.assert_structural_equal(out, bb.get())
 

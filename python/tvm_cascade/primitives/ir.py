@@ -231,11 +231,3 @@ def minimum(*values):
     if all(isinstance(v, int) for v in values):
         return min(values)
     return functools.reduce(tvm.tirx.min, values)
-
-
-def select(condition, a, b):
-    """``a`` where ``condition`` holds, else ``b``: chosen now for a Python bool (a static
-    shape's), by ``if_then_else`` for a PrimExpr (a runtime value's)."""
-    if isinstance(condition, bool):
-        return a if condition else b
-    return tvm.tirx.if_then_else(condition, a, b)

@@ -350,7 +350,7 @@ class Tiles:
     #: The grid's blocks (persistent, each taking row tiles in turn: a scalar parameter, or an int), or
     #: None: a block per row tile.
     blocks: object = None
-    #: Under a causal mask, the heads (of every sequence; an int or a scalar parameter)
+    #: Under a causal mask, the heads (of every sequence; an int)
     #: whose row tiles the blocks take before the next heads' (:func:`causal_span`);
     #: None: every head's longest first, then every head's next.
     span: object = None
@@ -386,10 +386,9 @@ class Tiles:
 def causal_span(heads_q, heads_kv, head_dim, keys):
     """The heads whose row tiles a causal kernel takes before the next heads' (the
     longest first among them): those of as many K/V heads as :data:`L2_SHARE`
-    holds ``keys`` keys of (K and V, 2-byte elements), at least a group's. Ints, or
-    PrimExprs of a plan over a call's lengths."""
+    holds ``keys`` keys of (K and V, 2-byte elements), at least a group's."""
     group = heads_q // heads_kv
-    return ir.maximum(1, L2_SHARE // (4 * head_dim) // ir.maximum(keys, 1)) * group
+    return max(1, L2_SHARE // (4 * head_dim) // max(keys, 1)) * group
 
 
 def causal_order(n, heads, q_tiles, span):
@@ -809,18 +808,19 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     # the whole order (a span's restart of it leaves some blocks the longest tiles of
     # every span), but a fold's last round is whole folds where theirs is short tiles:
     # they are kept where the span holds every head.
-    foldable = causal and tiles.blocks is not None and (cluster == 1 or pair_heads) and span is not None
-    folded = span < per if foldable else False
+    folded = causal and tiles.blocks is not None and (cluster == 1 or pair_heads) and span is not None and span < per
     pairs = heads * q_tiles // cluster
     folds = per * ((q_tiles + 1) // 2)
-    units = ir.select(folded, folds, pairs)
-    rounds = ir.select(folded, (folds + clusters - 1) // clusters * 2, (pairs + clusters - 1) // clusters)
+    units = folds if folded else pairs
+    rounds = (folds + clusters - 1) // clusters * 2 if folded else (pairs + clusters - 1) // clusters
 
     def unit_at(c, n):
         """The unit (a fold, else a pair of row tiles) cluster ``c`` takes in its round
         ``n``: a fold over two rounds; pairs in rounds of alternate direction (longest
         first under a causal mask), so the clusters' shares even out."""
-        return ir.select(folded, n // 2 * clusters + c, n * clusters + T.if_then_else(n % 2 == 0, c, clusters - 1 - c))
+        if folded:
+            return n // 2 * clusters + c
+        return n * clusters + T.if_then_else(n % 2 == 0, c, clusters - 1 - c)
 
     def row_tile_of(unit, n, rank):
         """(whether block ``rank`` of ``unit`` takes a row tile in round ``n``, its
@@ -831,12 +831,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             return takes, unit // (q_tiles // 2), unit % (q_tiles // 2) * 2 + rank
         if not causal:
             index, tile = unit // q_tiles, unit % q_tiles
+        elif folded:
+            real, index, tile = causal_fold(unit, n, per, q_tiles, span)
+            takes = T.And(takes, real)
         else:
             index, tile = causal_order(unit, per, q_tiles, span)
-            if foldable:
-                real, at_head, at_tile = causal_fold(unit, n, per, q_tiles, span)
-                takes = ir.select(folded, T.And(takes, real), takes)
-                index, tile = ir.select(folded, at_head, index), ir.select(folded, at_tile, tile)
         return takes, (index * 2 + rank if pair_heads else index), tile
 
     def has_keys(n_tiles):
