@@ -462,9 +462,9 @@ def test_a_causal_span_holds_the_heads_whose_keys_fit_a_share_of_l2(heads_q, hea
 
 
 def test_only_the_static_kernel_takes_a_causal_span():
-    """The kernel of static lengths orders a causal mask's row tiles by the span of its
-    key length; the runtime-length family's kernel, causal or not, takes its blocks
-    alone (every head's longest row tiles first), and its plan gives only them."""
+    """The runtime-length family's kernel, causal or not, takes its blocks alone as
+    scalars (no causal span: every head's longest row tiles first), and its plan gives
+    only them; the span is the static kernel's (tested above)."""
     from tvm_cascade.library.spec import AttentionSpec
     from tvm_cascade.library.warp_specialized_prefill import WarpSpecializedPrefill
 

@@ -123,11 +123,8 @@ def persistent(tiles: ws.Tiles) -> ws.Tiles:
     """``tiles`` with the grid's blocks a scalar parameter before ``out``: each block
     takes row tiles in turn (the next one's loads overlap the last one's stores, and
     no row tile waits for a second wave's start), under a causal mask every head's
-    longest first. (A causal span of heads in folds, :func:`~tvm_cascade.schedules.warp_specialized.causal_fold`,
-    is the static kernel's: as a run-time value its divisions at every row tile, and
-    its folds of a KV cache's row tiles, bounds past most sequences' rows, cost this
-    kernel 1-11% at model shapes (one process) and the cache's ragged prefill 8-29% (two
-    runs), H200.)"""
+    longest first: no causal span (:attr:`~tvm_cascade.schedules.warp_specialized.Tiles.span`),
+    which serves the static kernel only (docs/DESIGN.md says what it cost this one)."""
     blocks = tirx.Var("blocks", "int32")
     at = tiles.params.index(tiles.out)
     return replace(tiles, params=tiles.params[:at] + [blocks] + tiles.params[at:], blocks=blocks)
