@@ -13,6 +13,7 @@ import tvm_ffi
 import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels, ops
+from tvm_cascade.library import specialise
 from tvm_cascade.bench import VARIANTS
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import random_attention_inputs
@@ -147,6 +148,29 @@ def _check_against_the_reference(
     exe["main"](*args)
     expected = attention_ref(q.astype("float32"), k.astype("float32"), v.astype("float32"), variant=VARIANTS[variant])
     np.testing.assert_allclose(args[3].numpy().astype("float32"), expected, **tolerance)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant, heads_q, heads_kv, seq_q, seq_kv", [
+    ("causal", 4, 4, 1, 32768), ("gqa", 8, 1, 1, 32771), ("softcap", 4, 2, 4, 33000), ("alibi", 4, 4, 1, 40000),
+])
+def test_long_decode_takes_the_runtime_kernel_and_matches_the_reference(monkeypatch, tmp_path, variant, heads_q,
+                                                                        heads_kv, seq_q, seq_kv):
+    """Decode over ``RUNTIME_DECODE_KEYS`` keys, compiled without records or a config,
+    is the runtime-length tensor-core kernel fixed to its shapes (key counts no multiple
+    of its steps, several query rows)."""
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path))  # no user records
+    taken = []
+    monkeypatch.setattr(kernels, "compile_specialised",
+                        lambda *a, **kw: taken.append(a) or specialise.compile_specialised(*a, **kw))
+    dev = tvm.cuda(0)
+    q, k, v = random_attention_inputs(2, heads_q, heads_kv, seq_q, seq_kv, 128, dtype="float16", seed=3)
+    exe = kernels.compile_attention(2, heads_q, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant])
+    assert len(taken) == 1
+    args = [tvm.runtime.tensor(a, dev) for a in (q, k, v, np.zeros_like(q))]
+    exe["main"](*args)
+    expected = attention_ref(q.astype("float32"), k.astype("float32"), v.astype("float32"), variant=VARIANTS[variant])
+    np.testing.assert_allclose(args[3].numpy().astype("float32"), expected, rtol=2e-2, atol=5e-3)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")

@@ -20,7 +20,9 @@ chosen from, asked once per configuration
 :data:`DECODE_QUERIES` query rows the split-k decode family's
 (:mod:`tvm_cascade.schedules.decode`), beyond it, on sm_90 GPUs, the warp-specialised
 prefill family's (:mod:`tvm_cascade.schedules.warp_specialized`) where it applies, else
-the tensor-core prefill family's (:mod:`tvm_cascade.schedules.prefill`). Records are
+the tensor-core prefill family's (:mod:`tvm_cascade.schedules.prefill`); decode over
+:data:`RUNTIME_DECODE_KEYS` keys, untuned, is the runtime-length tensor-core decode
+kernel fixed to the configuration (:mod:`tvm_cascade.library.specialise`). Records are
 MetaSchedule JSON databases
 (:class:`tvm_cascade.trace.JSONDatabase`): the user's own, ``tuned/decode`` and
 ``tuned/prefill`` under the cache directory (:func:`user_records`), are consulted first,
@@ -42,7 +44,9 @@ from . import ops
 from .analysis.scope import buffer_params
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
-from .library.families import FAMILIES, config_family, families_of, schedule_families, scheduled_by
+from .library.families import FAMILIES, choose, config_family, families_of, schedule_families, scheduled_by
+from .library.specialise import compile_specialised
+from .library.tensor_core_decode import TensorCoreDecode
 from .library.spec import AttentionSpec
 from .ops.variants import AttentionVariant
 from .schedules import decode, prefill
@@ -50,6 +54,13 @@ from .trace import JSONDatabase
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
 DECODE_QUERIES = 8
+#: Keys from which :func:`compile_attention` gives decode the runtime-length family's
+#: tensor-core kernel fixed to the configuration
+#: (:func:`~tvm_cascade.library.specialise.specialised`) rather than the static
+#: schedule: side by side on an H200 (``benchmarks/RESULTS.md``, the decode suite's two
+#: kernels; batch 8, head dim 128, MHA and GQA) it takes 0.93-0.94x the static kernel's
+#: time at 32768 keys, and is level or behind at 4096 (lengths between: not measured).
+RUNTIME_DECODE_KEYS = 32768
 _SHIPPED_RECORDS = Path(__file__).resolve().parent / "tuned"
 _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
@@ -136,8 +147,13 @@ def compile_attention(
     record it is the heuristic choice where it is preferred (no sliding window:
     :func:`~tvm_cascade.schedules.warp_specialized.preferred`). A
     :class:`~tvm_cascade.schedules.warp_specialized.WarpSpecializedConfig` asks for it
-    with those choices (a configuration it does not support is then refused). Returns
-    the compiled module; its ``"main"`` takes ``q, k, v, out``."""
+    with those choices (a configuration it does not support is then refused).
+
+    Decode over :data:`RUNTIME_DECODE_KEYS` keys or more, where the runtime-length
+    kernels' tensor-core decode family serves it, is that family's kernel fixed to the
+    configuration (:func:`~tvm_cascade.library.specialise.specialised`), unless
+    ``records``, ``tune_trials`` or ``config`` is given or the user's database holds a
+    record of it. Returns the compiled module; its ``"main"`` takes ``q, k, v, out``."""
     kind = kind_of(seq_q)
     family = None if config is None else config_family(kind, config)
     if target is None:
@@ -161,8 +177,19 @@ def compile_attention(
     read = [Path(records)] if records is not None else [user_records(kind), default_records(kind)]
     if tune_trials:
         tune(func, target, read[0], tune_trials, variant)
+    elif family is None and records is None and _runtime_decode(spec, kind, seq_kv) \
+            and tuned_schedule(func, target, read[0]) is None:
+        return compile_specialised(spec, batch, seq_q, seq_kv, target)
     sch = schedule(func, target, read, variant) if family is None else family.schedule(func, spec, config)
     return build(sch.mod, target)
+
+
+def _runtime_decode(spec, kind, seq_kv) -> bool:
+    """Whether :func:`compile_attention` compiles the runtime-length decode kernel for
+    ``spec`` at ``seq_kv`` keys (:data:`RUNTIME_DECODE_KEYS`)."""
+    if kind != "decode" or seq_kv < RUNTIME_DECODE_KEYS:
+        return False
+    return choose(spec)[0].name == TensorCoreDecode.name
 
 
 def build(mod, target):
