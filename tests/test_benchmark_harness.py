@@ -447,6 +447,7 @@ def _run_without_gpu(_, command):
         ["benchmarks.profile", "decode-gqa-b8-kv4096", "--kernel-times"],
         ["benchmarks.sweep_decode", "decode-gqa-b8-kv4096", "--grid", '{"pv_keys": [4, 8]}'],
         ["benchmarks.decode_floor", "decode-gqa-b8-kv4096"],
+        ["benchmarks.decode_crossover", "--keys", "4096"],
         ["benchmarks.tune_decode", "--trials", "1"],
         ["benchmarks.tune_prefill", "--trials", "1"],
         ["benchmarks.compare_trees", "python", "--only", "prefill-global-b8-s1024"],

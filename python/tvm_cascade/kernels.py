@@ -57,10 +57,10 @@ DECODE_QUERIES = 8
 #: Keys from which :func:`compile_attention` gives decode the runtime-length family's
 #: tensor-core kernel fixed to the configuration
 #: (:func:`~tvm_cascade.library.specialise.specialised`) rather than the static
-#: schedule: side by side on an H200 (``benchmarks/RESULTS.md``, the decode suite's two
-#: kernels; batch 8, head dim 128, MHA and GQA) it takes 0.93-0.94x the static kernel's
-#: time at 32768 keys, and is level or behind at 4096 (lengths between: not measured).
-RUNTIME_DECODE_KEYS = 32768
+#: schedule: side by side on an H200 (``python -m benchmarks.decode_crossover``; batch 8,
+#: head dim 128, MHA, GQA and softcap) it takes 0.84-0.95x the static kernel's time from
+#: 8192 keys and 0.98-1.01x at 4096.
+RUNTIME_DECODE_KEYS = 8192
 _SHIPPED_RECORDS = Path(__file__).resolve().parent / "tuned"
 _RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
