@@ -5,6 +5,8 @@ in any order, index arrays at element offsets and sequences without keys."""
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
+from tvm.ir.expr import TensorLoad
 
 from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.library.kv_cache import cache_kernel
@@ -137,3 +139,37 @@ def test_the_fast_families_functions_are_well_formed(kind):
     assert kernel is not None, why
     assert kernel.family.name != "generic"
     assert tvm.tirx.analysis.verify_well_formed(kernel.func)
+
+
+def _row_tiles_from_their_sequences_last(func):
+    """Whether ``func`` (a warp-specialised kernel) checks that a row tile (from ``r0``)
+    lies after its sequence's first row: counted back from the sequence's own last, a
+    shorter sequence's count runs past its first."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.IfThenElse) and isinstance(node.condition, tvm.tirx.And):
+            lower = node.condition.a
+            if isinstance(lower, tvm.tirx.GE) and isinstance(lower.a, TensorLoad) and lower.a.source.name == "r0":
+                found.append(lower)
+
+    tvm_ffi.structural_walk(func.body, visit)
+    return bool(found)
+
+
+def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
+    """Under a causal mask the longest row tiles come first: in the cache's ragged prefill
+    and the runtime-length ragged kernel (sequences of different lengths) those of each
+    sequence, counted from its own last; where every sequence has the call's rows (bhsd)
+    or nothing is masked (the cache's paged prefill) the order is the call's."""
+    from tvm_cascade.library.spec import AttentionSpec
+    from tvm_cascade.library.warp_specialized_prefill import WarpSpecializedPrefill
+
+    hopper = {"kind": "cuda", "arch": "sm_90a"}
+    for kind, own in (("ragged", True), ("prefill", False)):
+        kernel, why = cache_kernel(kind, 32, 8, 128, "float16", hopper)
+        assert kernel.family.name == "warp_specialized_prefill", why
+        assert _row_tiles_from_their_sequences_last(kernel.func) == own
+    for layout, own in (("ragged", True), ("bhsd", False)):
+        spec = AttentionSpec.make(32, 8, 128, variant="causal", layout=layout, target=tvm.target.Target(hopper))
+        assert _row_tiles_from_their_sequences_last(WarpSpecializedPrefill().build(spec)) == own

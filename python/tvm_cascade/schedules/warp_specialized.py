@@ -61,6 +61,7 @@ from typing import Callable, Optional
 import numpy as np
 import sympy
 import tvm
+import tvm_ffi
 from tvm.s_tir.stmt import SBlock
 from tvm.script import tirx as T
 
@@ -471,6 +472,12 @@ def attention(batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant, config
     return kernel(tiles, variant, config)
 
 
+def _uniform(tiles) -> bool:
+    """Whether every sequence of ``tiles`` has ``tiles.rows`` query rows."""
+    length = tiles.q_len(tvm.tirx.Var("b", "int32"))
+    return isinstance(length, int) or tvm_ffi.structural_equal(length, tiles.rows)
+
+
 def persistent_blocks(batch, heads_q, rows, device):
     """The persistent blocks of a kernel over ``batch`` sequences of at most ``rows``
     query rows: one per SM of ``device``, or one per row tile where there are fewer (at
@@ -813,6 +820,19 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     folds = per * ((q_tiles + 1) // 2)
     units = folds if folded else pairs
     rounds = (folds + clusters - 1) // clusters * 2 if folded else (pairs + clusters - 1) // clusters
+    # Sequences of fewer query rows than `tiles.rows` have row tiles past their rows.
+    # Under a causal mask each sequence's row tiles are counted from its own last, so
+    # that the longest of every sequence come first and those past its rows last.
+    own_last = causal and not folded and cluster == 1 and tiles.blocks is not None and not _uniform(tiles)
+
+    def last_tile(seq_q):
+        """The row tile counted first under a causal mask: a sequence's own last where
+        ``own_last``."""
+        return (seq_q + ROWS - 1) // ROWS - 1 if own_last else q_tiles - 1
+
+    def holds_rows(r0, seq_q):
+        """Whether the row tile from ``r0`` holds rows of its sequence."""
+        return T.And(0 <= r0, r0 < seq_q) if own_last else r0 < seq_q
 
     def unit_at(c, n):
         """The unit (a fold, else a pair of row tiles) cluster ``c`` takes in its round
@@ -935,11 +955,11 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 h = bh % heads_q
                 seq_q = tiles.q_len(b)
                 seq_kv = tiles.kv_len(b)
-                r0 = T.if_then_else(causal, q_tiles - 1 - row_tile, row_tile) * ROWS
+                r0 = T.if_then_else(causal, last_tile(seq_q) - row_tile, row_tile) * ROWS
                 lo, hi = T.meta_var(tile_range(b, h, r0, seq_q, seq_kv))
                 n_tiles = hi - lo
                 # (a row tile past a shorter sequence's rows has no work)
-                if r0 < seq_q:
+                if holds_rows(r0, seq_q):
                     role(state, smem, full, empty, q_full, q_empty, b, h, r0, lo, n_tiles, seq_q, seq_kv, rank, counts[0], counts[1] & 1)
                     if has_keys(n_tiles):
                         counts[0] = counts[0] + n_tiles
