@@ -10,7 +10,7 @@ import tvm
 
 PAGE = 16
 #: Where ``o`` is among each kind's arguments (``lse`` follows).
-OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7, "decode_window": 7}
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "prefill_window": 8, "decode": 7, "decode_window": 7}
 
 
 def _indptr(lengths):
@@ -46,7 +46,7 @@ def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, d
         return args, reference, True
     # A sliding-window cache keeps a sequence's sink (its first keys) and its window,
     # stored from `start` on: the positions between hold evicted keys.
-    window = kind == "decode_window"
+    window = kind in ("prefill_window", "decode_window")
     sinks = [int(rng.integers(0, min(n, 20) + 1)) if window else 0 for n in kv_lens]
     starts = [sink + int(rng.integers(0, 40)) if window else 0 for sink in sinks]
     stored = [n - sink + start for n, sink, start in zip(kv_lens, sinks, starts)]
@@ -66,17 +66,19 @@ def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, d
         last = np.stack([last, np.array(starts, "int32"), np.array(sinks, "int32")])
     paged = [t(pages), _viewed(_indptr(pages_of), dev, rng), _viewed(order, dev, rng),
              _viewed(last.reshape(-1), dev, rng)._create_view(last.shape, "int32")]
-    if kind == "prefill":
+    if kind in ("prefill", "prefill_window"):
         args = [t(q), _viewed(_indptr(q_lens), dev, rng), *paged, k_rope, q_rope, o, lse, 0, 0, 1.0, 1e4, sm_scale]
     else:
         args = [t(q), *paged, k_rope, q_rope, o, lse, 0, 1.0, 1e4, sm_scale]
     return args, reference, False
 
 
-def expected(q_lens, reference, causal, sm_scale):
+def expected(q_lens, reference, causal, sm_scale, window=0):
     """float64 outputs and base-2 log-sum-exps of every query token: each sequence's
-    queries over its keys, aligned to their end under ``causal``; a row that sees no
-    key gives zeros and lse -5e4."""
+    queries over its keys, aligned to their end under ``causal``; with ``window``, the
+    queries follow the keys and query ``i`` sees the last ``window - 1 - i`` of them (a
+    sliding layer's new tokens over its cached keys); a row that sees no key gives
+    zeros and lse -5e4."""
     q, ks, vs = reference
     outs, lses = [], []
     for s, first in enumerate(_indptr(q_lens)[:-1]):
@@ -88,6 +90,9 @@ def expected(q_lens, reference, causal, sm_scale):
         n_q, n_k = scores.shape[1:]
         if causal:
             visible = np.arange(n_k)[None] <= np.arange(n_q)[:, None] + n_k - n_q
+            scores = np.where(visible[None], scores, -np.inf)
+        if window:
+            visible = np.arange(n_k)[None] >= n_k - np.maximum(window - 1 - np.arange(n_q)[:, None], 0)
             scores = np.where(visible[None], scores, -np.inf)
         top = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)
         seen = np.isfinite(top)

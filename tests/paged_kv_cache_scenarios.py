@@ -46,6 +46,7 @@ __all__ = [
     "reference_attention",
     "scenario_deep_fork_chain",
     "scenario_fork_sequence",
+    "scenario_layer_sliding_window",
     "scenario_popn",
     "scenario_prefill_decode",
     "scenario_remove_sequence",
@@ -82,6 +83,13 @@ class CacheSpec:
     rope_mode: RopeMode = RopeMode.NONE
     rope_scale: float = 1.0
     rope_theta: float = 10000.0
+    #: Keys a layer of every other one (from the first, ``AttnKind.MHA_SLIDING``, as
+    #: Gemma-2's) attends to, the query's own among them; 0: every layer attends to all.
+    layer_window: int = 0
+
+    def sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends within :attr:`layer_window` keys."""
+        return self.layer_window > 0 and layer % 2 == 0
 
     def __post_init__(self):
         if self.rope_mode not in (RopeMode.NONE, RopeMode.NORMAL):
@@ -111,8 +119,10 @@ class _PagedKVCacheModel(nn.Module):
         support_sliding_window: tirx.Var,
     ) -> TIRPagedKVCache:
         spec = self.spec
+        kinds = ["mha_sliding" if spec.sliding(layer) else "mha" for layer in range(spec.num_layers)]
+        windowed = {"layer_sliding_window_size": spec.layer_window} if spec.layer_window else {}
         return TIRPagedKVCache(
-            attn_kind="mha",
+            attn_kind=kinds if spec.layer_window else "mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
@@ -136,6 +146,7 @@ class _PagedKVCacheModel(nn.Module):
             enable_disaggregation=False,
             dtype=spec.dtype,
             target=self.target,
+            **windowed,
         )
 
 
@@ -199,6 +210,7 @@ def compile_paged_kv_cache(
     page_size: int = 16,
     rope_scale: float = 1.0,
     rope_theta: float = 10000.0,
+    layer_window: int = 0,
 ) -> CompiledKVCache:
     """Build the module of :func:`build_paged_kv_cache_module` and compile it with
     ``tvm.compile(mod, target, relax_pipeline=pipeline)``.
@@ -208,7 +220,7 @@ def compile_paged_kv_cache(
     or a pass. ``support_sliding_window`` and ``page_size`` become the defaults of
     :meth:`CompiledKVCache.create`."""
     spec = CacheSpec(num_layers, num_qo_heads, num_kv_heads, head_dim, dtype,
-                     RopeMode(rope_mode), rope_scale, rope_theta)
+                     RopeMode(rope_mode), rope_scale, rope_theta, layer_window)
     target = tvm.target.Target(target)
     mod = build_paged_kv_cache_module(spec, target)
     executable = tvm.compile(mod, target, relax_pipeline=pipeline)
@@ -261,17 +273,21 @@ def _rotate(x: np.ndarray, positions: np.ndarray, scale: float, theta: float) ->
     return x * np.cos(angle) + rotated * np.sin(angle)
 
 
-def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float) -> np.ndarray:
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float,
+                        window: int = 0) -> np.ndarray:
     """Float64 causal attention of ``q`` ``(n, heads_q, d)`` over ``k, v``
     ``(m, heads_kv, d)``, ``m >= n``, queries aligned to the end of the keys (query ``i``
-    sees keys ``0 .. m - n + i``); query head ``h`` reads key/value head
-    ``h // (heads_q // heads_kv)``."""
+    sees keys ``0 .. m - n + i``, only the last ``window`` of those where ``window``);
+    query head ``h`` reads key/value head ``h // (heads_q // heads_kv)``."""
     n, m = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k.astype(np.float64), group, axis=1)
     v = np.repeat(v.astype(np.float64), group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) * sm_scale
-    visible = np.arange(m)[None, :] <= (m - n) + np.arange(n)[:, None]
+    position = (m - n) + np.arange(n)[:, None]
+    visible = np.arange(m)[None, :] <= position
+    if window:
+        visible &= np.arange(m)[None, :] > position - window
     scores = np.where(visible[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
@@ -436,13 +452,18 @@ class KVCacheChecker:
         of ``batch``: ``kv_state_begin_forward``, ``attention_with_fused_qkv`` per layer
         on random q/k/v, ``kv_state_end_forward``. Every layer's output for every
         sequence is compared with causal attention of the new queries over the
-        sequence's cached keys followed by the new ones."""
+        sequence's cached keys followed by the new ones (the last ``layer_window`` of
+        them on a sliding layer). Chunks are shorter than a sliding layer's window: the
+        runtime keeps it exact only up to that many tokens (the new tokens among
+        themselves are plain causal), and TVM's kernel over the cached keys gives NaN
+        for a row that sees none of them (a chunk of ``layer_window`` tokens)."""
         s = self.spec
         seq_ids = [int(seq_id) for seq_id, _ in batch]
         lengths = [int(length) for _, length in batch]
         assert len(set(seq_ids)) == len(seq_ids), "a sequence appears twice in a batch"
         assert all(length > 0 for length in lengths), "append lengths must be positive"
         assert all(seq_id in self.keys for seq_id in seq_ids), "unknown sequence in batch"
+        assert not s.layer_window or max(lengths) < s.layer_window, "a chunk as long as the layers' window"
         total = sum(lengths)
         heads = s.num_qo_heads + 2 * s.num_kv_heads
         qkv = self._random(s.num_layers, total, heads, s.head_dim)
@@ -468,7 +489,8 @@ class KVCacheChecker:
             keys = np.concatenate([self.keys[seq_id], k], axis=1)
             values = np.concatenate([self.values[seq_id], v], axis=1)
             for layer in range(s.num_layers):
-                expected = reference_attention(q[layer], keys[layer], values[layer], self.sm_scale)
+                window = s.layer_window if s.sliding(layer) else 0
+                expected = reference_attention(q[layer], keys[layer], values[layer], self.sm_scale, window)
                 actual = outputs[layer][rows].astype(np.float64)
                 self._compare(actual, expected,
                               f"attention output of sequence {seq_id} (+{length} tokens, "
@@ -513,7 +535,8 @@ class KVCacheChecker:
             if self.fn.sequence_length is not None:
                 got = self.fn.sequence_length(self.cache, seq_id)
                 assert got == length, f"sequence {seq_id} has length {got}, expected {length}"
-            if self.fn.debug_get_kv is None or length == 0:
+            # (the runtime reads back the K/V of caches of MHA layers only)
+            if self.fn.debug_get_kv is None or length == 0 or s.layer_window:
                 continue
             shape = (s.num_layers, length, s.num_kv_heads, s.head_dim)
             k = tvm.runtime.empty(shape, s.dtype, device=self.device)
@@ -722,6 +745,34 @@ def scenario_sliding_window_fork(compiled: CompiledKVCache, cache_options: dict 
     ck.enable_sliding_window(6, 25, 24)
     ck.step([(3, 10), (6, 12)])
     _decode(ck, range(7), 12)
+    ck.remove_all()
+    return ck.report
+
+
+def scenario_layer_sliding_window(compiled: CompiledKVCache, cache_options: dict | None = None,
+                                  **options) -> ScenarioReport:
+    """Layers of sliding windows (``AttnKind.MHA_SLIDING``, ``compiled.spec.layer_window``
+    keys) between layers that see every key, as Gemma-2's: sequences grow past the
+    window in chunks of up to one token less (a chunk alone, batched, one token beside
+    a chunk), then decode rounds slide the window across pages; a sequence removed and
+    one added midway."""
+    window = compiled.spec.layer_window
+    if not window:
+        raise ValueError("the cache has no sliding layers (compile it with layer_window)")
+    longest = window - 1
+    ck = _checker(compiled, "layer_sliding_window", cache_options, **options)
+    ck.add(0, 1, 2, 3)
+    ck.step([(0, longest)])
+    ck.step([(1, longest), (2, 7)])
+    ck.step([(0, longest), (1, 3), (3, 1)])
+    ck.step([(2, longest), (3, window - 5), (0, 1)])
+    _decode(ck, range(4), 3)
+    ck.remove(1)
+    ck.add(4)
+    ck.step([(4, 17), (2, 9), (0, longest)])
+    _decode(ck, [0, 2, 3, 4], window // 2)
+    ck.step([(3, longest), (4, 1)])
+    _decode(ck, [0, 2, 3, 4], 2)
     ck.remove_all()
     return ck.report
 

@@ -21,6 +21,7 @@ CONVENTION = {
     "decode": ["q", "pages", "page_indptr", "page_indices", "length_info", "k_rope_pos_offset", "q_rope_position",
                "out", "lse", "rotary_mode", "rope_scale", "rope_theta", "sm_scale"],
 }
+CONVENTION["prefill_window"] = CONVENTION["prefill"]
 CONVENTION["decode_window"] = CONVENTION["decode"]
 #: (kind, query lengths, key lengths): ragged batches with lengths off the tiles, a
 #: sequence without cached keys, decode over partly filled last pages, and over a
@@ -28,6 +29,7 @@ CONVENTION["decode_window"] = CONVENTION["decode"]
 CASES = [
     ("ragged", [5, 17, 1], [5, 17, 1]),
     ("prefill", [3, 20, 7], [40, 1, 0]),
+    ("prefill_window", [3, 20, 7, 2], [40, 1, 0, 50]),
     ("decode", [1, 1, 1, 1], [1, 16, 33, 70]),
     ("decode_window", [1, 1, 1, 1], [1, 16, 33, 70]),
 ]
@@ -127,11 +129,66 @@ def test_calls_it_does_not_serve_run_the_fallback(kind):
         tvm.tirx.op.tvm_thread_invariant(tvm.tirx.And(flags["rotary_mode"] != 1, flags["causal"] == CONVENTION_MASK[kind])))
 
 
+#: The window of the sliding layers in the tests of the sliding-window prefill.
+WINDOW = 24
+
+
+def _tvm_window_prefill():
+    """TVM's CPU kernel of the sliding-window paged prefill, its layers' window :data:`WINDOW`."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", True, {}, sliding_window_size=WINDOW)  # pylint: disable=protected-access
+
+
+def test_the_sliding_window_prefill_serves_both_masks():
+    """Given the layers' window, the kernel attends over every cached key with
+    ``causal=0`` (a cache of sliding windows and sinks) and within the window with
+    ``causal=1`` (a sliding layer: new token ``i`` sees the last ``W - 1 - i`` cached
+    keys, none from ``i = W - 1`` on: zeros and lse -5e4), as TVM's kernel does where a
+    row sees a key; RoPE inside attention is refused."""
+    kernel, why = cache_kernel("prefill_window", 4, 2, 32, "float16", "llvm", window=WINDOW)
+    assert kernel is not None, why
+    ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
+    theirs = tvm.compile(tvm.IRModule({"main": _tvm_window_prefill()}), target="llvm")["main"]
+    at = OUTPUT_AT["prefill_window"]
+    q_lens, kv_lens = [5, 30, 1, 12], [40, 60, 7, 0]
+    for causal in (0, 1):
+        args, reference, _ = arguments("prefill_window", q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=6)
+        args[at + 2] = causal
+        ours(*args)
+        out, lse = expected(q_lens, reference, False, args[-1], window=WINDOW * causal)
+        np.testing.assert_allclose(args[at].numpy().astype("float64"), out, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(args[at + 1].numpy(), lse, atol=1e-3, rtol=1e-4)
+        mine = args[at].numpy()
+        args, _, _ = arguments("prefill_window", q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=6)
+        args[at + 2] = causal
+        theirs(*args)
+        seen = lse > -5e4
+        np.testing.assert_allclose(mine[seen], args[at].numpy()[seen], atol=2e-3, rtol=2e-3)
+    assert not seen.all()  # rows past the window's cached keys were checked too
+    args[at + 3] = 1
+    with pytest.raises(RuntimeError, match="RoPE inside attention"):
+        ours(*args)
+
+
+def test_the_sliding_window_prefill_without_a_window_gives_sliding_layers_to_the_fallback():
+    """Built without the layers' window (a cache of no sliding layers), the kernel gives
+    a ``causal=1`` call to TVM's kernel."""
+    kernel, why = cache_kernel("prefill_window", 4, 2, 32, "float16", "llvm", fallback=_tvm_window_prefill())
+    assert kernel is not None, why
+    flags = {p.name: p for p in kernel.func.params}
+    tvm.ir.assert_structural_equal(
+        kernel.func.body.condition,
+        tvm.tirx.op.tvm_thread_invariant(tvm.tirx.And(flags["rotary_mode"] != 1, flags["causal"] == 0)))
+    with pytest.raises(ValueError, match="the sliding-window prefill's"):
+        cache_kernel("prefill", 4, 2, 32, "float16", "llvm", window=WINDOW)
+
+
 #: The mask each kind's kernel is built for (``causal``).
 CONVENTION_MASK = {"ragged": 1, "prefill": 0}
 
 
-@pytest.mark.parametrize("kind", sorted(CONVENTION))
+@pytest.mark.parametrize("kind", sorted(set(CONVENTION) - {"prefill_window"}))
 def test_the_fast_families_functions_are_well_formed(kind):
     """The sm_90a families' functions (built here, run by the GPU tests) use no variable
     they do not define: their plans are of the cache's own shapes."""

@@ -2,6 +2,7 @@
 runtime builtins, against the numpy reference of ``paged_kv_cache_scenarios`` (CPU):
 with TVM's own TIR kernels, and with tvm-cascade's in their place
 (:class:`~tvm_cascade.relax.kv_cache.KVCacheAttention` before the default pipeline)."""
+import dataclasses
 import functools
 import importlib
 
@@ -98,6 +99,28 @@ def test_scenario_with_rope(pipeline, head_dim, scenario):
 def test_scenario_gqa_group_of_four(pipeline, scenario):
     """Eight query heads over two KV heads."""
     pkv.SCENARIOS[scenario](compiled(pipeline, num_qo_heads=8, num_kv_heads=2, head_dim=64))
+
+
+@pytest.mark.parametrize("pipeline", ["default"] + PIPELINES)
+def test_layers_of_sliding_windows(pipeline):
+    """A cache whose first layer attends within a window of 40 keys
+    (``AttnKind.MHA_SLIDING``) and whose second sees every key, with RoPE before
+    attention: TVM's kernels check the reference, tvm-cascade's take their place."""
+    model = compiled(pipeline, head_dim=64, layer_window=40, rope_mode=pkv.RopeMode.NORMAL)
+    report = pkv.scenario_layer_sliding_window(model)
+    assert report.steps > 0 and report.tokens > 0
+
+
+def test_a_window_shows_in_the_layers_outputs():
+    """The sliding layer's reference is not the full layer's: a checker that takes the
+    window away fails where the sequence has outgrown it."""
+    model = compiled("default", head_dim=64, layer_window=40)
+    checker = pkv.KVCacheChecker(model, model.create(), name="windowless")
+    checker.add(0)
+    checker.step([(0, 39)])
+    checker.spec = dataclasses.replace(checker.spec, layer_window=0)
+    with pytest.raises(AssertionError, match="layer 0"):
+        checker.step([(0, 10)])
 
 
 FLOAT32_MHA = {"num_layers": 1, "num_qo_heads": 4, "num_kv_heads": 4, "head_dim": 64, "dtype": "float32"}

@@ -23,9 +23,9 @@ def _target():
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(head_dim, heads):
+def _compiled(head_dim, heads, **options):
     return pkv.compile_paged_kv_cache(_target(), "cascade", num_qo_heads=heads[0], num_kv_heads=heads[1],
-                                      head_dim=head_dim)
+                                      head_dim=head_dim, **options)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -45,3 +45,12 @@ def test_the_caches_kernels_are_the_librarys(head_dim):
 def test_scenarios_on_the_library_kernels(scenario, head_dim, heads):
     report = pkv.SCENARIOS[scenario](_compiled(head_dim, heads))
     assert report.steps > 0 and report.kv_checks > 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_layers_of_sliding_windows_on_the_library_kernels(head_dim):
+    """Gemma-2's alternation: a layer within a window of 40 keys, one over every key,
+    RoPE before attention."""
+    report = pkv.scenario_layer_sliding_window(
+        _compiled(head_dim, (8, 2), layer_window=40, rope_mode=pkv.RopeMode.NORMAL))
+    assert report.steps > 0 and report.tokens > 0

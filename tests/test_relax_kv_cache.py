@@ -7,6 +7,7 @@ import logging
 import paged_kv_cache_scenarios as pkv
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 
 import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
@@ -46,17 +47,35 @@ def test_cpu_cache_kernels_become_the_generic_family():
         15: ("batch_prefill_ragged_kv", "generic"),
         16: ("batch_prefill_paged_kv_cpu", "generic"),
         17: ("batch_decode_paged_kv_cpu", "generic"),
-        18: ("batch_prefill_paged_kv_cpu_sliding_window", None),
+        18: ("batch_prefill_paged_kv_cpu_sliding_window", "generic"),
         19: ("batch_decode_paged_kv_cpu_sliding_window", "generic"),
     }
     # Under TVM's names: the runtime finds them by the same symbols.
     assert all(mod[name].attrs["global_symbol"] == name for name, _ in slots.values())
 
 
+def test_the_sliding_layers_window_reaches_the_sliding_window_prefill():
+    """A cache of sliding layers (``AttnKind.MHA_SLIDING``) gets a sliding-window prefill
+    that attends within their window where called with ``causal=1``; without sliding
+    layers such a call runs TVM's kernel."""
+    def branches(spec):
+        with CPU:
+            mod = KVCacheAttention()(_module(CPU, **spec))
+        func = mod["batch_prefill_paged_kv_cpu_sliding_window"]
+        causal = next(p for p in func.params if p.name == "causal")
+        served = func.body.then_case  # (the else case: TVM's kernel)
+        return isinstance(served, tvm.tirx.IfThenElse) and tvm_ffi.structural_equal(
+            served.condition, tvm.tirx.op.tvm_thread_invariant(tvm.tirx.EQ(causal, 0)))
+
+    assert branches({"layer_window": 40})
+    assert not branches({})
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_hopper_cache_kernels_become_the_fast_families(head_dim):
-    with HOPPER:
+def test_hopper_cache_kernels_become_the_fast_families(head_dim, caplog):
+    with HOPPER, caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
         mod = KVCacheAttention()(_module(HOPPER, num_qo_heads=8, num_kv_heads=2, head_dim=head_dim))
+    assert "prefill_window kernel left to TVM's" in caplog.text
     families = {slot: family for slot, (_, family) in _slots(mod).items()}
     assert families == {15: "warp_specialized_prefill", 16: "warp_specialized_prefill",
                         17: "tensor_core_decode", 18: None, 19: "tensor_core_decode"}

@@ -50,7 +50,8 @@ def attention_chain(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
         value = te.compute(shape_kv, guarded(view.value, view.kv_len), name="V_view")
         query, key, value = (_indexer(t) for t in (query, key, value))
 
-    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, acc)
+    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, acc,
+                                          query_start=view.query_start)
     lowest = tirx.min_value(acc)
     scale = view.scale
 

@@ -1,7 +1,8 @@
 """Kernels with the calling convention of TVM's paged KV cache (``relax.frontend.nn.llm``'s
 ``TIRPagedKVCache``): the runtime's ``vm.builtin.paged_attention_kv_cache_create`` calls
 them as it calls TVM's own ``tir_attention_prefill_ragged``, ``tir_attention_prefill``,
-``tir_attention_decode`` and ``tir_attention_decode_sliding_window``.
+``tir_attention_prefill_sliding_window``, ``tir_attention_decode`` and
+``tir_attention_decode_sliding_window``.
 
 =====================  ==============  ===============================================
 the cache's kernel     kind            arguments
@@ -13,6 +14,8 @@ paged prefill          ``"prefill"``   ``q, qo_indptr, pages, page_indptr, page_
                                        length_info, k_rope_pos_offset, q_rope_position,
                                        o, lse, causal, rotary_mode, rope_scale,
                                        rope_theta, sm_scale``
+sliding-window         ``"prefill_     as ``"prefill"``, ``length_info[3, batch]`` (the
+paged prefill          window"``       window's start and sinks: :mod:`.layouts`)
 paged decode           ``"decode"``    ``q, pages, page_indptr, page_indices,
                                        length_info, k_rope_pos_offset, q_rope_position,
                                        o, lse, rotary_mode, rope_scale, rope_theta,
@@ -25,7 +28,11 @@ sliding-window decode  ``"decode_      as ``"decode"``, ``length_info[3, batch]`
 sees no key), which the cache's merge of attention states reads. The runtime calls the
 ragged kernel with ``causal=1`` (the new tokens among themselves) and the paged
 prefill kernel with ``causal=0`` (the new tokens over the cached ones); a kernel is
-built for that mask and refuses the other. RoPE inside attention (``rotary_mode`` 1,
+built for that mask and refuses the other. The sliding-window paged prefill is called
+with ``causal=0`` in a cache with sliding windows and attention sinks (every cached key
+seen), and with ``causal=1`` for the layers of a cache's sliding layers
+(``AttnKind.MHA_SLIDING``: new token ``i`` sees the last ``W - 1 - i`` cached keys of
+the layers' window of ``W``); its kernel serves both where it is given ``W``. RoPE inside attention (``rotary_mode`` 1,
 what the runtime passes for the cache's ``RopeMode.INLINE``) is not computed: such a
 call is refused (the cache's other modes rotate keys before they enter the pages). The index arrays may be views
 into the runtime's workspace (any element offset).
@@ -50,6 +57,7 @@ from tvm.s_tir.stmt import SBlockRealize
 
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
+from ..ops.variants import AttentionVariant
 from ..primitives.ir import copy_block, replace_buffers, seq
 from .families import runtime_families
 from .layouts import INDEX_DTYPE, views
@@ -58,8 +66,8 @@ from .spec import AttentionSpec
 logger = logging.getLogger("tvm_cascade.library")
 
 #: The cache's kernels this module builds: kind -> (layout, causal).
-KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "decode": ("kv_decode", False),
-         "decode_window": ("kv_decode_window", False)}
+KINDS = {"ragged": ("kv_ragged", True), "prefill": ("kv_paged", False), "prefill_window": ("kv_paged_window", False),
+         "decode": ("kv_decode", False), "decode_window": ("kv_decode_window", False)}
 #: Those of :func:`~.families.runtime_families` that serve any number
 #: of query rows, and the decode families (a few rows) before the last, which serves
 #: every spec.
@@ -67,8 +75,11 @@ _RUNTIME = runtime_families()
 _PREFILL_FAMILIES = tuple(family for family in _RUNTIME if family.queries is None)
 _DECODE_FAMILIES = tuple(family for family in _RUNTIME[:-1] if family.queries is not None) + _RUNTIME[-1:]
 #: The families asked, in order, for each kind.
-KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "decode": _DECODE_FAMILIES,
-                 "decode_window": _DECODE_FAMILIES}
+KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "prefill_window": _PREFILL_FAMILIES,
+                 "decode": _DECODE_FAMILIES, "decode_window": _DECODE_FAMILIES}
+#: Kinds that only a fast family serves on GPUs: the generic kernel there is not
+#: measured against TVM's (which stays).
+_FAST_ON_GPUS = ("prefill_window",)
 #: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
 #: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.
 ROTATE_INSIDE = 1
@@ -88,29 +99,39 @@ class CacheKernel:
 
 
 def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: str, target,
-                 page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None
+                 page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None, window: int = 0
                  ) -> tuple[Optional[CacheKernel], str]:
     """The kernel of ``kind`` (:data:`KINDS`) for the cache's heads, head dim, dtype and
     page size on ``target``: ``(CacheKernel, "")``, or ``(None, why)`` where no family
-    serves it (each family passed over is logged with its reason).
+    serves it (each family passed over is logged with its reason). ``window``
+    (``"prefill_window"`` only): the keys of the cache's sliding layers' window, which
+    its calls with ``causal=1`` attend within.
 
     A call the kernel does not serve (the other mask, RoPE inside attention) raises a
     ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
     runs ``fallback``'s body in its place: the runtime switches a cache with RoPE to
     RoPE inside attention where it supports sliding windows."""
     layout, causal = KINDS[kind]
+    if window and kind != "prefill_window":
+        raise ValueError(f"a window is the sliding-window prefill's, not the {kind} kernel's")
     target = tvm.target.Target(target)
     try:
-        spec = AttentionSpec.make(heads_q, heads_kv, head_dim, variant="causal" if causal else None, dtype=dtype,
-                                  layout=layout, target=target,
-                                  page_size=None if layout == "kv_ragged" else page_size)
+        def make(variant):
+            return AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
+                                      target=target, page_size=None if layout == "kv_ragged" else page_size)
+
+        spec = make("causal" if causal else None)
+        windowed = make(AttentionVariant("sliding_window", causal=True, window=window)) if window else None
     except ValueError as err:
         return None, str(err)
     reasons = []
     for family in KIND_FAMILIES[kind]:
-        reason = family.supports(spec)
+        reason = family.supports(spec) or (windowed and family.supports(windowed))
+        if reason is None and kind in _FAST_ON_GPUS and family is _RUNTIME[-1] and target.kind.name == "cuda":
+            reason = "its GPU kernel is not measured against TVM's sliding-window prefill"
         if reason is None:
-            func = _with_convention(family, spec, causal, fallback).with_attrs(
+            other = None if windowed is None else _with_convention(family, windowed, True, None)
+            func = _with_convention(family, spec, causal, fallback, other).with_attrs(
                 {"tirx.is_scheduled": True, "target": family.compile_target(target)})
             return CacheKernel(func, family, spec), ""
         logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
@@ -118,11 +139,12 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     return None, "; ".join(reasons)
 
 
-def _with_convention(family, spec: AttentionSpec, causal: bool, fallback) -> tvm.tirx.PrimFunc:
+def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=None) -> tvm.tirx.PrimFunc:
     """``family``'s function for ``spec`` with the cache's parameters: its scalars planned
-    from the shapes, the trailing scalars added (a call with the other ``causal`` or
-    with RoPE inside attention refused, or given to ``fallback``) and the index arrays
-    given element offsets."""
+    from the shapes, the trailing scalars added (a call with the other ``causal`` given
+    to ``other``, a function of the same convention, where there is one; such a call,
+    or one with RoPE inside attention, refused, or given to ``fallback``) and the index
+    arrays given element offsets."""
     func = family.build(spec)
     buffers = {b.name: b for b in buffer_params(func)}
     view = views(spec, lambda shape, dtype, name: buffers[name])
@@ -139,11 +161,15 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback) -> tvm
         del trailing["causal"]
     served = [(tirx.NE(trailing["rotary_mode"], ROTATE_INSIDE),
                f"{spec.describe()}: RoPE inside attention (rotary_mode {ROTATE_INSIDE}) is not computed")]
-    if "causal" in trailing:
-        served.append((tirx.EQ(trailing["causal"], int(causal)), f"{spec.describe()}: built for causal={int(causal)}"))
     offsets = {b: _with_offset(b) for b in buffer_params(func) if b.dtype == INDEX_DTYPE}
     body = _redirect(body, offsets)
     params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
+    if "causal" in trailing:
+        matches = tirx.EQ(trailing["causal"], int(causal))
+        if other is None:
+            served.append((matches, f"{spec.describe()}: built for causal={int(causal)}"))
+        else:
+            body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(matches), body, _bound(other, params))
     if fallback is None:
         body = _prepend(body, [_check(condition, message) for condition, message in served])
     else:

@@ -35,6 +35,11 @@ key token, or every page's keys) as no call passes it.
 ``kv_paged``
     ``q[total_q, hq, d], qo_indptr, pages, page_indptr, page_indices, length_info``
     (the last page's keys, as ``last_page_len``), ``k_rope_pos_offset, q_rope_position``.
+``kv_paged_window``
+    ``kv_paged`` of a sliding-window cache: ``length_info[3, batch]`` and the keys as
+    ``kv_decode_window``'s; its queries follow the cached keys (query ``i`` at position
+    ``kv_len + i``: the new tokens, not yet in the pages), where a sliding window of
+    ``W`` keys shows query ``i`` the last ``W - 1 - i`` of them.
 ``kv_decode``
     ``kv_paged`` with one query per sequence, ``q[batch, hq, d]`` and no ``qo_indptr``.
 ``kv_decode_window``
@@ -46,7 +51,8 @@ key token, or every page's keys) as no call passes it.
     + start``).
 
 Queries are aligned to the end of their keys (query ``i`` of a sequence sits at position
-``i + kv_len - q_len``), as in chunked prefill and decode.
+``i + kv_len - q_len``), as in chunked prefill and decode, but where a layout says
+otherwise (:attr:`Views.query_start`).
 
 A spec with a mask tensor (:class:`~.spec.MaskTensor`, bhsd and bshd) takes ``mask[b|1,
 hq|1, sq|1, skv]`` after the layout's tensors; the view reads it as an additive term of
@@ -88,6 +94,9 @@ class Views:
     scale: object = None  # what multiplies Q·Kᵀ: the spec's, or the scalar ``sm_scale``
     lse_index: Optional[Callable] = None  # (b, h, i) -> row i's index of ``lse``; None: no lse
     mask: Optional[Callable] = None  # (b, h, i, j) -> the float32 term the mask tensor adds; None: no mask
+    #: (b) -> the position of sequence b's first query row among its keys'; None: aligned
+    #: to the end of the keys (``kv_len - q_len``).
+    query_start: Optional[Callable] = None
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -298,6 +307,8 @@ def _kv_paged(spec, tensor):
     q_rope_position = tensor(q.shape[:1], INDEX_DTYPE, "q_rope_position")
     sm_scale, cache = _cache_fields(fields["out_index"])
     fields.update(rows=q.shape[0], keys=_paged_keys(page_indices, spec.page_size))
+    if spec.layout in WINDOW_LAYOUTS:
+        fields.update(query_start=paged["kv_len"])
     return Views(
         inputs=[q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset, q_rope_position,
                 sm_scale],
@@ -327,7 +338,8 @@ def _kv_decode(spec, tensor):
 
 
 _BUILDERS = {"bhsd": _bhsd, "bshd": _bshd, "ragged": _ragged, "paged": _paged,
-             "kv_ragged": _kv_ragged, "kv_paged": _kv_paged, "kv_decode": _kv_decode, "kv_decode_window": _kv_decode}
+             "kv_ragged": _kv_ragged, "kv_paged": _kv_paged, "kv_paged_window": _kv_paged, "kv_decode": _kv_decode,
+             "kv_decode_window": _kv_decode}
 
 
 def scatter_output(func: tvm.tirx.PrimFunc, spec: AttentionSpec) -> tvm.tirx.PrimFunc:

@@ -13,11 +13,11 @@ from ..ops.variants import AttentionVariant, get_variant
 LAYOUTS = ("bhsd", "bshd", "ragged", "paged")
 #: The layouts of TVM's paged KV cache's kernels (:mod:`tvm_cascade.library.kv_cache`):
 #: their calling convention, not :class:`~tvm_cascade.library.kernel.AttentionKernel`'s.
-CACHE_LAYOUTS = ("kv_ragged", "kv_paged", "kv_decode", "kv_decode_window")
+CACHE_LAYOUTS = ("kv_ragged", "kv_paged", "kv_paged_window", "kv_decode", "kv_decode_window")
 #: Layouts whose keys lie in pages.
-PAGED_LAYOUTS = ("paged", "kv_paged", "kv_decode", "kv_decode_window")
+PAGED_LAYOUTS = ("paged", "kv_paged", "kv_paged_window", "kv_decode", "kv_decode_window")
 #: Cache layouts of a sliding-window cache (its sinks and window in ``length_info``).
-WINDOW_LAYOUTS = ("kv_decode_window",)
+WINDOW_LAYOUTS = ("kv_paged_window", "kv_decode_window")
 #: Layouts whose sequences are all as long (the tensors' shapes say how long).
 UNIFORM_LAYOUTS = ("bhsd", "bshd")
 DTYPES = ("float16", "bfloat16", "float32")

@@ -104,7 +104,8 @@ def score_of(spec, view):
     sequence ``b``) from the dot product, scaled, modified by the variant, plus the mask
     tensor's term where the spec has one, and in log2 units, -inf where the key is
     masked or past the sequence's keys."""
-    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, ACC)
+    score_mod, mask_mod = variant_te_mods(spec.variant, spec.heads_q, view.query_length, view.key_length, ACC,
+                                          query_start=view.query_start)
 
     def score(dot, b, h, qi, j):
         s = dot * view.scale

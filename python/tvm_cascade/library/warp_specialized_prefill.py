@@ -37,7 +37,7 @@ from ..schedules import prefill
 from ..schedules import warp_specialized as ws
 from . import mask_ranges
 from .layouts import views
-from .spec import CACHE_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
+from .spec import CACHE_LAYOUTS, WINDOW_LAYOUTS, AttentionSpec, head_dim_unsupported, kernel_head_dim
 from .split_k import LOG2E
 
 #: The kernel's head dims (Q·Kᵀ of a 64-column panel's multiple, P·V one wgmma wide). A
@@ -69,6 +69,8 @@ class WarpSpecializedPrefill:
         reason = head_dim_unsupported(spec.head_dim, HEAD_DIMS)
         if reason is not None:
             return reason
+        if spec.layout in WINDOW_LAYOUTS:
+            return "a sliding-window cache's keys (sinks, then a window from inside a page) are not whole pages"
         keys = ws.key_tile(kernel_head_dim(spec.head_dim, HEAD_DIMS))
         if spec.page_size is not None and (keys % spec.page_size or spec.page_size % 8):
             return f"pages of {spec.page_size} keys: a multiple of 8 dividing {keys} (a key tile)"

@@ -79,17 +79,20 @@ ATTENTION_BLOCKS_NORMALIZE_FIRST = ("qk", "score", "max", "exp", "sum", "p", "pv
 
 
 def variant_te_mods(
-    variant, heads_q: int, seq_q, seq_kv, accum_dtype: str = "float32"
+    variant, heads_q: int, seq_q, seq_kv, accum_dtype: str = "float32", query_start=None
 ) -> Tuple[Optional[ScoreMod], Optional[MaskMod]]:
     """Return FlexAttention-style ``(score_mod, mask_mod)`` TE callables for a
     variant (name or :class:`AttentionVariant`); ``None`` where unused.
 
     Queries are aligned to the end of the keys: ``seq_q`` and ``seq_kv`` are the lengths
     (ints or expressions), or callables of the batch index ``b`` giving each sequence's
-    lengths (batches of sequences of different lengths)."""
+    lengths (batches of sequences of different lengths); ``query_start(b)``, where given,
+    places the first query row among the keys' positions instead."""
     variant = get_variant(variant)
 
     def offset(b):
+        if query_start is not None:
+            return query_start(b)
         return _length(seq_kv, b) - _length(seq_q, b)
 
     return (

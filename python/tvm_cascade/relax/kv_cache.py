@@ -4,12 +4,13 @@
 The cache is made by one ``vm.builtin.paged_attention_kv_cache_create`` call whose
 arguments hold its configuration and its kernels, ``("tirx", GlobalVar)`` pairs. The
 pass puts :mod:`tvm_cascade.library.kv_cache`'s kernels (the same calling convention),
-under the names of TVM's, in the slots of the ragged prefill, paged prefill, paged
+under the names of TVM's, in the slots of the ragged prefill, paged prefill,
+sliding-window paged prefill (given the window of the cache's sliding layers), paged
 decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves
 TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library does
 not serve the cache: MLA, RoPE inside attention (``RopeMode.INLINE``), or a
-configuration no family builds. The sliding-window
-prefill and the tree-attention kernels stay TVM's (logged).
+configuration no family builds (on GPUs, the sliding-window paged prefill). The
+tree-attention kernels stay TVM's (logged).
 
 Each replacement keeps TVM's kernel as its fallback (``cache_kernel``'s): a cache made
 with sliding-window support rotates Q and K inside attention even where the model asked
@@ -29,12 +30,15 @@ logger = logging.getLogger("tvm_cascade.relax")
 
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
 #: The create call's arguments that the pass reads, by position (after the function's name).
-HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE_OF = 2, 3, 4, 5, 6, 8, 12
+CONFIG, HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE_OF = 0, 2, 3, 4, 5, 6, 8, 12
+#: Where the window of the cache's sliding layers lies in its configuration (``CONFIG``).
+LAYER_WINDOW = 5
 #: The slots of the kernels replaced: position -> kind of :mod:`tvm_cascade.library.kv_cache`.
-SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 19: "decode_window"}
+SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 18: "prefill_window", 19: "decode_window"}
 #: The attention kinds served (``AttnKind.MHA``, ``AttnKind.MHA_SLIDING``: its layers
 #: attend through the sliding-window kernels) and the cache's ``RopeMode.INLINE``.
 _SERVED_KINDS, _INLINE = (0, 3), 2
+_SLIDING = 3
 _CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
 
@@ -84,14 +88,17 @@ def _replacements(mod, args, target) -> dict:
         return {}
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
-    logger.info("paged KV cache: the sliding-window prefill and the tree-attention kernels stay TVM's")
+    sliding = _SLIDING in [int(k) for k in args[ATTN_KINDS].values]
+    window = int(args[CONFIG].values[LAYER_WINDOW]) if sliding else 0
+    logger.info("paged KV cache: the tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
         pair = args[slot]
         if not (isinstance(pair, relax.Tuple) and len(pair.fields) == 2):
             continue
         old = pair.fields[1]
-        kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target, fallback=mod[old])
+        kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target, fallback=mod[old],
+                                   window=window if kind == "prefill_window" else 0)
         if kernel is None:
             logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
             continue
