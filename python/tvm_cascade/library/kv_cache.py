@@ -26,16 +26,17 @@ sliding-window decode  ``"decode_      as ``"decode"``, ``length_info[3, batch]`
 
 ``lse`` is each row's base-2 log-sum-exp of its scaled scores (``-5e4`` for a row that
 sees no key), which the cache's merge of attention states reads. The runtime calls the
-ragged kernel with ``causal=1`` (the new tokens among themselves) and the paged
-prefill kernel with ``causal=0`` (the new tokens over the cached ones); a kernel is
-built for that mask and refuses the other. The sliding-window paged prefill is called
-with ``causal=0`` in a cache with sliding windows and attention sinks (every cached key
+ragged kernel with ``causal=1`` (the new tokens among themselves) and the paged prefill
+kernel with ``causal=0`` (the new tokens over the cached ones); a kernel is built for
+that mask and refuses the other. The sliding-window paged prefill is called with
+``causal=0`` in a cache with sliding windows and attention sinks (every cached key
 seen), and with ``causal=1`` for the layers of a cache's sliding layers
 (``AttnKind.MHA_SLIDING``: new token ``i`` sees the last ``W - 1 - i`` cached keys of
-the layers' window of ``W``); its kernel serves both where it is given ``W``. RoPE inside attention (``rotary_mode`` 1,
-what the runtime passes for the cache's ``RopeMode.INLINE``) is not computed: such a
-call is refused (the cache's other modes rotate keys before they enter the pages). The index arrays may be views
-into the runtime's workspace (any element offset).
+the layers' window of ``W``); its kernel serves both where it is given ``W``. RoPE
+inside attention (``rotary_mode`` 1, what the runtime passes for the cache's
+``RopeMode.INLINE``) is not computed: such a call is refused (the cache's other modes
+rotate keys before they enter the pages). The index arrays may be views into the
+runtime's workspace (any element offset).
 
 The kernel is the first family of :data:`KIND_FAMILIES` that serves the spec; its
 scalars are planned from the tensors' shapes: the longest sequence is bounded by every
@@ -127,7 +128,8 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     reasons = []
     for family in KIND_FAMILIES[kind]:
         reason = family.supports(spec) or (windowed and family.supports(windowed))
-        if reason is None and kind in _FAST_ON_GPUS and family is _RUNTIME[-1] and target.kind.name == "cuda":
+        generic = family is _RUNTIME[-1]
+        if reason is None and kind in _FAST_ON_GPUS and generic and target.kind.name == "cuda":
             reason = "its GPU kernel is not measured against TVM's sliding-window prefill"
         if reason is None:
             other = None if windowed is None else _with_convention(family, windowed, True, None)

@@ -35,10 +35,11 @@ CONFIG, HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE
 LAYER_WINDOW = 5
 #: The slots of the kernels replaced: position -> kind of :mod:`tvm_cascade.library.kv_cache`.
 SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 18: "prefill_window", 19: "decode_window"}
-#: The attention kinds served (``AttnKind.MHA``, ``AttnKind.MHA_SLIDING``: its layers
-#: attend through the sliding-window kernels) and the cache's ``RopeMode.INLINE``.
-_SERVED_KINDS, _INLINE = (0, 3), 2
-_SLIDING = 3
+#: ``AttnKind.MHA`` and ``AttnKind.MHA_SLIDING`` (its layers attend through the
+#: sliding-window kernels, within the configuration's window), the attention kinds
+#: served, and the cache's ``RopeMode.INLINE``.
+_MHA, _SLIDING, _INLINE = 0, 3, 2
+_SERVED_KINDS = (_MHA, _SLIDING)
 _CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
 
@@ -88,8 +89,7 @@ def _replacements(mod, args, target) -> dict:
         return {}
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
-    sliding = _SLIDING in [int(k) for k in args[ATTN_KINDS].values]
-    window = int(args[CONFIG].values[LAYER_WINDOW]) if sliding else 0
+    window = _layer_window(args)
     logger.info("paged KV cache: the tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
@@ -117,6 +117,14 @@ def _unserved(args):
     if _int(args[QK_HEAD_DIM]) != _int(args[V_HEAD_DIM]):
         return "Q·K and V head dims differ"
     return None
+
+
+def _layer_window(args) -> int:
+    """The window of the cache's sliding layers (a constant, as TVM's kernel is built
+    for it), 0 where it has none."""
+    if _SLIDING not in [int(k) for k in args[ATTN_KINDS].values]:
+        return 0
+    return int(args[CONFIG].values[LAYER_WINDOW])
 
 
 def _int(value) -> int:
