@@ -5,11 +5,11 @@ projection, TVM's paged KV cache ``TIRPagedKVCache`` with RoPE applied before
 attention, an output projection), compiled with TVM's default pipeline and with
 ``relax_pipeline="cascade"`` (which puts tvm-cascade's kernels in the cache:
 :class:`tvm_cascade.relax.kv_cache.KVCacheAttention`), timed side by side on one GPU:
-prefill of one sequence into an empty cache, and one decode step of a batch of sequences
-over cached keys.
+prefill of one sequence into an empty cache, a prefill chunk of one sequence over its
+cached keys, and one decode step of a batch of sequences over cached keys.
 
     python -m benchmarks.kv_cache_layer [--out DIR] [--only SUBSTR ...] [--rope {normal,none}]
-        [--dtype {float16,bfloat16}]
+        [--dtype {float16,bfloat16}] [--layer-window W]
     python -m benchmarks.kv_cache_layer --target llvm --small   # tiny shapes, on the CPU
 
 The model is exported with ``export_tvm`` (functions ``create_paged_kv_cache``,
@@ -19,7 +19,11 @@ runtime's ``vm.builtin.kv_state_*`` functions. A timed call is one VM call of
 inside one ``kv_state_begin_forward``: repeated calls write the same cache slots, so each
 computes the same step. Decode shapes prefill every sequence first (in chunks of at most
 the cache's ``prefill_chunk_size``); a decode shape's length counts the decoded token
-("decode 32x8192": 8191 cached tokens and one new one in each of 32 sequences).
+("decode 32x8192": 8191 cached tokens and one new one in each of 32 sequences), a chunk
+shape's its :data:`CHUNK` new tokens. ``--layer-window W`` makes the layer a sliding
+one (``AttnKind.MHA_SLIDING``, Gemma-2's local layers: a token sees the last ``W``
+keys, its own among them), whose chunks the cache keeps exact up to ``W - 1`` tokens:
+shapes with longer steps are left out.
 
 Reported for each shape: the median ms of each pipeline (CUDA-event timed VM calls with
 the L2 cache flushed before each, :func:`benchmarks.timing.bench`; with ``--target llvm``
@@ -67,6 +71,7 @@ SHAPES = (
     ("decode 32x16384 llama3-8b", "decode", 32, 16384, 4096, 32, 8, 128),
     ("prefill 1x2048 d64", "prefill", 1, 2048, 2048, 32, 8, 64),
     ("decode 32x4096 d64", "decode", 32, 4096, 2048, 32, 8, 64),
+    ("chunk 512 over 8192 llama3-8b", "chunk", 1, 8192, 4096, 32, 8, 128),
 )
 #: ``--small``: lengths off the page size, and fills in several chunks.
 SMALL_SHAPES = (
@@ -75,7 +80,10 @@ SMALL_SHAPES = (
     ("decode 1x64 small", "decode", 1, 64, 256, 4, 2, 64),
     ("decode 4x40 small", "decode", 4, 40, 256, 4, 2, 64),
     ("decode 32x40 small", "decode", 32, 40, 256, 4, 2, 64),
+    ("chunk 16 over 64 small", "chunk", 1, 64, 256, 4, 2, 64),
 )
+#: The new tokens of a chunk shape (``--small``: :data:`SMALL_CHUNK`).
+CHUNK, SMALL_CHUNK = 512, 16
 #: The longest chunk a decode shape's cache is filled with (and the cache's
 #: ``prefill_chunk_size`` unless a prefill shape needs more): mlc-llm's default for
 #: long contexts; ``--small`` fills in chunks of 16.
@@ -83,9 +91,10 @@ FILL_CHUNK, SMALL_FILL_CHUNK = 8192, 16
 CPU_REPS = 5
 
 
-def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype: str = "float16"):
-    """The exported Relax module of the layer and its parameters ``[(name, shape)]`` in
-    the order the functions take them (after the input and the cache)."""
+def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype: str = "float16", window: int = 0):
+    """The exported Relax module of the layer (a sliding layer of ``window`` keys where
+    given) and its parameters ``[(name, shape)]`` in the order the functions take them
+    (after the input and the cache)."""
     from tvm import tirx
     from tvm.relax import ShapeExpr, prim_value
     from tvm.relax.frontend import nn
@@ -116,15 +125,19 @@ def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype:
             page_size: tirx.Var,
             support_sliding_window: tirx.Var,
         ) -> PagedKVCache:
+            # A sliding layer's cache holds a layer of every key too, as Gemma-2's (TVM's
+            # runtime fails on a cache of sliding layers only); the layer is the first.
+            sliding = {"layer_sliding_window_size": window} if window else {}
+            layers = 2 if window else 1
             return TIRPagedKVCache(
-                attn_kind="mha",
+                attn_kind=["mha_sliding", "mha"] if window else "mha",
                 max_batch_size=max_batch_size,
                 max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size,
                 page_size=page_size,
                 support_sliding_window=support_sliding_window,
-                layer_partition=ShapeExpr([0, 1]),
-                num_hidden_layers=1,
+                layer_partition=ShapeExpr([0, layers]),
+                num_hidden_layers=layers,
                 num_attention_heads=heads_q,
                 num_key_value_heads=heads_kv,
                 qk_head_dim=head_dim,
@@ -140,6 +153,7 @@ def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype:
                 enable_disaggregation=False,
                 dtype=dtype,
                 target=target,
+                **sliding,
             )
 
     forward = {"paged_kv_cache": nn.spec.Object(object_type=PagedKVCache),
@@ -201,9 +215,10 @@ def _rope(x, positions):
     return x * angle.cos().float() + rotated * angle.sin().float()
 
 
-def reference(seq_tokens, queries: int, w: dict, heads_q, heads_kv, head_dim, rope: bool):
+def reference(seq_tokens, queries: int, w: dict, heads_q, heads_kv, head_dim, rope: bool, window: int = 0):
     """float32 output ``[queries, hidden]`` of the layer for the last ``queries`` of one
-    sequence's tokens ``seq_tokens`` ``[n, hidden]`` (16-bit), the earlier ones cached."""
+    sequence's tokens ``seq_tokens`` ``[n, hidden]`` (16-bit), the earlier ones cached;
+    each token sees the keys up to its own, the last ``window`` of them where given."""
     import torch
 
     n = seq_tokens.shape[0]
@@ -217,9 +232,10 @@ def reference(seq_tokens, queries: int, w: dict, heads_q, heads_kv, head_dim, ro
     # only that, and the math fallback would hold all 8192 x 8192 scores of every head.
     q = q[n - queries:].transpose(0, 1)[None]
     k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1)[None] for t in (k, v))
-    # One query (decode) sees every key; ``queries == n`` (prefill) is plain causal.
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=queries > 1,
-                                                           scale=head_dim ** -0.5)
+    position = torch.arange(n - queries, n, device=seq_tokens.device)[:, None]
+    keys = torch.arange(n, device=seq_tokens.device)[None]
+    seen = (keys <= position) & ((keys > position - window) if window else True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=head_dim ** -0.5)
     return out[0].transpose(0, 1).reshape(queries, heads_q * head_dim) @ w["o_proj.weight"].float().T
 
 
@@ -245,7 +261,8 @@ def run_pipeline(vm, dev, shape, w_args, x_tvm, fill_args, chunk, timer):
 
     fn = Builtins()
     name, kind, batch, n, hidden, *_ = shape
-    cached = 0 if kind == "prefill" else n - 1
+    new = x_tvm.shape[1] if kind != "decode" else 1
+    cached = n - new
     cache = vm["create_paged_kv_cache"](
         *(_shape(v) for v in (batch, batch * (n + PAGE), chunk, PAGE, 0)))
     prefill, decode = vm["prefill"], vm["batch_decode"]
@@ -258,8 +275,8 @@ def run_pipeline(vm, dev, shape, w_args, x_tvm, fill_args, chunk, timer):
             fn.end_forward(cache)
             # The next fill's tokens may take this one's memory: the prefill must be done with it.
             dev.sync()
-    if kind == "prefill":
-        fn.begin_forward(cache, _shape(0), _shape(n), None)
+    if kind != "decode":
+        fn.begin_forward(cache, _shape(0), _shape(new), None)
         step = prefill
     else:
         fn.begin_forward(cache, _shape(*range(batch)), _shape(*[1] * batch), None)
@@ -283,9 +300,11 @@ def cpu_median(fn) -> float:
     return statistics.median(times)
 
 
-def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int, dtype: str = "float16") -> list:
+def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int, dtype: str = "float16",
+               window: int = 0, new_tokens: int = CHUNK) -> list:
     """Every shape of one model configuration (hidden, heads, head dim): both pipelines
-    compiled once (lengths and batch are symbolic), then run shape by shape."""
+    compiled once (lengths and batch are symbolic), then run shape by shape; a chunk
+    shape's step is ``new_tokens`` tokens."""
     import torch
     import tvm
     from tvm import relax
@@ -293,7 +312,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
     import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
 
     hidden, heads_q, heads_kv, head_dim = config
-    mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope, dtype)
+    mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope, dtype, window)
     dev = tvm.device(target.get_target_device_type(), 0)
     vms = {p: relax.VirtualMachine(tvm.compile(mod, target, relax_pipeline=pipeline_pass(p, target)), dev)
            for p in PIPELINES}
@@ -303,26 +322,30 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
     rows = []
     for shape in shapes:
         name, kind, batch, n, *_ = shape
-        chunk = max(n if kind == "prefill" else batch, chunk_limit)
-        # The step's input: one sequence of n tokens (prefill) or one token a sequence.
-        x = tokens(SEED + 1, n if kind == "prefill" else batch, hidden, device, dtype)
-        x_tvm = tvm.runtime.from_dlpack(x.reshape(1, n, hidden) if kind == "prefill" else x.reshape(batch, 1, hidden))
+        step = {"prefill": n, "chunk": new_tokens, "decode": 1}[kind]
+        chunk = max(step if kind != "decode" else batch, chunk_limit)
+        # The step's input: one sequence's new tokens (prefill, chunk) or one token a sequence.
+        x = tokens(SEED + 1, step if kind != "decode" else batch, hidden, device, dtype)
+        x_tvm = tvm.runtime.from_dlpack(x.reshape(1, step, hidden) if kind != "decode" else x.reshape(batch, 1, hidden))
         fills = {}
 
         def fill(seq, start, end):
             if seq not in fills:  # one sequence's cached tokens at a time
                 fills.clear()
-                fills[seq] = tokens(SEED + 2 + seq, n - 1, hidden, device, dtype)
+                fills[seq] = tokens(SEED + 2 + seq, n - step if kind != "decode" else n - 1, hidden, device, dtype)
             return tvm.runtime.from_dlpack(fills[seq][start:end].reshape(1, end - start, hidden))
 
         outs, times = {}, {}
         for pipeline in PIPELINES:
             outs[pipeline], times[pipeline] = run_pipeline(vms[pipeline], dev, shape, w_args, x_tvm, fill, chunk, timer)
         if kind == "prefill":
-            ref = reference(x, n, w, heads_q, heads_kv, head_dim, rope)
+            ref = reference(x, n, w, heads_q, heads_kv, head_dim, rope, window)
+        elif kind == "chunk":
+            ref = reference(torch.cat([tokens(SEED + 2, n - step, hidden, device, dtype), x]), step, w, heads_q,
+                            heads_kv, head_dim, rope, window)
         else:
             ref = torch.cat([reference(torch.cat([tokens(SEED + 2 + seq, n - 1, hidden, device, dtype), x[seq: seq + 1]]),
-                                       1, w, heads_q, heads_kv, head_dim, rope) for seq in range(batch)])
+                                       1, w, heads_q, heads_kv, head_dim, rope, window) for seq in range(batch)])
         scale = ref.abs().max().item()
         base = outs["default"].abs().max().item()
         diff = (outs["cascade"] - outs["default"]).abs().max().item() / base
@@ -368,6 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rope", choices=("normal", "none"), default="normal",
                    help="RoPE before attention (RopeMode.NORMAL, theta 500000) or none")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="the layer's dtype")
+    p.add_argument("--layer-window", type=int, default=0, metavar="W",
+                   help="a sliding layer of W keys (AttnKind.MHA_SLIDING); default: every key")
     args = p.parse_args(argv)
     on_gpu = args.target == "cuda"
     if on_gpu and skip_without_gpu("benchmarks.kv_cache_layer"):
@@ -378,14 +403,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = run_environment("benchmarks.kv_cache_layer", args.out, argv)
     env["target"] = str(target)
     shapes = named(SMALL_SHAPES if args.small else SHAPES, args.only)
+    new_tokens = SMALL_CHUNK if args.small else CHUNK
+    if args.layer_window:
+        steps = {"prefill": lambda s: s[3], "chunk": lambda s: new_tokens, "decode": lambda s: 1}
+        left = [s[0] for s in shapes if steps[s[1]](s) >= args.layer_window]
+        if left:
+            print(f"left out (steps of {args.layer_window} tokens or more): {', '.join(left)}", flush=True)
+        shapes = [s for s in shapes if s[0] not in left]
     configs = list(dict.fromkeys(s[4:] for s in shapes))
     results = []
     for config in configs:
         results += run_config(config, [s for s in shapes if s[4:] == config], target, "cuda" if on_gpu else "cpu",
-                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype)
+                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype,
+                              args.layer_window, new_tokens)
         (args.out / "kv_cache_layer.json").write_text(json.dumps(
-            {"environment": env, "rope": args.rope, "dtype": args.dtype, "error_ratio": ERROR_RATIO,
-             "results": results}, indent=1))
+            {"environment": env, "rope": args.rope, "dtype": args.dtype, "layer_window": args.layer_window,
+             "error_ratio": ERROR_RATIO, "results": results}, indent=1))
     print("\n" + table(results), flush=True)
     print(f"wrote {args.out / 'kv_cache_layer.json'}", flush=True)
     return 0 if all(r["agree"] for r in results if r["pipeline"] == "cascade") else 1

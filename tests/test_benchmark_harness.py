@@ -670,6 +670,24 @@ def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
     assert all(r["agree"] and r["error"] < 0.1 for r in cascade)
 
 
+def test_kv_cache_layer_with_a_sliding_layer_on_the_cpu(tmp_path, capsys):
+    """``benchmarks.kv_cache_layer --layer-window 20`` (tiny shapes on the CPU): a chunk
+    over cached keys and a decode step of a sliding layer, both pipelines near the
+    windowed float32 reference; steps as long as the window are left out."""
+    pytest.importorskip("torch")
+    from benchmarks import kv_cache_layer
+
+    argv = ["--target", "llvm", "--small", "--layer-window", "20", "--rope", "none", "--only", "prefill 1x45", "chunk",
+            "decode 4x40", "--out", str(tmp_path)]
+    assert kv_cache_layer.main(argv) == 0
+    assert "left out (steps of 20 tokens or more): prefill 1x45 small" in capsys.readouterr().out
+    data = json.loads((tmp_path / "kv_cache_layer.json").read_text())
+    assert data["layer_window"] == 20
+    cascade = [r for r in data["results"] if r["pipeline"] == "cascade"]
+    assert [r["shape"] for r in cascade] == ["decode 4x40 small", "chunk 16 over 64 small"]
+    assert all(r["agree"] and r["error"] < 0.02 for r in cascade)
+
+
 def test_tile_costs_fit_splits_times_into_key_and_row_tile_costs():
     """``benchmarks.tile_costs``' fit: times made of a known cost per key tile and per
     row tile come back as those costs, and the table shows them beside each shape."""
