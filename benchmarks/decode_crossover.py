@@ -27,11 +27,10 @@ KEYS = (4096, 8192, 16384, 32768)
 
 def kernels_of(cfg):
     """``{"static": fn, "runtime": fn}``, each ``fn(q, k, v) -> out`` on torch tensors."""
-    import torch
     import tvm
 
     from tvm_cascade import kernels
-    from tvm_cascade.bench import VARIANTS
+    from tvm_cascade.bench import VARIANTS, on_torch
     from tvm_cascade.library.spec import AttentionSpec
     from tvm_cascade.library.specialise import compile_specialised
 
@@ -43,16 +42,7 @@ def kernels_of(cfg):
     spec = AttentionSpec.make(o.heads_q, o.heads_kv, cfg.head_dim, variant=VARIANTS[o.variant], dtype=cfg.dtype,
                               layout="bhsd", target=target)
     fixed = compile_specialised(spec, cfg.batch, cfg.seq_q, cfg.seq_kv, target)
-
-    def caller(exe):
-        def run(q, k, v):
-            out = torch.empty_like(q)
-            exe["main"](*(tvm.runtime.from_dlpack(t) for t in (q, k, v, out)))
-            return out
-
-        return run
-
-    return {"static": caller(static), "runtime": caller(fixed)}
+    return {"static": on_torch(static), "runtime": on_torch(fixed)}
 
 
 def main(argv=None):

@@ -289,6 +289,13 @@ def run_pipeline(vm, dev, shape, w_args, x_tvm, fill_args, chunk, timer):
     return out, ms
 
 
+def step_tokens(shape, new_tokens: int) -> int:
+    """The tokens a sequence of ``shape`` takes in its timed step (a chunk shape's
+    ``new_tokens``)."""
+    _, kind, _, n, *_ = shape
+    return {"prefill": n, "chunk": new_tokens, "decode": 1}[kind]
+
+
 def cpu_median(fn) -> float:
     """Median milliseconds of ``CPU_REPS`` calls of ``fn`` after one warm-up call."""
     fn()
@@ -322,7 +329,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
     rows = []
     for shape in shapes:
         name, kind, batch, n, *_ = shape
-        step = {"prefill": n, "chunk": new_tokens, "decode": 1}[kind]
+        step = step_tokens(shape, new_tokens)
         chunk = max(step if kind != "decode" else batch, chunk_limit)
         # The step's input: one sequence's new tokens (prefill, chunk) or one token a sequence.
         x = tokens(SEED + 1, step if kind != "decode" else batch, hidden, device, dtype)
@@ -332,7 +339,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
         def fill(seq, start, end):
             if seq not in fills:  # one sequence's cached tokens at a time
                 fills.clear()
-                fills[seq] = tokens(SEED + 2 + seq, n - step if kind != "decode" else n - 1, hidden, device, dtype)
+                fills[seq] = tokens(SEED + 2 + seq, n - step, hidden, device, dtype)
             return tvm.runtime.from_dlpack(fills[seq][start:end].reshape(1, end - start, hidden))
 
         outs, times = {}, {}
@@ -405,8 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = named(SMALL_SHAPES if args.small else SHAPES, args.only)
     new_tokens = SMALL_CHUNK if args.small else CHUNK
     if args.layer_window:
-        steps = {"prefill": lambda s: s[3], "chunk": lambda s: new_tokens, "decode": lambda s: 1}
-        left = [s[0] for s in shapes if steps[s[1]](s) >= args.layer_window]
+        left = [s[0] for s in shapes if step_tokens(s, new_tokens) >= args.layer_window]
         if left:
             print(f"left out (steps of {args.layer_window} tokens or more): {', '.join(left)}", flush=True)
         shapes = [s for s in shapes if s[0] not in left]

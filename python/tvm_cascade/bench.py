@@ -26,17 +26,23 @@ def build_attention(kind, variant, batch, heads_q, heads_kv, seq_q, seq_kv, head
     """Compile one attention configuration for the current CUDA GPU (``config``: the
     heuristic schedule's choices, see :func:`~tvm_cascade.kernels.compile_attention`);
     returns ``fn(q, k, v) -> out`` on torch tensors (q[b, hq, sq, d], k/v[b, hkv, skv, d])."""
-    import tvm
-
     from .kernels import kind_of
 
     if kind not in ("decode", "prefill"):
         raise ValueError(f"unknown attention kind {kind!r}")
     if kind_of(seq_q) != kind:
         raise ValueError(f"{seq_q} query rows are served by the {kind_of(seq_q)} schedule, not {kind}")
-    kernel = compile_attention(
+    return on_torch(compile_attention(
         batch, heads_q, heads_kv, seq_q, seq_kv, head_dim, variant=VARIANTS[variant], dtype=dtype, config=config
-    )["main"]
+    ))
+
+
+def on_torch(executable):
+    """``fn(q, k, v) -> out`` on torch tensors for a compiled attention module whose
+    ``"main"`` takes ``q, k, v, out`` (:func:`~tvm_cascade.kernels.compile_attention`'s)."""
+    import tvm
+
+    kernel = executable["main"]
 
     def run(q, k, v):
         import torch

@@ -23,9 +23,11 @@ queries. :class:`GenericFused` supports every spec and ends the list.
 from __future__ import annotations
 
 import logging
+import numbers
 
 import tvm
 
+from ..analysis.chain import substitute
 from ..relax.gpu_schedule import schedule_fused_for_gpu
 from ..transform import fuse_cascaded_reductions
 from .compute import VIEW_BLOCKS, attention_chain
@@ -94,6 +96,18 @@ def runtime_families() -> tuple:
     """The families of :data:`FAMILIES` with runtime-length kernels (all but those that
     set ``runtime = False``: a schedule of static lengths only), in order."""
     return tuple(family for family in FAMILIES if getattr(family, "runtime", True))
+
+
+def planned_body(func: tvm.tirx.PrimFunc, family, spec: AttentionSpec, scalars, batch, max_q, max_kv, device):
+    """``func``'s body (``family``'s function for ``spec``) with ``scalars``, the family's
+    own parameters, given its plan for ``batch`` sequences of at most ``max_q`` query rows
+    over ``max_kv`` keys on ``device``: ints as constants of the parameters' dtypes,
+    PrimExprs (of a call's shapes) as they are."""
+    plan = family.plan(spec, batch, max_q, max_kv, device)
+    if len(plan) != len(scalars):
+        raise AssertionError(f"{family.name} plans {len(plan)} scalars for its {len(scalars)}")
+    values = {p: tvm.tirx.IntImm(p.ty.dtype, int(v)) if isinstance(v, numbers.Integral) else v for p, v in zip(scalars, plan)}
+    return substitute(func.body, values)
 
 
 def choose(spec: AttentionSpec) -> list:

@@ -60,7 +60,7 @@ from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..ops.variants import AttentionVariant
 from ..primitives.ir import copy_block, replace_buffers, seq
-from .families import runtime_families
+from .families import planned_body, runtime_families
 from .layouts import INDEX_DTYPE, views
 from .spec import AttentionSpec
 
@@ -154,10 +154,7 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     inputs = list(func.params[: names.index("sm_scale")])
     sm_scale = func.params[names.index("sm_scale")]
     scalars = func.params[names.index("sm_scale") + 1: names.index("out")]
-    plan = family.plan(spec, view.batch, view.rows, view.keys, tvm.cuda(0))
-    if len(plan) != len(scalars):
-        raise AssertionError(f"{family.name} plans {len(plan)} scalars for its {len(scalars)}")
-    body = substitute(func.body, dict(zip(scalars, plan)))
+    body = planned_body(func, family, spec, scalars, view.batch, view.rows, view.keys, tvm.cuda(0))
     trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
     if spec.layout in ("kv_decode", "kv_decode_window"):  # one query a sequence: no mask
         del trailing["causal"]

@@ -10,7 +10,7 @@ from tvm import tirx
 
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
-from .families import choose
+from .families import choose, planned_body
 from .spec import AttentionSpec
 
 
@@ -30,10 +30,7 @@ def specialised(spec: AttentionSpec, batch: int, seq_q: int, seq_kv: int, device
     lengths = {buffers["q"].shape[0]: batch, buffers["q"].shape[2]: seq_q, buffers["k"].shape[2]: seq_kv}
     func = substitute(func, {var: tirx.IntImm(var.ty.dtype, value) for var, value in lengths.items()})
     scalars = [p for p in func.params if p.name not in buffers]
-    plan = family.plan(spec, batch, seq_q, seq_kv, device)
-    if len(plan) != len(scalars):
-        raise AssertionError(f"{family.name} plans {len(plan)} scalars for its {len(scalars)}")
-    body = substitute(func.body, {p: tirx.IntImm(p.ty.dtype, int(v)) for p, v in zip(scalars, plan)})
+    body = planned_body(func, family, spec, scalars, batch, seq_q, seq_kv, device)
     params = [p for p in func.params if p.name in buffers]
     return family, tirx.PrimFunc(params, body, func.ret_type, func.attrs).with_attr("global_symbol", "main")
 
