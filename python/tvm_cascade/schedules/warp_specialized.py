@@ -842,10 +842,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     folds = per * ((q_tiles + 1) // 2)
     units = folds if folded else pairs
     rounds = (folds + clusters - 1) // clusters * 2 if folded else (pairs + clusters - 1) // clusters
-    # Sequences of fewer query rows than `tiles.rows` have row tiles past their rows.
-    # Under a causal mask each sequence's row tiles are counted from its own last, so
-    # that the longest of every sequence come first and those past its rows last.
-    own_last = causal and not folded and cluster == 1 and tiles.blocks is not None and not _uniform(tiles)
+    # Under a causal mask a row tile sees more keys the later it is, and the latest are
+    # taken first; rows placed after the keys (`q_start`) see fewer, under a window, the
+    # later they are, and go in their order. Sequences of fewer query rows than
+    # `tiles.rows` have row tiles past their rows: each sequence's row tiles are counted
+    # from its own last, so that the longest of every sequence come first and those past
+    # its rows last.
+    latest_first = causal and tiles.q_start is None
+    own_last = latest_first and not folded and cluster == 1 and tiles.blocks is not None and not _uniform(tiles)
 
     def last_tile(seq_q):
         """The row tile counted first under a causal mask: a sequence's own last where
@@ -977,7 +981,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 h = bh % heads_q
                 seq_q = tiles.q_len(b)
                 seq_kv = tiles.kv_len(b)
-                r0 = T.if_then_else(causal, last_tile(seq_q) - row_tile, row_tile) * ROWS
+                r0 = T.if_then_else(latest_first, last_tile(seq_q) - row_tile, row_tile) * ROWS
                 lo, hi = T.meta_var(tile_range(b, h, r0, seq_q, seq_kv))
                 n_tiles = hi - lo
                 # (a row tile past a shorter sequence's rows has no work)
