@@ -22,16 +22,18 @@ from .timing import bench
 
 PAGE = 16
 #: Where ``o`` is among each kind's arguments (``lse`` follows).
-OUTPUT_AT = {"ragged": 7, "prefill": 8, "decode": 7, "decode_window": 7}
+OUTPUT_AT = {"ragged": 7, "prefill": 8, "prefill_window": 8, "decode": 7, "decode_window": 7}
 #: (name, kind, query lengths, key lengths (cached keys for "prefill"), heads q, heads
 #: kv, head dim). "ragged": the new tokens among themselves (causal); "prefill": new
-#: tokens over cached pages (no mask); "decode": one query per sequence over its pages;
-#: "decode_window": over a sliding-window cache's sink and window.
+#: tokens over cached pages (no mask); "prefill_window": a sliding layer's new tokens
+#: over its window's cached keys (``causal=1``); "decode": one query per sequence over
+#: its pages; "decode_window": over a sliding-window cache's sink and window.
 SHAPES = (
     ("ragged 1x2048 llama3-8b", "ragged", [2048], [2048], 32, 8, 128),
     ("ragged 4x512 llama3-8b", "ragged", [512] * 4, [512] * 4, 32, 8, 128),
     ("ragged 3x(700,1000,300) d64", "ragged", [700, 1000, 300], [700, 1000, 300], 32, 8, 64),
     ("prefill 1x2048 over 2048 llama3-8b", "prefill", [2048], [2048], 32, 8, 128),
+    ("sliding layer 2x511 over 4096 llama3-8b", "prefill_window", [511] * 2, [4096] * 2, 32, 8, 128),
     ("decode 16x8000 llama3-8b", "decode", [1] * 16, [8000] * 16, 32, 8, 128),
     ("decode 32x4096 llama3-8b", "decode", [1] * 32, [4096] * 32, 32, 8, 128),
     ("decode 1x16000 llama3-8b", "decode", [1], [16000], 32, 8, 128),
@@ -41,6 +43,10 @@ SHAPES = (
 #: The sliding-window shapes' sink: the first keys kept, stored first; the window's keys
 #: are stored from :data:`WINDOW_START` on (the positions between hold evicted keys).
 SINK, WINDOW_START = 4, 4000
+#: The sliding layers' window (keys; the new token's own among them), and where their
+#: kept keys start in their pages (an offset inside a page: the cache trims a layer's
+#: pages to its last window).
+LAYER_WINDOW, LAYER_START = 4096, 8
 
 
 def tvm_kernel(kind, heads_q, heads_kv, head_dim, target):
@@ -50,15 +56,17 @@ def tvm_kernel(kind, heads_q, heads_kv, head_dim, target):
     rope = {}
     if kind == "ragged":
         return kv_cache._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", rope, target)
-    if kind == "prefill":
-        return kv_cache._attention_prefill(heads_kv, heads_q, head_dim, "float16", False, rope, target)
+    if kind in ("prefill", "prefill_window"):
+        return kv_cache._attention_prefill(heads_kv, heads_q, head_dim, "float16", kind == "prefill_window", rope,
+                                           target, sliding_window_size=LAYER_WINDOW)
     window = kind == "decode_window"
     return kv_cache._attention_decode(heads_kv, heads_q, head_dim, "float16", window, rope, target)
 
 
 def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
-    """The convention's arguments (torch tensors, then the scalars) and the dense
-    tensors of each sequence for the reference: ``(args, sequences)``."""
+    """The convention's arguments (torch tensors, then the scalars), the dense tensors
+    of each sequence for the reference, and the mask: ``(args, sequences, causal)``
+    (``causal`` :data:`LAYER_WINDOW` for a sliding layer's window)."""
     import torch
 
     dev = "cuda"
@@ -77,9 +85,11 @@ def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
                                                                kv_indptr[:-1].tolist(), kv_indptr[1:].tolist())]
         args = [q, qo_indptr, k, v, kv_indptr, rope_pos, rope_offset, o, lse, 1, 0, 1.0, 1e4, sm_scale]
         return args, seqs, True
-    # A sliding-window cache's keys: the sink, then the window stored from WINDOW_START.
+    # A sliding-window cache's keys: the sink, then the window stored from WINDOW_START;
+    # a sliding layer's: its window's, stored from LAYER_START.
     window = kind == "decode_window"
-    stored = [n - SINK + WINDOW_START if window else n for n in kv_lens]
+    layer = kind == "prefill_window"
+    stored = [n - SINK + WINDOW_START if window else n + LAYER_START if layer else n for n in kv_lens]
     pages_of = [-(-n // PAGE) for n in stored]
     num_pages = sum(pages_of)
     pages = torch.randn(num_pages, 2, heads_kv, PAGE, head_dim, device=dev, dtype=torch.float16)
@@ -88,19 +98,23 @@ def inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim):
     last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(stored, pages_of)], dtype=torch.int32, device=dev)
     if window:
         last = torch.stack([last, torch.full_like(last, WINDOW_START), torch.full_like(last, SINK)])
+    if layer:
+        last = torch.stack([last, torch.full_like(last, LAYER_START), torch.zeros_like(last)])
     seqs = []
     for s, (a, b) in enumerate(zip(page_indptr[:-1].tolist(), page_indptr[1:].tolist())):
         kv = pages[page_indices[a:b].long()]  # [pages, 2, hkv, PAGE, d]
         kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, heads_kv, head_dim)[:, : stored[s]]
         if window:
             kv = torch.cat([kv[:, :SINK], kv[:, WINDOW_START:]], dim=1)
+        if layer:
+            kv = kv[:, LAYER_START:]
         seqs.append((q[qo_indptr[s]: qo_indptr[s + 1]], kv[0], kv[1]))
-    if kind == "prefill":
-        args = [q, qo_indptr, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, 0, 0, 1.0, 1e4,
-                sm_scale]
+    if kind in ("prefill", "prefill_window"):
+        args = [q, qo_indptr, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, int(layer), 0, 1.0,
+                1e4, sm_scale]
     else:
         args = [q, pages, page_indptr, page_indices, last, rope_offset, rope_pos, o, lse, 0, 1.0, 1e4, sm_scale]
-    return args, seqs, False
+    return args, seqs, LAYER_WINDOW if layer else False
 
 
 def _cumsum(values):
@@ -111,7 +125,8 @@ def _cumsum(values):
 
 
 def reference(seqs, causal, sm_scale):
-    """float32 outputs and base-2 lse of every sequence, concatenated along tokens."""
+    """float32 outputs and base-2 lse of every sequence, concatenated along tokens
+    (``causal`` a window: new token ``i`` sees the last ``causal - 1 - i`` keys)."""
     import torch
 
     outs, lses = [], []
@@ -120,10 +135,12 @@ def reference(seqs, causal, sm_scale):
         qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
         kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
         s = qf @ kf.transpose(1, 2) * sm_scale
-        if causal:
-            n_q, n_k = s.shape[1:]
-            visible = torch.arange(n_k, device=s.device)[None] <= torch.arange(n_q, device=s.device)[:, None] + n_k - n_q
-            s = s.masked_fill(~visible, float("-inf"))
+        n_q, n_k = s.shape[1:]
+        rows, keys = torch.arange(n_q, device=s.device)[:, None], torch.arange(n_k, device=s.device)[None]
+        if causal is True:
+            s = s.masked_fill(~(keys <= rows + n_k - n_q), float("-inf"))
+        elif causal:
+            s = s.masked_fill(~(keys >= n_k - (causal - 1 - rows).clamp(min=0)), float("-inf"))
         outs.append((torch.softmax(s, -1) @ vf).transpose(0, 1))
         lses.append((torch.logsumexp(s, -1) / math.log(2)).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
@@ -163,7 +180,8 @@ def run_shape(shape) -> list:
     target = tvm.target.Target.from_device(tvm.cuda(0))
     args, seqs, causal = inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim)
     ref_o, ref_lse = reference(seqs, causal, args[-1])
-    ours, _ = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target)
+    ours, _ = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target,
+                           window=LAYER_WINDOW if kind == "prefill_window" else 0)
     funcs = {
         "tvm": tvm.compile(tvm.IRModule({"main": tvm_kernel(kind, heads_q, heads_kv, head_dim, target)}), target=target),
         "tvm-cascade": tvm.compile(tvm.IRModule({"main": ours.func}), target=ours.func.attrs["target"]),
@@ -182,6 +200,9 @@ def run_shape(shape) -> list:
         ms = bench(lambda: fn(*call_args))
         rows.append({"shape": name, "peer": peer, "ms": ms, "error": err, "lse_error": lse_err})
         print(f"{name:36s} {peer:12s} {ms:8.4f} ms  (err {err:.1e}, lse err {lse_err:.1e})", flush=True)
+    if causal not in (True, False):  # (no SDPA mask of cuDNN's places queries after the keys)
+        print(f"{name:36s} {'cudnn':12s} n/a", flush=True)
+        return rows
     ms = bench(cudnn(seqs, causal))
     rows.append({"shape": name, "peer": "cudnn", "ms": ms})
     print(f"{name:36s} {'cudnn':12s} {ms:8.4f} ms", flush=True)

@@ -25,10 +25,11 @@ def _viewed(array, dev, rng):
     return backing._create_view(array.shape, "int32", relative_byte_offset=4 * offset)  # pylint: disable=protected-access
 
 
-def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, dtype="float16"):
+def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, dtype="float16", sinks=True):
     """``(args, (q, ks, vs), causal)``: the call's arguments (TVM tensors on ``dev`` and
     scalars) and, for the reference, the queries (tokens × heads × dim, float32) and
-    each sequence's keys and values."""
+    each sequence's keys and values; a sliding-window cache's sequences keep sinks
+    where ``sinks`` (a cache of sliding layers keeps none)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((sum(q_lens), heads_q, head_dim)).astype(dtype)
     ks = [rng.standard_normal((n, heads_kv, head_dim)).astype(dtype) for n in kv_lens]
@@ -47,7 +48,7 @@ def arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, d
     # A sliding-window cache keeps a sequence's sink (its first keys) and its window,
     # stored from `start` on: the positions between hold evicted keys.
     window = kind in ("prefill_window", "decode_window")
-    sinks = [int(rng.integers(0, min(n, 20) + 1)) if window else 0 for n in kv_lens]
+    sinks = [int(rng.integers(0, min(n, 20) + 1)) if window and sinks else 0 for n in kv_lens]
     starts = [sink + int(rng.integers(0, 40)) if window else 0 for sink in sinks]
     stored = [n - sink + start for n, sink, start in zip(kv_lens, sinks, starts)]
     pages_of = [-(-n // PAGE) for n in stored]

@@ -78,3 +78,29 @@ def test_rope_inside_attention_runs_tvms_kernel(kind):
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     assert np.abs(runs[0][0] - expected(q_lens, reference, causal, args[-1])[0]).max() > 1e-2
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_sliding_window_prefill_matches_numpy(heads, head_dim):
+    """The warp-specialised sliding-window paged prefill over a window starting inside
+    a page: with ``causal=0`` every kept key (sinks too), with ``causal=1`` the last
+    ``W - 1 - i`` of a sliding layer's for new token ``i`` (rows past them: zeros, lse
+    -5e4)."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    window = 300
+    kernel, why = cache_kernel("prefill_window", *heads, head_dim, "float16", target, window=window)
+    assert kernel is not None, why
+    if int(str(target.arch)[3:5]) == 90:
+        assert kernel.family.name == "warp_specialized_prefill"
+    func = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"])["main"]
+    at = OUTPUT_AT["prefill_window"]
+    q_lens, kv_lens = [200, 3, 64, 400, 1], [299, 17, 0, 300, 1000]
+    for causal in (0, 1):
+        args, reference, _ = arguments("prefill_window", q_lens, kv_lens, *heads, head_dim, tvm.cuda(0), seed=7,
+                                       sinks=not causal)
+        args[at + 2] = causal
+        func(*args)
+        out, lse = expected(q_lens, reference, False, args[-1], window=window * causal)
+        np.testing.assert_allclose(args[at].numpy().astype("float64"), out, atol=5e-3, rtol=5e-3)
+        np.testing.assert_allclose(args[at + 1].numpy(), lse, atol=2e-3, rtol=1e-3)

@@ -1,8 +1,8 @@
 """TVM's paged KV cache compiled with ``relax_pipeline="cascade"`` on a CUDA GPU
-(skipped without one): its ragged prefill, paged prefill, decode and sliding-window
-decode kernels are tvm-cascade's, and the cache's scenarios (``paged_kv_cache_scenarios``;
-the sliding-window ones prefill with TVM's sliding-window kernel) give numpy's attention
-through the runtime, fp16, head dims 64 and 128."""
+(skipped without one): its ragged prefill, paged prefill and decode kernels and the
+latter two's sliding-window forms are tvm-cascade's, and the cache's scenarios
+(``paged_kv_cache_scenarios``) give numpy's attention through the runtime, fp16, head dims
+64 and 128."""
 import functools
 
 import paged_kv_cache_scenarios as pkv
@@ -35,7 +35,7 @@ def test_the_caches_kernels_are_the_librarys(head_dim):
         mod = KVCacheAttention()(pkv.build_paged_kv_cache_module(spec, _target()))
     families = {gv.name_hint: func.attrs[LIBRARY_ATTR] for gv, func in mod.functions.items()
                 if func.attrs is not None and LIBRARY_ATTR in func.attrs}
-    assert set(families) == {"batch_prefill_ragged_kv", "batch_prefill_paged_kv",
+    assert set(families) == {"batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_prefill_paged_kv_sliding_window",
                              "batch_decode_paged_kv", "batch_decode_paged_kv_sliding_window"}, families
 
 

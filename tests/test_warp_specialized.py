@@ -49,7 +49,31 @@ def _value(expr):
     ],
 )
 def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q, seq_kv):
-    rows = np.arange(seq_q)[:, None] + (seq_kv - seq_q)
+    _check_tiles(variant, seq_q, seq_kv)
+
+
+@pytest.mark.parametrize(
+    "window, seq_q, seq_kv",
+    [
+        (300, 200, 299),  # a sliding layer's keys short of its window
+        (300, 400, 300),  # rows from 299 on see none of them
+        (4096, 511, 4104),  # a window of whole tiles over keys from inside a page
+        (129, 128, 1000),
+    ],
+)
+def test_queries_after_the_keys_visit_the_tiles_they_see(window, seq_q, seq_kv):
+    """``offset``: the rows placed after the keys (a sliding layer's new tokens over its
+    cached keys), under a window: row ``i`` sees the last ``window - 1 - i`` keys."""
+    _check_tiles(AttentionVariant("w", causal=True, window=window), seq_q, seq_kv, offset=seq_kv)
+
+
+def _check_tiles(variant, seq_q, seq_kv, offset=None):
+    """A block's key tiles (:func:`~ws.key_tiles`) are those its rows see, and only the
+    tiles on the mask's edge (:func:`~ws.straddles`) mask their keys, each as
+    :func:`~ws.visible` says, as numpy's mask of ``variant`` (rows from ``offset`` among
+    the keys' positions; None: ending where the keys do)."""
+    start = seq_kv - seq_q if offset is None else offset
+    rows = np.arange(seq_q)[:, None] + start
     keys = np.arange(seq_kv)[None, :]
     seen = np.ones((seq_q, seq_kv), bool)
     if variant.is_causal:
@@ -62,15 +86,19 @@ def test_blocks_visit_the_tiles_they_see_and_mask_only_the_edges(variant, seq_q,
     for r0 in range(0, seq_q, ws.ROWS):
         block = seen[r0 : r0 + ws.ROWS][real[r0 : r0 + ws.ROWS]].reshape(-1, whole[1] // ws.KEYS, ws.KEYS)  # [row, tile, key]
         tiles = np.flatnonzero(block.any(axis=(0, 2)))
-        lo, hi = (_value(x) for x in ws.key_tiles(r0, seq_q, seq_kv, variant))
+        lo, hi = (_value(x) for x in ws.key_tiles(r0, seq_q, seq_kv, variant, offset=offset))
+        if not tiles.size:
+            assert hi <= lo, r0
+            continue
         assert (lo, hi) == (tiles[0], tiles[-1] + 1), r0
         assert np.array_equal(tiles, np.arange(lo, hi)), "the visited tiles are contiguous"
         for t in range(lo, hi):
-            edge = bool(_value(ws.straddles(r0, t, seq_q, seq_kv, variant)))
+            edge = bool(_value(ws.straddles(r0, t, seq_q, seq_kv, variant, offset=offset)))
             assert edge == (not block[:, t].all()), (r0, t)
             for row in (r0, min(r0 + ws.ROWS, seq_q) - 1):
                 for key in range(t * ws.KEYS, (t + 1) * ws.KEYS):
-                    assert bool(_value(ws.visible(row, key, seq_q, seq_kv, variant))) == seen[row, key], (row, key)
+                    assert bool(_value(ws.visible(row, key, seq_q, seq_kv, variant, offset=offset))) == seen[row, key], \
+                        (row, key)
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,21 @@ def test_row_slices_give_each_warp_its_rows_in_both_halves():
     assert _mapped(wgmma.core_matrices, 2, 19, 13) == [2, 19 // 8, 13 // 8, 19 % 8, 13 % 8]
 
 
+def test_a_descriptors_constant_fields_are_one_constant():
+    """A descriptor of static offsets is the start address's field OR one 64-bit constant
+    (the PTX ISA's matrix descriptor: leading and stride byte offsets >> 4 at bits 16 and
+    32, 128-byte swizzle at bit 62), so common subexpression elimination finds nothing in
+    it to hoist out of a kernel; offsets of variables keep their fields as expressions."""
+    smem = tvm.tirx.decl_buffer((4096,), "float16", "smem", scope="shared.dyn")
+    for leading, stride, swizzle in ((16, 1024, True), (256, 512, False)):
+        fields = wgmma.descriptor(smem.access_ptr("r"), leading, stride, swizzle=swizzle).b
+        assert isinstance(fields, tvm.tirx.IntImm) and str(fields.ty) == "uint64"
+        expected = (leading >> 4) << 16 | (stride >> 4) << 32 | (1 << 62 if swizzle else 0)
+        assert fields.value == expected
+    stride = tvm.tirx.Var("stride", "int32")
+    assert not isinstance(wgmma.descriptor(smem.access_ptr("r"), 16, stride).b, tvm.tirx.IntImm)
+
+
 def test_intrinsics_exist_for_the_tiles_the_schedule_uses():
     assert wgmma.scores_intrin(64) == "tvm_cascade.wgmma_scores_m64n64k16_f16_f32"
     assert wgmma.output_intrin(32) == "tvm_cascade.wgmma_output_m64n32k16_f16_f32"

@@ -104,12 +104,18 @@ def descriptor(pointer, leading, stride, swizzle=False):
     """The wgmma shared-memory matrix descriptor of the matrix at ``pointer``: its leading
     and stride byte offsets, its layout 128-byte swizzled or not."""
     address = T.Cast("uint64", T.cuda.cvta_generic_to_shared(pointer))
-    bits = (
-        ((address >> T.uint64(4)) & T.uint64(0x3FFF))
-        | (T.Cast("uint64", leading >> 4) << T.uint64(16))
-        | (T.Cast("uint64", stride >> 4) << T.uint64(32))
-    )
-    return bits | T.uint64(1 << 62) if swizzle else bits
+    start = (address >> T.uint64(4)) & T.uint64(0x3FFF)
+    flags = (1 << 62) if swizzle else 0
+    if isinstance(leading, int) and isinstance(stride, int):
+        # One constant: the fields as expressions would be shared by every descriptor of a
+        # function, and common subexpression elimination would hoist them out of the
+        # kernels where a function holds several (a host branch between kernels), as
+        # 64-bit unsigned arguments, which TVM's CUDA launcher cannot pass.
+        return start | T.uint64((leading >> 4) << 16 | (stride >> 4) << 32 | flags)
+    bits = (start
+            | (T.Cast("uint64", leading >> 4) << T.uint64(16))
+            | (T.Cast("uint64", stride >> 4) << T.uint64(32)))
+    return bits | T.uint64(flags) if swizzle else bits
 
 
 def _descriptor(buf, offset, leading, stride):

@@ -79,7 +79,7 @@ _DECODE_FAMILIES = tuple(family for family in _RUNTIME[:-1] if family.queries is
 KIND_FAMILIES = {"ragged": _PREFILL_FAMILIES, "prefill": _PREFILL_FAMILIES, "prefill_window": _PREFILL_FAMILIES,
                  "decode": _DECODE_FAMILIES, "decode_window": _DECODE_FAMILIES}
 #: Kinds that only a fast family serves on GPUs: the generic kernel there is not
-#: measured against TVM's (which stays).
+#: measured against TVM's (which stays where no fast family serves).
 _FAST_ON_GPUS = ("prefill_window",)
 #: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
 #: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.

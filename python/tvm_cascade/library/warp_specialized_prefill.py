@@ -69,8 +69,6 @@ class WarpSpecializedPrefill:
         reason = head_dim_unsupported(spec.head_dim, HEAD_DIMS)
         if reason is not None:
             return reason
-        if spec.layout in WINDOW_LAYOUTS:
-            return "a sliding-window cache's keys (sinks, then a window from inside a page) are not whole pages"
         keys = ws.key_tile(kernel_head_dim(spec.head_dim, HEAD_DIMS))
         if spec.page_size is not None and (keys % spec.page_size or spec.page_size % 8):
             return f"pages of {spec.page_size} keys: a multiple of 8 dividing {keys} (a key tile)"
@@ -184,7 +182,28 @@ def tiles(spec: AttentionSpec) -> ws.Tiles:
         plane = (page_ids[page_indptr[b] + page] * 2 + which) * hkv + hk
         return 0, tirx.if_then_else(page < used, plane, planes)
 
+    if spec.layout in WINDOW_LAYOUTS:
+        common.update(_stored_positions(buffers["length_info"], page_indptr, size))
     return ws.Tiles(k_map=pool, v_map=pool, kv_at=kv_at, **common)
+
+
+def _stored_positions(length_info, page_indptr, size):
+    """A sliding-window cache's keys as the positions of its pages, whole pages a TMA
+    box each: a sequence's positions up to its last page's end, those between its sink
+    and its window's start (evicted) hidden, its queries after the last (the
+    :class:`~tvm_cascade.schedules.warp_specialized.Tiles` fields ``kv_len``,
+    ``q_start`` and ``mask``). (A window counted over these positions is the cache's
+    over its kept keys where it keeps no sink, as the calls with a window do.)"""
+    def stored(b):
+        used = page_indptr[b + 1] - page_indptr[b]
+        return tirx.Select(used > 0, (used - 1) * size + length_info[0, b], 0)
+
+    hidden = tirx.const(ws.MASKED_SCORE, "float32")
+
+    def mask(s, b, h, i, j):
+        return tirx.Select(tirx.And(length_info[2, b] <= j, j < length_info[1, b]), hidden, s)
+
+    return dict(kv_len=stored, q_start=stored, mask=mask)
 
 
 def _masked(spec, view):

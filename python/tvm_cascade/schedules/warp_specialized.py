@@ -212,11 +212,18 @@ def _whole(length, size):
     return isinstance(length, int) and length % size == 0
 
 
-def key_tiles(r0, seq_q, seq_kv, variant, keys=KEYS):
+def _offset(seq_q, seq_kv, offset):
+    """The position of the first query row among the keys': ``offset``, or aligned to
+    the end of the keys."""
+    return seq_kv - seq_q if offset is None else offset
+
+
+def key_tiles(r0, seq_q, seq_kv, variant, keys=KEYS, offset=None):
     """``(lo, hi)``: the tiles of ``keys`` keys ``[lo, hi)`` that some of query rows ``r0``
     to ``r0 + ROWS - 1`` (those below ``seq_q``) see (ints or expressions, as ``r0`` and
-    the lengths are; ``hi <= lo`` where the rows see no key)."""
-    offset = seq_kv - seq_q
+    the lengths are; ``hi <= lo`` where the rows see no key). ``offset``: the first row's
+    position among the keys' (None: the rows end where the keys do)."""
+    offset = _offset(seq_q, seq_kv, offset)
     hi = (seq_kv + keys - 1) // keys
     if variant.is_causal:
         hi = T.min(hi, (_last_row(r0, seq_q) + offset) // keys + 1)
@@ -226,10 +233,11 @@ def key_tiles(r0, seq_q, seq_kv, variant, keys=KEYS):
     return lo, hi
 
 
-def straddles(r0, t, seq_q, seq_kv, variant, keys=KEYS):
+def straddles(r0, t, seq_q, seq_kv, variant, keys=KEYS, offset=None):
     """Whether key tile ``t`` holds a key that one of rows ``r0``.. (below ``seq_q``)
-    cannot see: a masked key or a key past ``seq_kv`` (a part tile's)."""
-    offset = seq_kv - seq_q
+    cannot see: a masked key or a key past ``seq_kv`` (a part tile's). ``offset`` as
+    :func:`key_tiles`'."""
+    offset = _offset(seq_q, seq_kv, offset)
     edges = []
     if variant.is_causal:
         edges.append(t * keys + keys - 1 > r0 + offset)
@@ -240,10 +248,11 @@ def straddles(r0, t, seq_q, seq_kv, variant, keys=KEYS):
     return functools.reduce(T.Or, edges, T.bool(False))
 
 
-def visible(row, key, seq_q, seq_kv, variant, keys=KEYS):
+def visible(row, key, seq_q, seq_kv, variant, keys=KEYS, offset=None):
     """Whether query ``row`` sees ``key`` (as :class:`~tvm_cascade.ops.variants.AttentionVariant`
-    defines; keys past ``seq_kv``, which a part tile holds, are not seen)."""
-    offset = seq_kv - seq_q
+    defines; keys past ``seq_kv``, which a part tile holds, are not seen). ``offset`` as
+    :func:`key_tiles`'."""
+    offset = _offset(seq_q, seq_kv, offset)
     seen = []
     if variant.is_causal:
         seen.append(key <= row + offset)
@@ -359,8 +368,12 @@ class Tiles:
     #: log-sum-exp in ``lse``, the parameter after ``out``; None: no such output.
     lse_index: Optional[Callable] = None
     #: ``mask(score, b, h, row, key)``: the score (log2 units) under a mask tensor (a
-    #: parameter), no lower than :data:`MASKED_SCORE`; None: no mask tensor.
+    #: parameter), or keys of the layout that no row sees, no lower than
+    #: :data:`MASKED_SCORE`; None: none.
     mask: Optional[Callable] = None
+    #: ``q_start(b)``: the position of sequence ``b``'s first query row among its keys';
+    #: None: its rows end where its keys do.
+    q_start: Optional[Callable] = None
     #: Key tiles beyond which a row tile's rows see no key, found by kernels the
     #: function runs first (a mask tensor's: :class:`~tvm_cascade.library.mask_ranges.MaskRanges`):
     #: ``key_range(b, h, r0)``, ``(lo, hi)`` narrowing the variant's own tiles
@@ -506,6 +519,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     keyless_rows = not isinstance(tiles.kv_len(0), int) or not isinstance(tiles.q_len(0), int)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
+    def offset_of(b, seq_q, seq_kv):
+        """Where sequence ``b``'s first query row sits among its keys' positions."""
+        return _offset(seq_q, seq_kv, None if tiles.q_start is None else tiles.q_start(b))
+
+    def placed(row, b, seq_q, seq_kv):
+        """Query ``row``'s position among sequence ``b``'s keys'."""
+        return row + seq_kv - seq_q if tiles.q_start is None else row + tiles.q_start(b)
+
     def instruction(columns):
         shape = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{columns}k16").f32
         return getattr(getattr(shape, PTX_TYPE[dtype]), PTX_TYPE[dtype])
@@ -612,7 +633,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     if masked:
                         row = r0 + 64 * cw + 16 * w + lane // 4 + 8 * g
                         key = t * keys + 8 * n + 2 * (lane % 4) + e
-                        if not visible(row, key, seq_q, seq_kv, variant, keys):
+                        if not visible(row, key, seq_q, seq_kv, variant, keys, offset_of(b, seq_q, seq_kv)):
                             S[4 * n + 2 * g + e] = T.float32(MASKED_SCORE)
 
     @T.macro
@@ -623,12 +644,12 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             for g in T.unroll(2):
                 # the bias of the row's key 2 (lane % 4) of the tile; key 8 n + e adds (8 n + e) slopes
                 bias[g] = slope[0] * T.Cast(
-                    "float32", t * keys + 2 * (lane % 4) - (r0 + 64 * cw + 16 * w + lane // 4 + 8 * g + seq_kv - seq_q)
+                    "float32", t * keys + 2 * (lane % 4) - placed(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, b, seq_q, seq_kv)
                 )
         if masked_tiles:
             # Only a tile on the mask's edge computes it (a uniform branch; as one
             # predicate per score, nvcc would select on every tile).
-            if straddles(r0, t, seq_q, seq_kv, variant, keys):
+            if straddles(r0, t, seq_q, seq_kv, variant, keys, offset_of(b, seq_q, seq_kv)):
                 scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, True)
             else:
                 scores(S, bias, slope, t, r0, b, h, seq_q, seq_kv, cw, w, lane, False)
@@ -659,15 +680,16 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         for i in T.unroll(n_output):
             O_acc[i] = O_acc[i] * repair[i % 4 // 2]
 
-    def sees_keys(row, seq_q, seq_kv, n_tiles, m_row):
+    def sees_keys(row, b, seq_q, seq_kv, n_tiles, m_row):
         """Whether ``row`` (its running max ``m_row``) sees some key (else its output is
         zero)."""
         seen = T.bool(True)
         if keyless_rows:
             seen = n_tiles > 0
             if causal:
-                seen = T.And(seen, row + seq_kv - seq_q >= 0)
-        if tiles.mask is not None:
+                seen = T.And(seen, placed(row, b, seq_q, seq_kv) >= 0)
+        # (rows placed among the keys may see none of a tile's keys that others see)
+        if tiles.mask is not None or tiles.q_start is not None:
             seen = T.And(seen, m_row > T.float32(MASKED_SCORE))
         return seen
 
@@ -678,8 +700,8 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     def final(outputs, n, e):
         """The output in column ``8 n + 2 (lane % 4) + e`` of the row of ``outputs``
         (:func:`finish`'s): zero where the row sees no key."""
-        O_acc, inverse_l, m_row, row, seq_q, seq_kv, n_tiles, g = outputs
-        return T.if_then_else(sees_keys(row, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] * inverse_l, T.float32(0))
+        O_acc, inverse_l, m_row, row, b, seq_q, seq_kv, n_tiles, g = outputs
+        return T.if_then_else(sees_keys(row, b, seq_q, seq_kv, n_tiles, m_row), O_acc[4 * n + 2 * g + e] * inverse_l, T.float32(0))
 
     @T.macro
     def store(out, b, h, row, column, value, seq_q):
@@ -820,10 +842,14 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
     folds = per * ((q_tiles + 1) // 2)
     units = folds if folded else pairs
     rounds = (folds + clusters - 1) // clusters * 2 if folded else (pairs + clusters - 1) // clusters
-    # Sequences of fewer query rows than `tiles.rows` have row tiles past their rows.
-    # Under a causal mask each sequence's row tiles are counted from its own last, so
-    # that the longest of every sequence come first and those past its rows last.
-    own_last = causal and not folded and cluster == 1 and tiles.blocks is not None and not _uniform(tiles)
+    # Under a causal mask a row tile sees more keys the later it is, and the latest are
+    # taken first; rows placed after the keys (`q_start`) see fewer, under a window, the
+    # later they are, and go in their order. Sequences of fewer query rows than
+    # `tiles.rows` have row tiles past their rows: each sequence's row tiles are counted
+    # from its own last, so that the longest of every sequence come first and those past
+    # its rows last.
+    latest_first = causal and tiles.q_start is None
+    own_last = latest_first and not folded and cluster == 1 and tiles.blocks is not None and not _uniform(tiles)
 
     def last_tile(seq_q):
         """The row tile counted first under a causal mask: a sequence's own last where
@@ -911,7 +937,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                     row = T.meta_var(row_of(r0, cw, w, lane, g))
                     if row < seq_q:
                         tiles.params[-1][tiles.lse_index(b, h, row)] = T.if_then_else(
-                            sees_keys(row, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
+                            sees_keys(row, b, seq_q, seq_kv, n_tiles, m[g]), m[g] + T.log2(l[g]), T.float32(ops.flex_attention.NO_KEYS_LSE),
                         )
         # Four columns stored at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
         # two-column stores use a quarter of each sector, and stalls on them made most
@@ -923,7 +949,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
             l[g] = T.float32(1) / l[g]
         for g in T.unroll(2):
             row = T.meta_var(row_of(r0, cw, w, lane, g))
-            outputs = T.meta_var((O_acc, l[g], m[g], row, seq_q, seq_kv, n_tiles, g))
+            outputs = T.meta_var((O_acc, l[g], m[g], row, b, seq_q, seq_kv, n_tiles, g))
             for p in T.unroll(tiles.stored_dim // 16):
                 trade_halves(four, lane, lambda e: final(outputs, 2 * p, e), lambda e: final(outputs, 2 * p + 1, e))
                 for e in T.vectorized(4):
@@ -935,7 +961,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
 
     def tile_range(b, h, r0, seq_q, seq_kv):
         """The key tiles ``[lo, hi)`` the row tile from ``r0`` reads."""
-        lo, hi = key_tiles(r0, seq_q, seq_kv, variant, keys)
+        lo, hi = key_tiles(r0, seq_q, seq_kv, variant, keys, offset_of(b, seq_q, seq_kv))
         if tiles.key_ranges is None:
             return lo, hi
         least, most = tiles.key_ranges.key_range(b, h, r0)
@@ -955,7 +981,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
                 h = bh % heads_q
                 seq_q = tiles.q_len(b)
                 seq_kv = tiles.kv_len(b)
-                r0 = T.if_then_else(causal, last_tile(seq_q) - row_tile, row_tile) * ROWS
+                r0 = T.if_then_else(latest_first, last_tile(seq_q) - row_tile, row_tile) * ROWS
                 lo, hi = T.meta_var(tile_range(b, h, r0, seq_q, seq_kv))
                 n_tiles = hi - lo
                 # (a row tile past a shorter sequence's rows has no work)

@@ -376,9 +376,8 @@ def build(mod, target):
         symbol = scheduled.attrs["global_symbol"] if "global_symbol" in scheduled.attrs else gvar.name_hint
         func = _kernel(problem, form, choices)
     target = sm90a(target)
-    config = {"tirx.disable_cse_tir": True} if CHOOSES_AT_RUN_TIME in (func.attrs or {}) else {}
     # TVM's CUDA compile callback takes the arch from the current target
-    with target, tvm.transform.PassContext(config=config):
+    with target:
         return tvm.compile(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target=target)
 
 
@@ -430,15 +429,7 @@ def by_tokens(m, n, k, dtype="float16", out_dtype="float16", tokens=RUN_TIME_TOK
     for most in sorted(tokens, reverse=True):
         skinny = skinny_kernel(m, n, k, dtype, out_dtype, tokens=most, params=params)
         body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
-    return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main", CHOOSES_AT_RUN_TIME: True})
-
-
-#: The attribute of :func:`by_tokens`' function, which
-#: :func:`build` compiles without TIR's common subexpression elimination: it would
-#: compute what the three kernels share (their descriptors' constant fields) once on
-#: the host, and pass it to each as a 64-bit unsigned argument, which TVM's CUDA
-#: launcher cannot pass.
-CHOOSES_AT_RUN_TIME = "tvm_cascade.fp8_chooses_at_run_time"
+    return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main"})
 
 
 def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig(), params=None):
