@@ -65,8 +65,8 @@ class Rotation:
 
 def rotation_of(fallback: tirx.PrimFunc) -> tuple[Optional[Rotation], str]:
     """TVM's rotation as ``fallback`` (TVM's kernel of the slot) computes it for ``q``
-    (its first parameter):
-    ``(Rotation, "")``, or ``(None, why)`` where its query load is not of that form."""
+    (its first parameter): ``(Rotation, "")``, or ``(None, why)`` where its query load
+    is not of that form."""
     params = {p.name: p for p in fallback.params}
     buffers = {b.name: b for b in buffer_params(fallback)}
     if "q_rope_position" not in buffers or any(name not in params for name in SCALARS):
