@@ -4,7 +4,13 @@ what the ``"cascade"`` pipeline puts in the cache), called with the cache's call
 convention on the same tensors, beside cuDNN's SDPA on the same attention (dense
 tensors), timed side by side on one GPU.
 
-    python -m benchmarks.kv_cache [--out DIR]
+    python -m benchmarks.kv_cache [--out DIR] [--only SUBSTR ...] [--rope-inside]
+
+With ``--rope-inside`` every call rotates Q and K inside attention (``rotary_mode`` 1,
+a cache of ``RopeMode.INLINE``: queries at positions after their sequence's keys, keys
+from a random offset): TVM's kernel, and tvm-cascade's built for it (its rotation pass,
+then the kernel), against a reference and cuDNN's SDPA over Q and K rotated beforehand
+(untimed).
 
 Every output is checked against float32 SDPA, and each lse against the float32 log-sum-
 exp of the scores (base 2). Times are medians of CUDA-event timed calls with the L2 cache
@@ -13,6 +19,7 @@ flushed before each (:func:`benchmarks.timing.bench`). Prints a table, writes
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Optional, Sequence
@@ -170,7 +177,47 @@ def cudnn(seqs, causal):
     return run
 
 
-def run_shape(shape) -> list:
+#: RoPE's base in the ``--rope-inside`` calls (Llama-3's).
+ROPE_THETA = 5e5
+
+
+def rotate(x, positions):
+    """RoPE of ``x`` (tokens × heads × dim, float16) at ``positions``, the halves of the
+    head dim rotated together, computed in float64 and rounded to float16 (as the
+    kernels' rotated inputs are)."""
+    import torch
+
+    half = x.shape[-1] // 2
+    inv = ROPE_THETA ** (-torch.arange(half, device=x.device, dtype=torch.float64) * 2 / x.shape[-1])
+    angle = positions.to(torch.float64)[:, None, None] * inv
+    first, second = x[..., :half].double(), x[..., half:].double()
+    return torch.cat([first * angle.cos() - second * angle.sin(), second * angle.cos() + first * angle.sin()],
+                     -1).half()
+
+
+def rotate_inside(kind, args, seqs):
+    """``args`` made a call with RoPE inside attention (positions set, ``rotary_mode``
+    1) and ``seqs`` what it attends over: Q and K rotated."""
+    import torch
+
+    at = OUTPUT_AT[kind]
+    offsets, positions = (args[6], args[5]) if kind == "ragged" else (args[at - 2], args[at - 1])
+    offsets.copy_(torch.randint(0, 1000, offsets.shape, dtype=torch.int32, device=offsets.device))
+    rotary = at + 2 if kind.startswith("decode") else at + 3
+    args[rotary], args[rotary + 2] = 1, ROPE_THETA
+    rotated, first = [], 0
+    for s, (q, k, v) in enumerate(seqs):
+        start = int(offsets[s]) + k.shape[0] - (1 if kind.startswith("decode") else 0)
+        if kind == "ragged":
+            start = int(offsets[s]) + k.shape[0] - q.shape[0]
+        positions[first: first + q.shape[0]] = torch.arange(start, start + q.shape[0], dtype=torch.int32)
+        first += q.shape[0]
+        keys = int(offsets[s]) + torch.arange(k.shape[0], device=k.device)
+        rotated.append((rotate(q, positions[first - q.shape[0]: first]), rotate(k, keys), v))
+    return rotated
+
+
+def run_shape(shape, rope_inside=False) -> list:
     import torch
     import tvm
 
@@ -179,11 +226,17 @@ def run_shape(shape) -> list:
     name, kind, q_lens, kv_lens, heads_q, heads_kv, head_dim = shape
     target = tvm.target.Target.from_device(tvm.cuda(0))
     args, seqs, causal = inputs(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim)
+    if rope_inside:
+        seqs = rotate_inside(kind, args, seqs)
     ref_o, ref_lse = reference(seqs, causal, args[-1])
-    ours, _ = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target,
-                           window=LAYER_WINDOW if kind == "prefill_window" else 0)
+    theirs = tvm_kernel(kind, heads_q, heads_kv, head_dim, target)
+    ours, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target,
+                             window=LAYER_WINDOW if kind == "prefill_window" else 0,
+                             fallback=theirs if rope_inside else None, rotate_inside=rope_inside)
+    if ours is None:
+        raise RuntimeError(why)
     funcs = {
-        "tvm": tvm.compile(tvm.IRModule({"main": tvm_kernel(kind, heads_q, heads_kv, head_dim, target)}), target=target),
+        "tvm": tvm.compile(tvm.IRModule({"main": theirs}), target=target),
         "tvm-cascade": tvm.compile(tvm.IRModule({"main": ours.func}), target=ours.func.attrs["target"]),
     }
     rows = []
@@ -211,8 +264,11 @@ def run_shape(shape) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = shapes_parser("benchmarks.kv_cache", __doc__, "kv_cache.json").parse_args(argv)
-    run_shapes("benchmarks.kv_cache", args.out, argv, named(SHAPES, args.only), run_shape)
+    parser = shapes_parser("benchmarks.kv_cache", __doc__, "kv_cache.json")
+    parser.add_argument("--rope-inside", action="store_true", help="calls with RoPE inside attention")
+    args = parser.parse_args(argv)
+    run_shapes("benchmarks.kv_cache", args.out, argv, named(SHAPES, args.only),
+               functools.partial(run_shape, rope_inside=args.rope_inside))
     return 0
 
 

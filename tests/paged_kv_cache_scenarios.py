@@ -92,11 +92,9 @@ class CacheSpec:
         return self.layer_window > 0 and layer % 2 == 0
 
     def __post_init__(self):
-        if self.rope_mode not in (RopeMode.NONE, RopeMode.NORMAL):
-            raise ValueError(
-                f"rope_mode must be RopeMode.NONE or RopeMode.NORMAL, got {self.rope_mode!r}: "
-                "the reference does not model RoPE applied inside the attention kernels"
-            )
+        if self.rope_mode == RopeMode.INLINE and self.layer_window:
+            raise ValueError("rope_mode RopeMode.INLINE with sliding layers: the reference does not model "
+                             "their in-window positions")
         if self.num_qo_heads % self.num_kv_heads:
             raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
@@ -482,15 +480,21 @@ class KVCacheChecker:
             rows = slice(offset, offset + length)
             offset += length
             q, k, v = np.split(qkv[:, rows], [s.num_qo_heads, s.num_qo_heads + s.num_kv_heads], axis=2)
+            positions = self.keys[seq_id].shape[1] + np.arange(length, dtype=np.float64)
             if s.rope_mode == RopeMode.NORMAL:
-                positions = self.keys[seq_id].shape[1] + np.arange(length, dtype=np.float64)
                 q = np.stack([self._rope(q[layer], positions) for layer in range(s.num_layers)])
                 k = np.stack([self._rope(k[layer], positions) for layer in range(s.num_layers)])
             keys = np.concatenate([self.keys[seq_id], k], axis=1)
             values = np.concatenate([self.values[seq_id], v], axis=1)
+            seen = keys
+            if s.rope_mode == RopeMode.INLINE:
+                # The cache keeps keys as appended; attention rotates q and key j by j.
+                q = np.stack([self._rope(q[layer], positions) for layer in range(s.num_layers)])
+                every = np.arange(keys.shape[1], dtype=np.float64)
+                seen = np.stack([self._rope(keys[layer], every) for layer in range(s.num_layers)])
             for layer in range(s.num_layers):
                 window = s.layer_window if s.sliding(layer) else 0
-                expected = reference_attention(q[layer], keys[layer], values[layer], self.sm_scale, window)
+                expected = reference_attention(q[layer], seen[layer], values[layer], self.sm_scale, window)
                 actual = outputs[layer][rows].astype(np.float64)
                 self._compare(actual, expected,
                               f"attention output of sequence {seq_id} (+{length} tokens, "
@@ -545,7 +549,7 @@ class KVCacheChecker:
             for name, got, want in (("keys", k.numpy(), self.keys[seq_id]),
                                     ("values", v.numpy(), self.values[seq_id])):
                 what = f"{self.report.name}: cached {name} of sequence {seq_id}"
-                if s.rope_mode == RopeMode.NONE or name == "values":
+                if s.rope_mode != RopeMode.NORMAL or name == "values":
                     np.testing.assert_array_equal(got, want, err_msg=what)
                 else:
                     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),

@@ -10,7 +10,7 @@ from tvm.ir.expr import TensorLoad
 
 from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.library.kv_cache import cache_kernel
-from kv_cache_cases import OUTPUT_AT, arguments, expected
+from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs
 
 #: The parameter names of TVM's own kernels (``relax.frontend.nn.llm``), by kind.
 CONVENTION = {
@@ -199,6 +199,29 @@ def test_the_fast_families_functions_are_well_formed(kind):
     assert tvm.tirx.analysis.verify_well_formed(kernel.func)
 
 
+@pytest.mark.parametrize("kind", ["ragged", "decode"])
+def test_the_fast_families_rotating_functions_are_well_formed(kind):
+    """Built for RoPE inside attention on sm_90a (run by the GPU tests), the fast
+    families' functions launch the rotation pass's kernels first, then their own, on
+    the copies: well-formed, the copies allocated in the function."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    # pylint: disable=protected-access
+    theirs = (tvm_kv._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, hopper) if kind == "ragged" else
+              tvm_kv._attention_decode(8, 32, 128, "float16", False, {}, hopper))
+    kernel, why = cache_kernel(kind, 32, 8, 128, "float16", hopper, fallback=theirs, rotate_inside=True)
+    assert kernel is not None, why
+    assert kernel.family.name != "generic"
+    ours = kernel.func.body.then_case  # (the else case: TVM's kernel)
+    assert tvm.tirx.analysis.verify_well_formed(kernel.func.with_body(ours))
+    allocated = []
+    tvm_ffi.structural_walk(ours, lambda n: allocated.append(n.buffer.name) if isinstance(n, tvm.tirx.AllocBuffer)
+                            and n.buffer.scope() == "global" else None)
+    copies = {"ragged": ["q_rotated", "k_rotated"], "decode": ["q_rotated", "pages_rotated", "page_indices_in_order"]}
+    assert allocated[: len(copies[kind])] == copies[kind]  # (around the kernels and their own buffers)
+
+
 def _row_tiles_from_their_sequences_last(func):
     """Whether ``func`` (a warp-specialised kernel) checks that a row tile (from ``r0``)
     lies after its sequence's first row: counted back from the sequence's own last, a
@@ -231,3 +254,50 @@ def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
     for layout, own in (("ragged", True), ("bhsd", False)):
         spec = AttentionSpec.make(32, 8, 128, variant="causal", layout=layout, target=tvm.target.Target(hopper))
         assert _row_tiles_from_their_sequences_last(WarpSpecializedPrefill().build(spec)) == own
+
+
+def _tvm_cpu_kernel(kind):
+    """TVM's CPU kernel of ``kind`` for 4/2 heads of 32 (the sliding-window prefill's
+    layers' window :data:`WINDOW`)."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    # pylint: disable=protected-access
+    if kind == "ragged":
+        return tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", {})
+    if kind.startswith("prefill"):
+        window = kind == "prefill_window"
+        return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", window, {}, **({"sliding_window_size": WINDOW} if window else {}))
+    return tvm_kv._attention_decode_cpu(2, 4, 32, "float16", kind == "decode_window", {})
+
+
+@pytest.mark.parametrize("kind, q_lens, kv_lens", CASES)
+def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens, kv_lens):
+    """Built for RoPE inside attention (a cache of ``RopeMode.INLINE``), the kernel
+    rotates query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b`` by
+    ``k_rope_pos_offset[b] + j`` (a sliding window's keys counted sink first), the
+    rotation read from TVM's kernel: numpy's attention over numpy's rotated Q and K, and
+    TVM's kernel's outputs; calls without RoPE inside attention run TVM's kernel."""
+    theirs = _tvm_cpu_kernel(kind)
+    kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs, rotate_inside=True,
+                               window=WINDOW if kind == "prefill_window" else 0)
+    assert kernel is not None, why
+    funcs = [tvm.compile(tvm.IRModule({"main": f}), target="llvm")["main"] for f in (kernel.func, theirs)]
+    outputs, (out, lse) = rope_inside_runs(kind, funcs, q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=8)
+    np.testing.assert_allclose(outputs[0][0], out, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(outputs[0][1], lse, atol=1e-3, rtol=1e-4)
+    seen = lse > -5e4  # (TVM's kernel gives NaN for a row that sees no key)
+    np.testing.assert_allclose(outputs[0][0][seen], outputs[1][0][seen], atol=2e-3, rtol=2e-3)
+    flags = {p.name: p for p in kernel.func.params}
+    assert isinstance(kernel.func.body, tvm.tirx.IfThenElse)
+    condition = tvm.tirx.EQ(flags["rotary_mode"], 1)
+    if kind in CONVENTION_MASK:  # (the sliding-window prefill serves both masks)
+        condition = tvm.tirx.And(condition, flags["causal"] == CONVENTION_MASK[kind])
+    tvm.ir.assert_structural_equal(kernel.func.body.condition, tvm.tirx.op.tvm_thread_invariant(condition))
+
+
+def test_rope_inside_attention_is_refused_without_tvms_rotation_or_a_rotation_pass():
+    kernel, why = cache_kernel("decode", 4, 2, 32, "float16", "llvm", rotate_inside=True)
+    assert kernel is None and "rotates as TVM's kernel does" in why
+    kernel, why = cache_kernel("decode", 4, 2, 32, "float16", "rocm", fallback=_tvm_cpu_kernel("decode"),
+                               rotate_inside=True)
+    assert kernel is None and "no rotation pass for rocm targets" in why

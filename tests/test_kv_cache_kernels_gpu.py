@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 
-from kv_cache_cases import OUTPUT_AT, arguments, expected
+from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs
 from tvm_cascade.library.kv_cache import cache_kernel
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -78,6 +78,38 @@ def test_rope_inside_attention_runs_tvms_kernel(kind):
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     assert np.abs(runs[0][0] - expected(q_lens, reference, causal, args[-1])[0]).max() > 1e-2
+
+
+@pytest.mark.parametrize("kind, q_lens, kv_lens", [
+    ("ragged", [300, 7], [300, 7]), ("prefill", [70, 5], [300, 40]), ("prefill_window", [70, 5], [300, 40]),
+    ("decode", [1] * 3, [5, 400, 1000]), ("decode_window", [1] * 3, [5, 400, 1000])])
+def test_rope_inside_attention_rotates_on_the_gpu(kind, q_lens, kv_lens):
+    """Built for RoPE inside attention with TVM's kernel's rotation, the fast families'
+    kernels rotate query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b``
+    by ``k_rope_pos_offset[b] + j``: numpy's attention over numpy's rotated Q and K, and
+    TVM's kernel where a row sees keys."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    heads_q, heads_kv, head_dim = 32, 8, 128
+    window = kind.endswith("window")
+    # pylint: disable=protected-access
+    theirs = (tvm_kv._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", {}, target)
+              if kind == "ragged" else
+              tvm_kv._attention_prefill(heads_kv, heads_q, head_dim, "float16", window, {}, target)
+              if kind.startswith("prefill") else
+              tvm_kv._attention_decode(heads_kv, heads_q, head_dim, "float16", window, {}, target))
+    kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target, fallback=theirs,
+                               rotate_inside=True)
+    assert kernel is not None, why
+    funcs = [tvm.compile(tvm.IRModule({"main": f}), target=t)["main"]
+             for f, t in ((kernel.func, kernel.func.attrs["target"]), (theirs, target))]
+    outputs, (out, lse) = rope_inside_runs(kind, funcs, q_lens, kv_lens, heads_q, heads_kv, head_dim, tvm.cuda(0),
+                                           seed=5)
+    np.testing.assert_allclose(outputs[0][0], out, atol=5e-3, rtol=5e-3)
+    np.testing.assert_allclose(outputs[0][1], lse, atol=2e-3, rtol=1e-3)
+    seen = lse > -5e4
+    np.testing.assert_allclose(outputs[0][0][seen], outputs[1][0][seen], atol=5e-3, rtol=5e-3)
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa4", "mha"])

@@ -94,6 +94,16 @@ def test_scenario_with_rope(pipeline, head_dim, scenario):
                                      rope_theta=5e5, rope_scale=0.5))
 
 
+@pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "popn"])
+@pytest.mark.parametrize("pipeline", ["default"] + PIPELINES)
+def test_scenario_with_rope_inside_attention(pipeline, scenario):
+    """RoPE inside attention (``RopeMode.INLINE``): the cache keeps keys unrotated, the
+    kernels rotate q and every key at its position (TVM's kernels check the reference,
+    tvm-cascade's take their place)."""
+    pkv.SCENARIOS[scenario](compiled(pipeline, head_dim=64, rope_mode=pkv.RopeMode.INLINE, rope_theta=5e5,
+                                     rope_scale=0.5))
+
+
 @pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "sliding_window"])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_scenario_gqa_group_of_four(pipeline, scenario):
@@ -171,9 +181,10 @@ def test_checker_catches_wrong_outputs_and_contents():
 
 
 def test_unsupported_configurations_are_rejected():
-    """RoPE inside attention is outside what the reference models."""
+    """RoPE inside attention with sliding layers, and RoPE in a cache of sliding window
+    support (in-window positions), are outside what the reference models."""
     with pytest.raises(ValueError, match="rope_mode"):
-        pkv.CacheSpec(rope_mode=pkv.RopeMode.INLINE)
+        pkv.CacheSpec(rope_mode=pkv.RopeMode.INLINE, layer_window=40)
     model = compiled("default", head_dim=64, rope_mode=pkv.RopeMode.NORMAL, rope_theta=5e5,
                      rope_scale=0.5)
     with pytest.raises(ValueError, match="sliding window"):

@@ -81,14 +81,28 @@ def test_hopper_cache_kernels_become_the_fast_families(head_dim):
     assert str(mod["batch_prefill_ragged_kv"].attrs["target"].arch) == "sm_90a"
 
 
-def test_inline_rope_leaves_tvms_kernels_and_says_why(caplog):
-    mod = _module(CPU)
-    # The runtime's RoPE inside attention (RopeMode.INLINE): the library does not compute it.
-    mod = _with_rope_mode(mod, 2)
-    with CPU, caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
+@pytest.mark.parametrize("target, decode", [(CPU, "batch_decode_paged_kv_cpu"), (HOPPER, "batch_decode_paged_kv")])
+def test_inline_rope_gets_kernels_built_to_rotate(target, decode):
+    """A cache of the runtime's RoPE inside attention (``RopeMode.INLINE``) gets the
+    library's kernels, built for ``rotary_mode`` 1 (TVM's for the other)."""
+    mod = _with_rope_mode(_module(target), 2)
+    with target:
+        out = KVCacheAttention()(mod)
+    assert all(family is not None for _, family in _slots(out).values())
+    func = out[decode]
+    rotary = next(p for p in func.params if p.name == "rotary_mode")
+    tvm.ir.assert_structural_equal(func.body.condition, tvm.tirx.op.tvm_thread_invariant(tvm.tirx.EQ(rotary, 1)))
+
+
+def test_inline_rope_without_a_rotation_pass_leaves_tvms_kernels_and_says_why(caplog, monkeypatch):
+    from tvm_cascade.library import kv_cache  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(kv_cache, "ROTATES_ON", ("llvm",))
+    mod = _with_rope_mode(_module(HOPPER), 2)
+    with HOPPER, caplog.at_level(logging.INFO, logger="tvm_cascade.relax"):
         out = KVCacheAttention()(mod)
     tvm.ir.assert_structural_equal(out, mod)
-    assert "RoPE inside attention (RopeMode.INLINE)" in caplog.text
+    assert caplog.text.count("RoPE inside attention: no rotation pass for cuda targets") == 5
 
 
 def _with_rope_mode(mod, mode):

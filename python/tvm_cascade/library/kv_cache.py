@@ -34,9 +34,10 @@ seen), and with ``causal=1`` for the layers of a cache's sliding layers
 (``AttnKind.MHA_SLIDING``: new token ``i`` sees the last ``W - 1 - i`` cached keys of
 the layers' window of ``W``); its kernel serves both where it is given ``W``. RoPE
 inside attention (``rotary_mode`` 1, what the runtime passes for the cache's
-``RopeMode.INLINE``) is not computed: such a call is refused (the cache's other modes
-rotate keys before they enter the pages). The index arrays may be views into the
-runtime's workspace (any element offset).
+``RopeMode.INLINE``; its other modes rotate keys before they enter the pages) is
+computed by a kernel built for it (``rotate_inside``: :mod:`.rope_inside`), which
+refuses the calls without; other kernels refuse it. The index arrays may be views into
+the runtime's workspace (any element offset).
 
 The kernel is the first family of :data:`KIND_FAMILIES` that serves the spec; its
 scalars are planned from the tensors' shapes: the longest sequence is bounded by every
@@ -62,6 +63,7 @@ from ..ops.variants import AttentionVariant
 from ..primitives.ir import copy_block, replace_buffers, seq
 from .families import planned_body, runtime_families
 from .layouts import INDEX_DTYPE, views
+from .rope_inside import SCALARS, Rotation, rotated_body, rotation_of
 from .spec import AttentionSpec
 
 logger = logging.getLogger("tvm_cascade.library")
@@ -84,6 +86,8 @@ _FAST_ON_GPUS = ("prefill_window",)
 #: The kernels' ``rotary_mode`` that rotates Q and K inside attention: the runtime passes
 #: 1 where the cache's RoPE mode is ``RopeMode.INLINE``, else 0.
 ROTATE_INSIDE = 1
+#: The targets whose kernels rotate Q and K inside attention (:mod:`.rope_inside`).
+ROTATES_ON = ("llvm", "cuda")
 #: The scalars of the convention after ``o`` and ``lse``, by kind.
 _TRAILING = ("causal", "rotary_mode", "rope_scale", "rope_theta")
 _SCALAR_DTYPES = {"causal": "int32", "rotary_mode": "int32", "rope_scale": "float32", "rope_theta": "float32"}
@@ -100,22 +104,35 @@ class CacheKernel:
 
 
 def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: str, target,
-                 page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None, window: int = 0
-                 ) -> tuple[Optional[CacheKernel], str]:
+                 page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None, window: int = 0,
+                 rotate_inside: bool = False) -> tuple[Optional[CacheKernel], str]:
     """The kernel of ``kind`` (:data:`KINDS`) for the cache's heads, head dim, dtype and
     page size on ``target``: ``(CacheKernel, "")``, or ``(None, why)`` where no family
     serves it (each family passed over is logged with its reason). ``window``
     (``"prefill_window"`` only): the keys of the cache's sliding layers' window, which
     its calls with ``causal=1`` attend within.
 
-    A call the kernel does not serve (the other mask, RoPE inside attention) raises a
-    ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
+    With ``rotate_inside`` (a cache of ``RopeMode.INLINE``) the kernel serves the calls
+    with RoPE inside attention (``rotary_mode`` 1), rotating as ``fallback``, TVM's
+    kernel, does (:mod:`.rope_inside`; on :data:`ROTATES_ON`), else those without.
+
+    A call the kernel does not serve (the other mask, the other ``rotary_mode``) raises
+    a ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
     runs ``fallback``'s body in its place: the runtime switches a cache with RoPE to
     RoPE inside attention where it supports sliding windows."""
     layout, causal = KINDS[kind]
     if window and kind != "prefill_window":
         raise ValueError(f"a window is the sliding-window prefill's, not the {kind} kernel's")
     target = tvm.target.Target(target)
+    rotation = None
+    if rotate_inside:
+        if target.kind.name not in ROTATES_ON:
+            return None, f"RoPE inside attention: no rotation pass for {target.kind.name} targets"
+        if fallback is None:
+            return None, "RoPE inside attention rotates as TVM's kernel does: none given"
+        rotation, why = rotation_of(fallback)
+        if rotation is None:
+            return None, why
     try:
         def make(variant):
             return AttentionSpec.make(heads_q, heads_kv, head_dim, variant=variant, dtype=dtype, layout=layout,
@@ -132,8 +149,8 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
         if reason is None and kind in _FAST_ON_GPUS and generic and target.kind.name == "cuda":
             reason = "its GPU kernel is not measured against TVM's sliding-window prefill"
         if reason is None:
-            other = None if windowed is None else _with_convention(family, windowed, True, None)
-            func = _with_convention(family, spec, causal, fallback, other).with_attrs(
+            other = None if windowed is None else _with_convention(family, windowed, True, None, rotation=rotation)
+            func = _with_convention(family, spec, causal, fallback, other, rotation).with_attrs(
                 {"tirx.is_scheduled": True, "target": family.compile_target(target)})
             return CacheKernel(func, family, spec), ""
         logger.info("%s: not the %s kernel: %s", spec.describe(), family.name, reason)
@@ -141,12 +158,13 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     return None, "; ".join(reasons)
 
 
-def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=None) -> tvm.tirx.PrimFunc:
+def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=None,
+                     rotation: Optional[Rotation] = None) -> tvm.tirx.PrimFunc:
     """``family``'s function for ``spec`` with the cache's parameters: its scalars planned
     from the shapes, the trailing scalars added (a call with the other ``causal`` given
     to ``other``, a function of the same convention, where there is one; such a call,
-    or one with RoPE inside attention, refused, or given to ``fallback``) and the index
-    arrays given element offsets."""
+    or one of the other ``rotary_mode``, refused, or given to ``fallback``), the index
+    arrays given element offsets, and, with ``rotation``, Q and K rotated before it."""
     func = family.build(spec)
     buffers = {b.name: b for b in buffer_params(func)}
     view = views(spec, lambda shape, dtype, name: buffers[name])
@@ -158,10 +176,19 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
     if spec.layout in ("kv_decode", "kv_decode_window"):  # one query a sequence: no mask
         del trailing["causal"]
-    served = [(tirx.NE(trailing["rotary_mode"], ROTATE_INSIDE),
-               f"{spec.describe()}: RoPE inside attention (rotary_mode {ROTATE_INSIDE}) is not computed")]
+    if rotation is None:
+        served = [(tirx.NE(trailing["rotary_mode"], ROTATE_INSIDE),
+                   f"{spec.describe()}: RoPE inside attention (rotary_mode {ROTATE_INSIDE}) is not computed")]
+    else:
+        served = [(tirx.EQ(trailing["rotary_mode"], ROTATE_INSIDE),
+                   f"{spec.describe()}: built for RoPE inside attention (rotary_mode {ROTATE_INSIDE})")]
     offsets = {b: _with_offset(b) for b in buffer_params(func) if b.dtype == INDEX_DTYPE}
     body = _redirect(body, offsets)
+    if rotation is not None:
+        final = {b.name: offsets.get(b, b) for b in buffer_params(func)}
+        body = rotated_body(body, views(spec, lambda shape, dtype, name: final[name]), final, rotation,
+                            {name: trailing[name] for name in SCALARS}, spec.layout,
+                            gpu=tvm.target.Target(spec.target).kind.name == "cuda")
     params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
     if "causal" in trailing:
         matches = tirx.EQ(trailing["causal"], int(causal))

@@ -97,6 +97,9 @@ class Views:
     #: (b) -> the position of sequence b's first query row among its keys'; None: aligned
     #: to the end of the keys (``kv_len - q_len``).
     query_start: Optional[Callable] = None
+    #: (b, p) -> the key of sequence b stored at position p of its pages (negative where
+    #: none is: between a sliding window's sink and its start); None: not paged.
+    position_key: Optional[Callable] = None
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -261,7 +264,13 @@ def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_
     def cache(which):
         return lambda row, h, x: pages[row[0], which, h, row[1], x]
 
-    fields = dict(kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len)
+    def position_key(b, p):
+        if not window:
+            return p
+        sink, offset = last_page_len[2, b], last_page_len[1, b]
+        return tirx.Select(p < sink, p, tirx.Select(p >= offset, p - offset + sink, -1))
+
+    fields = dict(kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len, position_key=position_key)
     return pages, page_indptr, page_ids, last_page_len, fields
 
 

@@ -8,13 +8,14 @@ under the names of TVM's, in the slots of the ragged prefill, paged prefill,
 sliding-window paged prefill (given the window of the cache's sliding layers), paged
 decode and sliding-window decode kernels; the runtime calls them unchanged. It leaves
 TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library does
-not serve the cache: MLA, RoPE inside attention (``RopeMode.INLINE``), or a
-configuration no family builds (on GPUs, the sliding-window paged prefill). The
-tree-attention kernels stay TVM's (logged).
+not serve the cache: MLA, or a configuration no family builds. The tree-attention
+kernels stay TVM's (logged).
 
-Each replacement keeps TVM's kernel as its fallback (``cache_kernel``'s): a cache made
-with sliding-window support rotates Q and K inside attention even where the model asked
-for RoPE before it (the runtime's rule), and such calls run TVM's code.
+A cache of ``RopeMode.INLINE`` gets kernels that rotate Q and K inside attention as
+TVM's do (:mod:`tvm_cascade.library.rope_inside`). Each replacement keeps TVM's
+kernel as its fallback (``cache_kernel``'s): a cache made with sliding-window support
+rotates Q and K inside attention even where the model asked for RoPE before it (the
+runtime's rule), and such calls run TVM's code.
 """
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ def _replacements(mod, args, target) -> dict:
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
     window = _layer_window(args)
+    rotate_inside = _int(args[ROPE_MODE]) == _INLINE
     logger.info("paged KV cache: the tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
@@ -98,7 +100,7 @@ def _replacements(mod, args, target) -> dict:
             continue
         old = pair.fields[1]
         kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target, fallback=mod[old],
-                                   window=window if kind == "prefill_window" else 0)
+                                   window=window if kind == "prefill_window" else 0, rotate_inside=rotate_inside)
         if kernel is None:
             logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
             continue
@@ -112,8 +114,6 @@ def _unserved(args):
     kinds = [int(k) for k in args[ATTN_KINDS].values]
     if any(k not in _SERVED_KINDS for k in kinds):
         return f"attention kinds {kinds}: multi-head attention (AttnKind.MHA, MHA_SLIDING) only"
-    if _int(args[ROPE_MODE]) == _INLINE:
-        return "RoPE inside attention (RopeMode.INLINE) is not computed by the library's kernels"
     if _int(args[QK_HEAD_DIM]) != _int(args[V_HEAD_DIM]):
         return "Q·K and V head dims differ"
     return None

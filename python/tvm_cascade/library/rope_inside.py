@@ -1,0 +1,217 @@
+"""RoPE inside attention for the KV cache's kernels (``rotary_mode`` 1, the runtime's
+``RopeMode.INLINE``): the pages hold keys as they were appended, and each call rotates
+query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b`` by
+``k_rope_pos_offset[b] + j`` (``j`` counts the keys the call sees: a sliding window's
+sink, then its window) before the dot products.
+
+The rotation is TVM's own, read from TVM's kernel for the same slot (the runtime's
+fallback): its query load under ``rotary_mode == 1`` is an expression of the row's
+elements, the row's position, the element index and the ``rope_theta`` and
+``rope_scale`` scalars (whatever RoPE scaling the model built its cache with), which
+:func:`rotation_of` takes as a template. A library kernel with RoPE inside attention is
+its body on rotated copies: a pass before it writes the rotated queries and, per
+sequence, its pages' keys (rotated where a position holds a key the call sees, as they
+are elsewhere) and values into buffers of the call (the pages in the order the page
+table lists them, so page ``e`` of the table is page ``e`` of the copy), and the body
+reads those. The copy costs a read and a write of the keys and values the call
+attends to; the kernel is unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir import expr as ir_expr
+from tvm.s_tir.stmt import SBlockRealize
+
+from ..analysis.chain import substitute
+from ..analysis.scope import buffer_params
+from ..primitives.ir import copy_block, seq
+
+#: The scalars of the cache's convention the rotation reads.
+SCALARS = ("rope_theta", "rope_scale")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """TVM's rotation of element ``x`` of a row: ``expr`` of ``row`` (a placeholder
+    1-D buffer, the row's elements), ``position``, ``x`` and the scalars ``rope_theta``
+    and ``rope_scale`` (variables named so)."""
+
+    expr: tirx.PrimExpr
+    row: tirx.Buffer
+    position: tirx.Var
+    x: tirx.Var
+    scalars: dict
+
+    def __call__(self, load: Callable, position, x, scalars: dict):
+        """The rotated element ``x`` of the row whose element ``i`` is ``load(i)``, at
+        ``position``, with the convention's ``scalars`` (by name)."""
+        def element(node):
+            return load(node.indices[0]) if node.source.same_as(self.row) else node
+
+        expr = tvm_ffi.structural_map(self.expr, (ir_expr.TensorLoad, element))
+        vmap = {self.position: position, self.x: x}
+        vmap.update((var, scalars[name]) for name, var in self.scalars.items())
+        # The template's bindings inlined: TVM's LLVM code generator failed to bind its
+        # float variable in the passes over pages (its analyzer made a float32 IntImm).
+        expr = tvm_ffi.structural_map(expr, (tirx.Let, lambda n: substitute(n.body, {n.var: n.value})))
+        return substitute(expr, vmap)
+
+
+def rotation_of(fallback: tirx.PrimFunc) -> tuple[Optional[Rotation], str]:
+    """TVM's rotation as ``fallback`` (TVM's kernel of the slot) computes it for ``q``
+    (its first parameter): ``(Rotation, "")``, or ``(None, why)`` where its query load
+    is not of that form."""
+    params = {p.name: p for p in fallback.params}
+    buffers = {b.name: b for b in buffer_params(fallback)}
+    if "q_rope_position" not in buffers or any(name not in params for name in SCALARS):
+        return None, "TVM's kernel takes no q_rope_position, rope_theta and rope_scale"
+    q, positions = buffer_params(fallback)[0], buffers["q_rope_position"]  # (the convention's first: q)
+    loads = []
+
+    def visit(node):
+        if (isinstance(node, ir_expr.Call) and node.op.name.endswith("if_then_else")
+                and isinstance(node.args[0], tirx.EQ) and isinstance(node.args[0].a, tirx.Var)
+                and node.args[0].a.name == "rotary_mode" and isinstance(node.args[2], ir_expr.TensorLoad)
+                and node.args[2].source.same_as(q)):
+            loads.append(node)
+
+    tvm_ffi.structural_walk(fallback.body, visit)
+    if not loads:
+        return None, "TVM's kernel has no load of q rotated under rotary_mode == 1"
+    rotated, plain = loads[0].args[1], loads[0].args[2]
+    at = plain.indices[-1]  # (a loop variable, or an expression of a vector's lanes)
+    row = tirx.decl_buffer((q.shape[-1],), q.dtype, "row")
+    position, x = tirx.Var("position", "int32"), tirx.Var("x", "int32")
+    prefix = list(plain.indices[:-1])
+    foreign = []
+
+    def element(node):
+        if node.source.same_as(q):
+            if not tvm_ffi.structural_equal(list(node.indices[:-1]), prefix):
+                foreign.append(node)
+            return tirx.BufferLoad(row, [node.indices[-1]])
+        if node.source.same_as(positions):
+            return position
+        return node
+
+    expr = tvm_ffi.structural_map(rotated, (ir_expr.TensorLoad, element))
+    expr = tvm_ffi.structural_map(expr, (type(at), lambda n: x if tvm_ffi.structural_equal(n, at) else n))
+    tvm_ffi.structural_walk(expr, lambda n: foreign.append(n) if isinstance(n, ir_expr.TensorLoad)
+                            and not n.source.same_as(row) else None)
+    scalars = {name: params[name] for name in SCALARS}
+    known = [position, x, *scalars.values(), *tirx.analysis.undefined_vars(tirx.BufferLoad(row, [0]))]
+    free = tirx.analysis.undefined_vars(expr, known)
+    if foreign or free:
+        return None, f"TVM's rotation reads more than its row and position ({foreign or free})"
+    return Rotation(expr, row, position, x, scalars), ""
+
+
+def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, layout: str, gpu: bool):
+    """``body`` (a kernel over the tensors ``buffers``, by name, that ``view`` views) on
+    rotated copies of its queries and keys, after the pass that writes them (on GPUs a
+    thread block a token or page)."""
+    q = buffers["q"]
+    copies = {"q": tirx.decl_buffer(q.shape, q.dtype, "q_rotated")}
+    vmap = {q: copies["q"]}
+    q_position = buffers["q_rope_position"]
+    k_offset = buffers["k_rope_pos_offset"]
+    passes = [_launch(q.shape[0], q.shape[1:], None, gpu, lambda t, _, h, x: tirx.BufferStore(
+        copies["q"], rotation(lambda i: q[t, h, i], q_position[t], x, scalars), [t, h, x]))]
+    if layout == "kv_ragged":
+        k, indptr = buffers["k"], buffers["kv_indptr"]
+        copies["k"] = tirx.decl_buffer(k.shape, k.dtype, "k_rotated")
+        vmap[k] = copies["k"]
+        passes.append(_launch(k.shape[0], k.shape[1:], (indptr, view.batch), gpu, lambda t, b, h, x: tirx.BufferStore(
+            copies["k"], rotation(lambda i: k[t, h, i], k_offset[b] + t - indptr[b], x, scalars), [t, h, x])))
+    else:
+        pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
+        _, _, heads, page_size, dim = pages.shape
+        entries = table.shape[0]
+        copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
+        copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")
+        vmap.update({pages: copies["pages"], pages.shape[0]: entries, table: copies["table"]})
+        if isinstance(table.elem_offset, tirx.Var):
+            vmap[table.elem_offset] = tirx.IntImm(table.elem_offset.ty.dtype, 0)
+
+        def page(e, b, h, r, x):
+            source = table[e]
+            j = view.position_key(b, (e - indptr[b]) * page_size + r)
+            sees = tirx.And(j >= 0, j < view.key_length(b))
+            key = tirx.Select(sees, rotation(lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars),
+                              pages[source, 0, h, r, x])
+            stores = [tirx.BufferStore(copies["pages"], key, [e, 0, h, r, x]),
+                      tirx.BufferStore(copies["pages"], pages[source, 1, h, r, x], [e, 1, h, r, x])]
+            first = tirx.And(tirx.And(h == 0, r == 0), x == 0)
+            return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
+
+        passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, page))
+    return _before(body, passes, vmap, list(copies.values()))
+
+
+#: Threads of a block of the rotation pass on GPUs.
+THREADS = 256
+
+
+def _launch(items, extents, sequences, gpu, store):
+    """``store(item, b, *index)`` for every item (a token or a page of the table) and
+    every index of ``extents``, ``b`` the sequence the item lies in where ``sequences``
+    (its ``indptr`` and the batch) is given: on CPUs items in parallel, on GPUs a
+    thread block an item."""
+    item = tirx.Var("item", items.ty.dtype)
+    index = [tirx.Var(f"i{n}", extent.ty.dtype) for n, extent in enumerate(extents)]
+    found = None
+    if sequences is not None:
+        found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
+    inner = store(item, None if found is None else found[0], *index)
+    if gpu:
+        tx = tirx.Var("threadIdx.x", "int32")
+        size = functools.reduce(lambda a, b: a * b, extents)
+        step = tirx.Var("step", size.ty.dtype)
+        flat = step * THREADS + tirx.Cast(size.ty.dtype, tx)
+        where = {}
+        for var, extent in reversed(list(zip(index, extents))):
+            where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
+            flat = tirx.floordiv(flat, extent)
+        body = tirx.For(step, tirx.IntImm(step.ty.dtype, 0), tirx.ceildiv(size, THREADS), tirx.ForKind.SERIAL,
+                        tirx.IfThenElse(step * THREADS + tirx.Cast(size.ty.dtype, tx) < size,
+                                        substitute(inner, where), None))
+    else:
+        body = inner
+        for var, extent in reversed(list(zip(index, extents))):
+            body = tirx.For(var, tirx.IntImm(var.ty.dtype, 0), extent, tirx.ForKind.SERIAL, body)
+    if found is not None:
+        indptr, batch = sequences
+        s = tirx.Var("s", batch.ty.dtype)
+        scan = tirx.For(s, tirx.IntImm(s.ty.dtype, 1), batch - 1, tirx.ForKind.SERIAL, tirx.IfThenElse(
+            indptr[s] <= item, tirx.BufferStore(found, tirx.Cast("int32", s), [0]), None))
+        body = tirx.AllocBuffer(found, seq([tirx.BufferStore(found, 0, [0]), scan, body]))
+    if gpu:
+        body = tirx.AttrStmt(_thread("threadIdx.x", THREADS, tx), "thread_extent", THREADS, body)
+        block = tirx.Var("blockIdx.x", item.ty.dtype)
+        body = tirx.AttrStmt(_thread("blockIdx.x", items, block), "thread_extent", items, substitute(body, {item: block}))
+        return tirx.IfThenElse(items > 0, body, None)
+    return tirx.For(item, tirx.IntImm(item.ty.dtype, 0), items, tirx.ForKind.PARALLEL, body)
+
+
+def _thread(tag, extent, var):
+    return tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
+
+
+def _before(body, passes, vmap, buffers):
+    """``passes``, then ``body`` with ``vmap`` substituted, ``buffers`` allocated around
+    both (inside an s_tir root block, as its own, where ``body`` is one)."""
+    if isinstance(body, SBlockRealize):
+        block = body.block
+        inner = seq(passes + [substitute(block.body, vmap)])
+        return SBlockRealize(body.iter_values, body.predicate,
+                             copy_block(block, body=inner, alloc_buffers=list(block.alloc_buffers) + buffers))
+    body = seq(passes + [substitute(body, vmap)])
+    for buffer in reversed(buffers):
+        body = tirx.AllocBuffer(buffer, body)
+    return body
