@@ -8,7 +8,7 @@ import tvm_cascade  # noqa: F401
 
 from tvm_cascade import kernels
 from tvm_cascade.bench import VARIANTS
-from tvm_cascade.library import specialise
+from tvm_cascade.library import families, specialise
 from tvm_cascade.library.spec import AttentionSpec
 from tvm_cascade.ops.reference import attention_ref
 from tvm_cascade.ops.testing import random_attention_inputs
@@ -73,13 +73,23 @@ def _source(exe):
 
 def test_long_decode_compiles_the_runtime_kernel(monkeypatch, tmp_path):
     """``compile_attention`` gives decode over :data:`~tvm_cascade.kernels.RUNTIME_DECODE_KEYS`
-    keys the tensor-core family's function fixed to it (the same CUDA source); shorter
-    decode, a config, a records path or tuning keep the static schedule."""
+    keys the tensor-core family's function fixed to it (the same CUDA source; the
+    families chosen once, so each passed over is logged once); shorter decode, a config,
+    a records path or tuning keep the static schedule."""
     monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path))  # no user records
     keys = kernels.RUNTIME_DECODE_KEYS
     spec = AttentionSpec.make(8, 1, 128, dtype="float16", layout="bhsd", target=HOPPER)
     fixed = specialise.compile_specialised(spec, 2, 1, keys + 3, HOPPER)
+    chosen = []
+
+    def choose(spec):
+        chosen.append(spec)
+        return families.choose(spec)
+
+    monkeypatch.setattr(specialise, "choose", choose)
+    monkeypatch.setattr(kernels, "choose", choose, raising=False)  # (were it asked there too)
     assert _source(kernels.compile_attention(2, 8, 1, 1, keys + 3, 128, target=HOPPER)) == _source(fixed)
+    assert chosen == [spec]
 
     def refused(*args, **kwargs):
         raise AssertionError("the runtime-length kernel was compiled")

@@ -44,7 +44,7 @@ from . import ops
 from .analysis.scope import buffer_params
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
-from .library.families import FAMILIES, choose, config_family, families_of, schedule_families, scheduled_by
+from .library.families import FAMILIES, config_family, families_of, schedule_families, scheduled_by
 from .library.specialise import compile_specialised
 from .library.tensor_core_decode import TensorCoreDecode
 from .library.spec import AttentionSpec
@@ -189,7 +189,9 @@ def _runtime_decode(spec, kind, seq_kv) -> bool:
     ``spec`` at ``seq_kv`` keys (:data:`RUNTIME_DECODE_KEYS`)."""
     if kind != "decode" or seq_kv < RUNTIME_DECODE_KEYS:
         return False
-    return choose(spec)[0].name == TensorCoreDecode.name
+    # The first family choose() asks, asked alone: compile_specialised's choose() logs
+    # the families passed over, once.
+    return TensorCoreDecode().supports(spec) is None
 
 
 def build(mod, target):
