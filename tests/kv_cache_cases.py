@@ -107,12 +107,21 @@ def expected(q_lens, reference, causal, sm_scale, window=0):
     return np.concatenate(outs), np.concatenate(lses)
 
 
-def rotated(x, positions, theta=1e4, scale=1.0):
+def rotated(x, positions, theta=1e4, scale=1.0, scaling=None):
     """RoPE of ``x`` (tokens × heads × dim) at ``positions`` (one a token), the halves of
     the head dim rotated together, in float64 and rounded to float16 as the kernels'
-    rotated inputs are."""
+    rotated inputs are; ``scaling``: Llama-3's frequency scaling (``rope_type`` "llama3"
+    and its factors, as TVM's ``rope_scaling``), else none."""
     half = x.shape[-1] // 2
-    angle = np.asarray(positions, "float64")[:, None] * scale / theta ** (np.arange(half) * 2 / x.shape[-1])
+    frequency = 1.0 / theta ** (np.arange(half) * 2 / x.shape[-1])
+    if scaling is not None:
+        # Wavelengths past the original context's are slowed by ``factor``; between the
+        # two bands the frequency is interpolated.
+        spread = scaling["high_freq_factor"] - scaling["low_freq_factor"]
+        smooth = np.clip(scaling["original_max_position_embeddings"] / (2 * math.pi) / spread * frequency
+                         - scaling["low_freq_factor"] / spread, 0.0, 1.0)
+        frequency = (1 - smooth) * frequency / scaling["factor"] + smooth * frequency
+    angle = np.asarray(positions, "float64")[:, None] * scale * frequency
     cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
     first, second = x[..., :half].astype("float64"), x[..., half:].astype("float64")
     out = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
@@ -123,12 +132,12 @@ def rotated(x, positions, theta=1e4, scale=1.0):
 ROPE_THETA, ROPE_SCALE = 5e5, 2.0
 
 
-def rope_inside_runs(kind, funcs, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0):
+def rope_inside_runs(kind, funcs, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0, scaling=None):
     """Each of ``funcs`` (compiled kernels of ``kind``'s convention) called with RoPE
     inside attention (``rotary_mode`` 1) at random positions, on the same inputs:
     ``([(out, lse) of each], (out, lse) of numpy's attention over numpy-rotated Q and K)``
     (query ``t`` at ``q_rope_position[t]``, key ``j`` of sequence ``b`` at
-    ``k_rope_pos_offset[b] + j``)."""
+    ``k_rope_pos_offset[b] + j``; ``scaling`` as :func:`rotated`'s)."""
     at = OUTPUT_AT[kind]
     # (q_rope_position, k_rope_pos_offset) among the arguments, and rotary_mode
     positions, offsets = (5, 6) if kind == "ragged" else (at - 1, at - 2)
@@ -138,12 +147,14 @@ def rope_inside_runs(kind, funcs, q_lens, kv_lens, heads_q, heads_kv, head_dim, 
     k_offsets = rng.integers(0, 3000, len(kv_lens)).astype("int32")
     runs = []
     for func in funcs:
-        args, (q, ks, vs), causal = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=seed)
+        args, _, _ = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=seed)
         args[positions].copyfrom(q_positions)
         args[offsets].copyfrom(k_offsets)
         args[rotary], args[rotary + 1], args[rotary + 2] = 1, ROPE_SCALE, ROPE_THETA
         func(*args)
         runs.append((args[at].numpy().astype("float64"), args[at + 1].numpy()))
-    reference = (rotated(q, q_positions, ROPE_THETA, ROPE_SCALE),
-                 [rotated(k, k_offsets[s] + np.arange(len(k)), ROPE_THETA, ROPE_SCALE) for s, k in enumerate(ks)], vs)
+    args, (q, ks, vs), causal = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=seed)
+    reference = (rotated(q, q_positions, ROPE_THETA, ROPE_SCALE, scaling),
+                 [rotated(k, k_offsets[s] + np.arange(len(k)), ROPE_THETA, ROPE_SCALE, scaling)
+                  for s, k in enumerate(ks)], vs)
     return runs, expected(q_lens, reference, causal, args[-1])

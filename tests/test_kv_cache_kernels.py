@@ -256,18 +256,43 @@ def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
         assert _row_tiles_from_their_sequences_last(WarpSpecializedPrefill().build(spec)) == own
 
 
-def _tvm_cpu_kernel(kind):
+def _tvm_cpu_kernel(kind, scaling=None):
     """TVM's CPU kernel of ``kind`` for 4/2 heads of 32 (the sliding-window prefill's
-    layers' window :data:`WINDOW`)."""
+    layers' window :data:`WINDOW`), its RoPE scaled as ``scaling`` says."""
     from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
 
+    rope = scaling or {}
     # pylint: disable=protected-access
     if kind == "ragged":
-        return tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", {})
+        return tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", rope)
     if kind.startswith("prefill"):
         window = kind == "prefill_window"
-        return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", window, {}, **({"sliding_window_size": WINDOW} if window else {}))
-    return tvm_kv._attention_decode_cpu(2, 4, 32, "float16", kind == "decode_window", {})
+        return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", window, rope,
+                                             **({"sliding_window_size": WINDOW} if window else {}))
+    return tvm_kv._attention_decode_cpu(2, 4, 32, "float16", kind == "decode_window", rope)
+
+
+#: Llama-3.1's RoPE scaling, as TVM's ``rope_scaling`` (the factors shrunk to the tests'
+#: positions: the bands fall inside a head dim of 32).
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("kind, q_lens, kv_lens", [CASES[0], CASES[3]])
+def test_rope_inside_attention_rotates_with_the_caches_rope_scaling(kind, q_lens, kv_lens):
+    """TVM's rotation read from its kernel carries the cache's RoPE scaling (Llama-3's
+    here): numpy's attention over numpy's Llama-3-rotated Q and K, and TVM's kernel."""
+    theirs = _tvm_cpu_kernel(kind, LLAMA3_SCALING)
+    kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs, rotate_inside=True)
+    assert kernel is not None, why
+    funcs = [tvm.compile(tvm.IRModule({"main": f}), target="llvm")["main"] for f in (kernel.func, theirs)]
+    outputs, (out, lse) = rope_inside_runs(kind, funcs, q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=3,
+                                           scaling=LLAMA3_SCALING)
+    np.testing.assert_allclose(outputs[0][0], out, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(outputs[0][0], outputs[1][0], atol=2e-3, rtol=2e-3)
+    # The scaling matters at these positions: unscaled rotation is another output.
+    _, (unscaled, _) = rope_inside_runs(kind, [], q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=3)
+    assert np.abs(unscaled - out).max() > 1e-2
 
 
 @pytest.mark.parametrize("kind, q_lens, kv_lens", CASES)
