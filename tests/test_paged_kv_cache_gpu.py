@@ -54,3 +54,13 @@ def test_layers_of_sliding_windows_on_the_library_kernels(head_dim):
     report = pkv.scenario_layer_sliding_window(
         _compiled(head_dim, (8, 2), layer_window=40, rope_mode=pkv.RopeMode.NORMAL))
     assert report.steps > 0 and report.tokens > 0
+
+
+@pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "popn"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_inside_attention_on_the_library_kernels(scenario, head_dim):
+    """A cache of ``RopeMode.INLINE``: the keys kept as appended, the library's kernels
+    rotating copies of Q and K first."""
+    report = pkv.SCENARIOS[scenario](_compiled(head_dim, (8, 2), rope_mode=pkv.RopeMode.INLINE, rope_theta=5e5,
+                                               rope_scale=0.5))
+    assert report.steps > 0 and report.kv_checks > 0
