@@ -8,7 +8,7 @@ attention, an output projection), compiled with TVM's default pipeline and with
 prefill of one sequence into an empty cache, a prefill chunk of one sequence over its
 cached keys, and one decode step of a batch of sequences over cached keys.
 
-    python -m benchmarks.kv_cache_layer [--out DIR] [--only SUBSTR ...] [--rope {normal,none}]
+    python -m benchmarks.kv_cache_layer [--out DIR] [--only SUBSTR ...] [--rope {normal,inline,none}]
         [--dtype {float16,bfloat16}] [--layer-window W]
     python -m benchmarks.kv_cache_layer --target llvm --small   # tiny shapes, on the CPU
 
@@ -91,10 +91,11 @@ FILL_CHUNK, SMALL_FILL_CHUNK = 8192, 16
 CPU_REPS = 5
 
 
-def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype: str = "float16", window: int = 0):
-    """The exported Relax module of the layer (a sliding layer of ``window`` keys where
-    given) and its parameters ``[(name, shape)]`` in the order the functions take them
-    (after the input and the cache)."""
+def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: str, dtype: str = "float16", window: int = 0):
+    """The exported Relax module of the layer (its cache's RoPE mode ``rope``: "normal",
+    "inline" or "none"; a sliding layer of ``window`` keys where given) and its
+    parameters ``[(name, shape)]`` in the order the functions take them (after the input
+    and the cache)."""
     from tvm import tirx
     from tvm.relax import ShapeExpr, prim_value
     from tvm.relax.frontend import nn
@@ -144,7 +145,7 @@ def layer_module(hidden, heads_q, heads_kv, head_dim, target, rope: bool, dtype:
                 v_head_dim=head_dim,
                 mla_original_qk_head_dim=0,
                 mla_original_v_head_dim=0,
-                rope_mode=RopeMode.NORMAL if rope else RopeMode.NONE,
+                rope_mode={"normal": RopeMode.NORMAL, "inline": RopeMode.INLINE, "none": RopeMode.NONE}[rope],
                 rope_scale=1,
                 rope_theta=ROPE_THETA,
                 rope_scaling={},
@@ -307,7 +308,7 @@ def cpu_median(fn) -> float:
     return statistics.median(times)
 
 
-def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int, dtype: str = "float16",
+def run_config(config, shapes, target, device: str, rope: str, chunk_limit: int, dtype: str = "float16",
                window: int = 0, new_tokens: int = CHUNK) -> list:
     """Every shape of one model configuration (hidden, heads, head dim): both pipelines
     compiled once (lengths and batch are symbolic), then run shape by shape; a chunk
@@ -320,6 +321,7 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
 
     hidden, heads_q, heads_kv, head_dim = config
     mod, params = layer_module(hidden, heads_q, heads_kv, head_dim, target, rope, dtype, window)
+    rotated = rope != "none"  # (inside attention or before it, the same positions)
     dev = tvm.device(target.get_target_device_type(), 0)
     vms = {p: relax.VirtualMachine(tvm.compile(mod, target, relax_pipeline=pipeline_pass(p, target)), dev)
            for p in PIPELINES}
@@ -346,13 +348,14 @@ def run_config(config, shapes, target, device: str, rope: bool, chunk_limit: int
         for pipeline in PIPELINES:
             outs[pipeline], times[pipeline] = run_pipeline(vms[pipeline], dev, shape, w_args, x_tvm, fill, chunk, timer)
         if kind == "prefill":
-            ref = reference(x, n, w, heads_q, heads_kv, head_dim, rope, window)
+            ref = reference(x, n, w, heads_q, heads_kv, head_dim, rotated, window)
         elif kind == "chunk":
             ref = reference(torch.cat([tokens(SEED + 2, n - step, hidden, device, dtype), x]), step, w, heads_q,
-                            heads_kv, head_dim, rope, window)
+                            heads_kv, head_dim, rotated, window)
         else:
             ref = torch.cat([reference(torch.cat([tokens(SEED + 2 + seq, n - 1, hidden, device, dtype), x[seq: seq + 1]]),
-                                       1, w, heads_q, heads_kv, head_dim, rope, window) for seq in range(batch)])
+                                       1, w, heads_q, heads_kv, head_dim, rotated, window)
+                             for seq in range(batch)])
         scale = ref.abs().max().item()
         base = outs["default"].abs().max().item()
         diff = (outs["cascade"] - outs["default"]).abs().max().item() / base
@@ -395,8 +398,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="llvm: run on the CPU (with --small), timing with time.perf_counter")
     p.add_argument("--small", action="store_true",
                    help="tiny shapes (hidden 256, heads 4/2, head dim 64, at most 64 tokens)")
-    p.add_argument("--rope", choices=("normal", "none"), default="normal",
-                   help="RoPE before attention (RopeMode.NORMAL, theta 500000) or none")
+    p.add_argument("--rope", choices=("normal", "inline", "none"), default="normal",
+                   help="RoPE before attention (RopeMode.NORMAL, theta 500000), inside it (RopeMode.INLINE: the "
+                        "cache keeps keys as appended) or none")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="the layer's dtype")
     p.add_argument("--layer-window", type=int, default=0, metavar="W",
                    help="a sliding layer of W keys (AttnKind.MHA_SLIDING); default: every key")
@@ -420,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = []
     for config in configs:
         results += run_config(config, [s for s in shapes if s[4:] == config], target, "cuda" if on_gpu else "cpu",
-                              args.rope == "normal", SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype,
+                              args.rope, SMALL_FILL_CHUNK if args.small else FILL_CHUNK, args.dtype,
                               args.layer_window, new_tokens)
         (args.out / "kv_cache_layer.json").write_text(json.dumps(
             {"environment": env, "rope": args.rope, "dtype": args.dtype, "layer_window": args.layer_window,

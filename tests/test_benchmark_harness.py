@@ -670,6 +670,22 @@ def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
     assert all(r["agree"] and r["error"] < 0.1 for r in cascade)
 
 
+def test_kv_cache_layer_with_rope_inside_attention_on_the_cpu(tmp_path):
+    """``benchmarks.kv_cache_layer --rope inline`` (tiny shapes on the CPU): a cache of
+    ``RopeMode.INLINE``, the cascade pipeline's kernels rotating inside attention, both
+    pipelines near the float32 reference of RoPE at the tokens' positions."""
+    pytest.importorskip("torch")
+    from benchmarks import kv_cache_layer
+
+    argv = ["--target", "llvm", "--small", "--rope", "inline", "--only", "prefill 1x45", "decode 4x40", "chunk",
+            "--out", str(tmp_path)]
+    assert kv_cache_layer.main(argv) == 0
+    data = json.loads((tmp_path / "kv_cache_layer.json").read_text())
+    assert data["rope"] == "inline"
+    cascade = [r for r in data["results"] if r["pipeline"] == "cascade"]
+    assert len(cascade) == 3 and all(r["agree"] and r["error"] < 1e-2 for r in cascade)
+
+
 def test_kv_cache_layer_with_a_sliding_layer_on_the_cpu(tmp_path, capsys):
     """``benchmarks.kv_cache_layer --layer-window 20`` (tiny shapes on the CPU): a chunk
     over cached keys and a decode step of a sliding layer, both pipelines near the
