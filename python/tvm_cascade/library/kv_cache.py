@@ -55,12 +55,11 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.ir import expr as ir_expr
-from tvm.s_tir.stmt import SBlockRealize
 
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..ops.variants import AttentionVariant
-from ..primitives.ir import copy_block, replace_buffers, seq
+from ..primitives.ir import prepend_in_root, replace_buffers
 from .families import planned_body, runtime_families
 from .layouts import INDEX_DTYPE, views
 from .rope_inside import SCALARS, Rotation, rotated_body, rotation_of
@@ -167,7 +166,10 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     arrays given element offsets, and, with ``rotation``, Q and K rotated before it."""
     func = family.build(spec)
     buffers = {b.name: b for b in buffer_params(func)}
-    view = views(spec, lambda shape, dtype, name: buffers[name])
+    offsets = {b: _with_offset(b) for b in buffers.values() if b.dtype == INDEX_DTYPE}
+    # (the tensors at their element offsets: those the returned function takes)
+    final = {name: offsets.get(b, b) for name, b in buffers.items()}
+    view = views(spec, lambda shape, dtype, name: final[name])
     names = [p.name for p in func.params]
     inputs = list(func.params[: names.index("sm_scale")])
     sm_scale = func.params[names.index("sm_scale")]
@@ -182,12 +184,9 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     else:
         served = [(tirx.EQ(trailing["rotary_mode"], ROTATE_INSIDE),
                    f"{spec.describe()}: built for RoPE inside attention (rotary_mode {ROTATE_INSIDE})")]
-    offsets = {b: _with_offset(b) for b in buffer_params(func) if b.dtype == INDEX_DTYPE}
     body = _redirect(body, offsets)
     if rotation is not None:
-        final = {b.name: offsets.get(b, b) for b in buffer_params(func)}
-        body = rotated_body(body, views(spec, lambda shape, dtype, name: final[name]), final, rotation,
-                            {name: trailing[name] for name in SCALARS}, spec.layout,
+        body = rotated_body(body, view, final, rotation, {name: trailing[name] for name in SCALARS}, spec.layout,
                             gpu=tvm.target.Target(spec.target).kind.name == "cuda")
     params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
     if "causal" in trailing:
@@ -197,7 +196,7 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
         else:
             body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(matches), body, _bound(other, params))
     if fallback is None:
-        body = _prepend(body, [_check(condition, message) for condition, message in served])
+        body = prepend_in_root(body, [_check(condition, message) for condition, message in served])
     else:
         # A host branch around the kernels (the thread-sync pass takes an unmarked
         # condition for a branch inside a kernel).
@@ -242,10 +241,3 @@ def _redirect(body, bmap: dict):
 
     return tvm_ffi.structural_map(replace_buffers(body, bmap), [(ir_expr.TensorRegion, region)])
 
-
-def _prepend(body, statements):
-    """``statements`` before ``body``'s (inside an s_tir root block, where there is one)."""
-    if isinstance(body, SBlockRealize):
-        block = body.block
-        return SBlockRealize(body.iter_values, body.predicate, copy_block(block, body=seq(list(statements) + [block.body])))
-    return tirx.SeqStmt(list(statements) + [body])

@@ -26,11 +26,10 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 from tvm.ir import expr as ir_expr
-from tvm.s_tir.stmt import SBlockRealize
 
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
-from ..primitives.ir import copy_block, seq
+from ..primitives.ir import nest, prepend_in_root, seq
 
 #: The scalars of the cache's convention the rotation reads.
 SCALARS = ("rope_theta", "rope_scale")
@@ -151,7 +150,7 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
             return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
 
         passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, page))
-    return _before(body, passes, vmap, list(copies.values()))
+    return prepend_in_root(substitute(body, vmap), passes, copies.values())
 
 
 #: Threads of a block of the rotation pass on GPUs.
@@ -182,9 +181,7 @@ def _launch(items, extents, sequences, gpu, store):
                         tirx.IfThenElse(step * THREADS + tirx.Cast(size.ty.dtype, tx) < size,
                                         substitute(inner, where), None))
     else:
-        body = inner
-        for var, extent in reversed(list(zip(index, extents))):
-            body = tirx.For(var, tirx.IntImm(var.ty.dtype, 0), extent, tirx.ForKind.SERIAL, body)
+        body = nest(list(zip(index, extents)), inner)
     if found is not None:
         indptr, batch = sequences
         s = tirx.Var("s", batch.ty.dtype)
@@ -201,17 +198,3 @@ def _launch(items, extents, sequences, gpu, store):
 
 def _thread(tag, extent, var):
     return tirx.IterVar(tvm.ir.Range(0, extent), var, tirx.IterVar.ThreadIndex, tag)
-
-
-def _before(body, passes, vmap, buffers):
-    """``passes``, then ``body`` with ``vmap`` substituted, ``buffers`` allocated around
-    both (inside an s_tir root block, as its own, where ``body`` is one)."""
-    if isinstance(body, SBlockRealize):
-        block = body.block
-        inner = seq(passes + [substitute(block.body, vmap)])
-        return SBlockRealize(body.iter_values, body.predicate,
-                             copy_block(block, body=inner, alloc_buffers=list(block.alloc_buffers) + buffers))
-    body = seq(passes + [substitute(body, vmap)])
-    for buffer in reversed(buffers):
-        body = tirx.AllocBuffer(buffer, body)
-    return body

@@ -168,6 +168,19 @@ def seq(items):
     return flat[0] if len(flat) == 1 else tvm.tirx.SeqStmt(flat)
 
 
+def prepend_in_root(body, items, buffers=()):
+    """``items`` (statements) before ``body``'s, inside its s_tir root block where it has
+    one, and ``buffers`` allocated around both (as that block's own where it has one)."""
+    if isinstance(body, SBlockRealize):
+        block = body.block
+        return SBlockRealize(body.iter_values, body.predicate, copy_block(
+            block, body=seq(list(items) + [block.body]), alloc_buffers=list(block.alloc_buffers) + list(buffers)))
+    body = seq(list(items) + [body])
+    for buffer in reversed(list(buffers)):
+        body = tvm.tirx.AllocBuffer(buffer, body)
+    return body
+
+
 def statements(stmt) -> list:
     """The statements of a sequence ``stmt``, or ``[stmt]``."""
     return list(stmt.seq) if isinstance(stmt, tvm.tirx.SeqStmt) else [stmt]
