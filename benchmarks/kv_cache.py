@@ -205,15 +205,18 @@ def rotate_inside(kind, args, seqs):
     offsets.copy_(torch.randint(0, 1000, offsets.shape, dtype=torch.int32, device=offsets.device))
     rotary = at + 2 if kind.startswith("decode") else at + 3
     args[rotary], args[rotary + 2] = 1, ROPE_THETA
+    # The paged prefill's new tokens follow the cached keys; the others' queries are
+    # their sequence's last keys.
+    follow = kind in ("prefill", "prefill_window")
     rotated, first = [], 0
     for s, (q, k, v) in enumerate(seqs):
-        start = int(offsets[s]) + k.shape[0] - (1 if kind.startswith("decode") else 0)
-        if kind == "ragged":
-            start = int(offsets[s]) + k.shape[0] - q.shape[0]
-        positions[first: first + q.shape[0]] = torch.arange(start, start + q.shape[0], dtype=torch.int32)
+        offset = int(offsets[s])
+        start = offset + k.shape[0] - (0 if follow else q.shape[0])
+        rows = slice(first, first + q.shape[0])
+        positions[rows] = torch.arange(start, start + q.shape[0], dtype=torch.int32)
         first += q.shape[0]
-        keys = int(offsets[s]) + torch.arange(k.shape[0], device=k.device)
-        rotated.append((rotate(q, positions[first - q.shape[0]: first]), rotate(k, keys), v))
+        keys = offset + torch.arange(k.shape[0], device=k.device)
+        rotated.append((rotate(q, positions[rows]), rotate(k, keys), v))
     return rotated
 
 
