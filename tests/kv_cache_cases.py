@@ -13,6 +13,31 @@ PAGE = 16
 OUTPUT_AT = {"ragged": 7, "prefill": 8, "prefill_window": 8, "decode": 7, "decode_window": 7}
 
 
+def tvm_kernel(kind, heads_q, heads_kv, head_dim, target="llvm", window=0, scaling=None):
+    """TVM's own float16 kernel of ``kind`` (``relax.frontend.nn.llm``'s; its CPU kernel
+    for an llvm target): the sliding-window prefill's layers' window ``window`` (0: TVM's
+    default), its RoPE scaled as ``scaling`` (TVM's ``rope_scaling``) says."""
+    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target(target)
+    cpu = target.kind.name == "llvm"
+    rope = scaling or {}
+    sliding = kind.endswith("window")
+    # pylint: disable=protected-access
+    if kind == "ragged":
+        if cpu:
+            return tvm_kv._attention_prefill_ragged_cpu(heads_kv, heads_q, head_dim, head_dim, "float16", rope)
+        return tvm_kv._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", rope, target)
+    if kind.startswith("prefill"):
+        sized = {"sliding_window_size": window} if window else {}
+        if cpu:
+            return tvm_kv._attention_prefill_cpu(heads_kv, heads_q, head_dim, "float16", sliding, rope, **sized)
+        return tvm_kv._attention_prefill(heads_kv, heads_q, head_dim, "float16", sliding, rope, target, **sized)
+    if cpu:
+        return tvm_kv._attention_decode_cpu(heads_kv, heads_q, head_dim, "float16", sliding, rope)
+    return tvm_kv._attention_decode(heads_kv, heads_q, head_dim, "float16", sliding, rope, target)
+
+
 def _indptr(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype("int32")
 

@@ -10,7 +10,7 @@ from tvm.ir.expr import TensorLoad
 
 from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.library.kv_cache import cache_kernel
-from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs
+from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs, tvm_kernel
 
 #: The parameter names of TVM's own kernels (``relax.frontend.nn.llm``), by kind.
 CONVENTION = {
@@ -94,10 +94,7 @@ def test_attention_kernel_refuses_the_cache_layouts():
 def test_calls_it_does_not_serve_run_the_fallback(kind):
     """With TVM's kernel as the fallback, RoPE inside attention and the other mask run
     TVM's code (its outputs, bit for bit); other calls run the library's."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
-    theirs = (tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", {}) if kind == "ragged" else  # pylint: disable=protected-access
-              tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", False, {}))  # pylint: disable=protected-access
+    theirs = tvm_kernel(kind, 4, 2, 32)
     kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs)
     assert kernel is not None, why
     ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
@@ -133,11 +130,10 @@ def test_calls_it_does_not_serve_run_the_fallback(kind):
 WINDOW = 24
 
 
-def _tvm_window_prefill():
-    """TVM's CPU kernel of the sliding-window paged prefill, its layers' window :data:`WINDOW`."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
-    return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", True, {}, sliding_window_size=WINDOW)  # pylint: disable=protected-access
+def _tvm_cpu_kernel(kind, scaling=None):
+    """TVM's CPU kernel of ``kind`` for 4/2 heads of 32 (the sliding-window prefill's
+    layers' window :data:`WINDOW`), its RoPE scaled as ``scaling`` says."""
+    return tvm_kernel(kind, 4, 2, 32, window=WINDOW if kind == "prefill_window" else 0, scaling=scaling)
 
 
 def test_the_sliding_window_prefill_serves_both_masks():
@@ -149,7 +145,7 @@ def test_the_sliding_window_prefill_serves_both_masks():
     kernel, why = cache_kernel("prefill_window", 4, 2, 32, "float16", "llvm", window=WINDOW)
     assert kernel is not None, why
     ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
-    theirs = tvm.compile(tvm.IRModule({"main": _tvm_window_prefill()}), target="llvm")["main"]
+    theirs = tvm.compile(tvm.IRModule({"main": _tvm_cpu_kernel("prefill_window")}), target="llvm")["main"]
     at = OUTPUT_AT["prefill_window"]
     q_lens, kv_lens = [5, 30, 1, 12], [40, 60, 7, 0]
     for causal in (0, 1):
@@ -174,7 +170,8 @@ def test_the_sliding_window_prefill_serves_both_masks():
 def test_the_sliding_window_prefill_without_a_window_gives_sliding_layers_to_the_fallback():
     """Built without the layers' window (a cache of no sliding layers), the kernel gives
     a ``causal=1`` call to TVM's kernel."""
-    kernel, why = cache_kernel("prefill_window", 4, 2, 32, "float16", "llvm", fallback=_tvm_window_prefill())
+    kernel, why = cache_kernel("prefill_window", 4, 2, 32, "float16", "llvm",
+                               fallback=_tvm_cpu_kernel("prefill_window"))
     assert kernel is not None, why
     flags = {p.name: p for p in kernel.func.params}
     tvm.ir.assert_structural_equal(
@@ -204,12 +201,8 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
     """Built for RoPE inside attention on sm_90a (run by the GPU tests), the fast
     families' functions launch the rotation pass's kernels first, then their own, on
     the copies: well-formed, the copies allocated in the function."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    # pylint: disable=protected-access
-    theirs = (tvm_kv._attention_prefill_ragged(8, 32, 128, 128, "float16", {}, hopper) if kind == "ragged" else
-              tvm_kv._attention_decode(8, 32, 128, "float16", False, {}, hopper))
+    theirs = tvm_kernel(kind, 32, 8, 128, hopper)
     kernel, why = cache_kernel(kind, 32, 8, 128, "float16", hopper, fallback=theirs, rotate_inside=True)
     assert kernel is not None, why
     assert kernel.family.name != "generic"
@@ -254,22 +247,6 @@ def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
     for layout, own in (("ragged", True), ("bhsd", False)):
         spec = AttentionSpec.make(32, 8, 128, variant="causal", layout=layout, target=tvm.target.Target(hopper))
         assert _row_tiles_from_their_sequences_last(WarpSpecializedPrefill().build(spec)) == own
-
-
-def _tvm_cpu_kernel(kind, scaling=None):
-    """TVM's CPU kernel of ``kind`` for 4/2 heads of 32 (the sliding-window prefill's
-    layers' window :data:`WINDOW`), its RoPE scaled as ``scaling`` says."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
-    rope = scaling or {}
-    # pylint: disable=protected-access
-    if kind == "ragged":
-        return tvm_kv._attention_prefill_ragged_cpu(2, 4, 32, 32, "float16", rope)
-    if kind.startswith("prefill"):
-        window = kind == "prefill_window"
-        return tvm_kv._attention_prefill_cpu(2, 4, 32, "float16", window, rope,
-                                             **({"sliding_window_size": WINDOW} if window else {}))
-    return tvm_kv._attention_decode_cpu(2, 4, 32, "float16", kind == "decode_window", rope)
 
 
 #: Llama-3.1's RoPE scaling, as TVM's ``rope_scaling`` (the factors shrunk to the tests'

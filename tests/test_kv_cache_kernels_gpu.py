@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 
-from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs
+from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs, tvm_kernel
 from tvm_cascade.library.kv_cache import cache_kernel
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -49,15 +49,9 @@ def test_fast_families_match_numpy(kind, q_lens, kv_lens, heads, head_dim):
 def test_rope_inside_attention_runs_tvms_kernel(kind):
     """With TVM's kernel as the fallback (as the cascade pipeline builds them), a call
     with RoPE inside attention runs TVM's kernel: its outputs bit for bit."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
     target = tvm.target.Target.from_device(tvm.cuda(0))
     heads_q, heads_kv, head_dim = 32, 8, 128
-    theirs = {
-        "ragged": lambda: tvm_kv._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", {}, target),
-        "prefill": lambda: tvm_kv._attention_prefill(heads_kv, heads_q, head_dim, "float16", False, {}, target),
-        "decode": lambda: tvm_kv._attention_decode(heads_kv, heads_q, head_dim, "float16", False, {}, target),
-    }[kind]()  # pylint: disable=protected-access
+    theirs = tvm_kernel(kind, heads_q, heads_kv, head_dim, target)
     kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target, fallback=theirs)
     assert kernel is not None, why
     ours = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"])["main"]
@@ -88,17 +82,9 @@ def test_rope_inside_attention_rotates_on_the_gpu(kind, q_lens, kv_lens):
     kernels rotate query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b``
     by ``k_rope_pos_offset[b] + j``: numpy's attention over numpy's rotated Q and K, and
     TVM's kernel where a row sees keys."""
-    from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv  # pylint: disable=import-outside-toplevel
-
     target = tvm.target.Target.from_device(tvm.cuda(0))
     heads_q, heads_kv, head_dim = 32, 8, 128
-    window = kind.endswith("window")
-    # pylint: disable=protected-access
-    theirs = (tvm_kv._attention_prefill_ragged(heads_kv, heads_q, head_dim, head_dim, "float16", {}, target)
-              if kind == "ragged" else
-              tvm_kv._attention_prefill(heads_kv, heads_q, head_dim, "float16", window, {}, target)
-              if kind.startswith("prefill") else
-              tvm_kv._attention_decode(heads_kv, heads_q, head_dim, "float16", window, {}, target))
+    theirs = tvm_kernel(kind, heads_q, heads_kv, head_dim, target)
     kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, "float16", target, fallback=theirs,
                                rotate_inside=True)
     assert kernel is not None, why
