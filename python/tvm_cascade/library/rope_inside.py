@@ -169,12 +169,19 @@ def _launch(items, extents, sequences, gpu, store):
         found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
     inner = store(item, None if found is None else found[0], *index)
     if gpu:
+        # Threads over the indices after the heads', each thread looping over the heads
+        # with the angles' cosines and sines computed once (they depend on the position
+        # and the element, not the head).
+        head, rest = index[0], list(zip(index[1:], extents[1:]))
+        inner, angles = _hoisted(inner, head)
+        inner = seq([tirx.Bind(var, value) for var, value in angles]
+                    + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
         tx = tirx.Var("threadIdx.x", "int32")
-        size = functools.reduce(lambda a, b: a * b, extents)
+        size = functools.reduce(lambda a, b: a * b, extents[1:], tirx.IntImm(extents[0].ty.dtype, 1))
         step = tirx.Var("step", size.ty.dtype)
         flat = step * THREADS + tirx.Cast(size.ty.dtype, tx)
         where = {}
-        for var, extent in reversed(list(zip(index, extents))):
+        for var, extent in reversed(rest):
             where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
         body = tirx.For(step, tirx.IntImm(step.ty.dtype, 0), tirx.ceildiv(size, THREADS), tirx.ForKind.SERIAL,
@@ -194,6 +201,28 @@ def _launch(items, extents, sequences, gpu, store):
         body = tirx.AttrStmt(_thread("blockIdx.x", items, block), "thread_extent", items, substitute(body, {item: block}))
         return tirx.IfThenElse(items > 0, body, None)
     return tirx.For(item, tirx.IntImm(item.ty.dtype, 0), items, tirx.ForKind.PARALLEL, body)
+
+
+#: The calls of a rotation that :func:`_hoisted` computes once for every head.
+_ANGLE_CALLS = ("tirx.cos", "tirx.sin")
+
+
+def _hoisted(stmt, head):
+    """``stmt`` with its cosines and sines that do not depend on ``head`` replaced by
+    variables, and those variables' ``(var, value)`` bindings."""
+    angles = {}
+
+    def angle(call):
+        if getattr(call.op, "name", "") not in _ANGLE_CALLS or head in tirx.analysis.undefined_vars(call):
+            return call
+        for var, value in angles.items():
+            if tvm_ffi.structural_equal(value, call):
+                return var
+        var = tirx.Var(call.op.name.split(".")[-1], call.ty.dtype)
+        angles[var] = call
+        return var
+
+    return tvm_ffi.structural_map(stmt, (ir_expr.Call, angle)), list(angles.items())
 
 
 def _thread(tag, extent, var):
