@@ -9,12 +9,15 @@ fallback): its query load under ``rotary_mode == 1`` is an expression of the row
 elements, the row's position, the element index and the ``rope_theta`` and
 ``rope_scale`` scalars (whatever RoPE scaling the model built its cache with), which
 :func:`rotation_of` takes as a template. A library kernel with RoPE inside attention is
-its body on rotated copies: a pass before it writes the rotated queries and, per
-sequence, its pages' keys (rotated where a position holds a key the call sees, as they
-are elsewhere) and values into buffers of the call (the pages in the order the page
-table lists them, so page ``e`` of the table is page ``e`` of the copy), and the body
-reads those. The copy costs a read and a write of the keys and values the call
-attends to; the kernel is unchanged.
+its body on rotated copies: a pass before it writes the rotated queries and the keys of
+the pages the table lists (rotated where a position holds a key the call sees, as they
+are elsewhere) into buffers of the call, and the body reads those. A body that reads
+the pages element by element reads its keys from a buffer of the pool's keys (written
+at the listed pages' ids) and its values where they are; one that copies whole boxes
+of pages (the warp-specialised prefill's TMA) reads a copy of the listed pages, keys
+and values, in the table's order (page ``e`` of the table is page ``e`` of the copy).
+The copies cost a read and a write of the keys (and values) the call attends to; the
+kernel is unchanged.
 """
 from __future__ import annotations
 
@@ -128,6 +131,28 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
         vmap[k] = copies["k"]
         passes.append(_launch(k.shape[0], k.shape[1:], (indptr, view.batch), gpu, lambda t, b, h, x: tirx.BufferStore(
             copies["k"], rotation(lambda i: k[t, h, i], k_offset[b] + t - indptr[b], x, scalars), [t, h, x])))
+    elif _reads_elements(body, buffers["pages"]):
+        # The kernel reads the pages element by element: it reads its keys from rotated
+        # copies at the pool's page ids (a buffer of the pool's keys, written where the
+        # table lists a page) and its values where they are.
+        pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
+        _, _, heads, page_size, dim = pages.shape
+        keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype, "keys_rotated")
+        body = tvm_ffi.structural_map(body, [
+            (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(keys, [n.indices[0], *n.indices[2:]])
+             if n.source.same_as(pages) and _index(n.indices[1]) == 0 else n),
+            (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(keys, [n.region[0], *n.region[2:]])
+             if n.source.same_as(pages) and _index(n.region[1].min) == 0 else n)])
+
+        def key(e, b, h, r, x):
+            source = table[e]
+            j = view.position_key(b, (e - indptr[b]) * page_size + r)
+            sees = tirx.And(j >= 0, j < view.key_length(b))
+            return tirx.BufferStore(keys, tirx.Select(sees, rotation(
+                lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars), pages[source, 0, h, r, x]),
+                [source, h, r, x])
+
+        passes.append(_launch(table.shape[0], (heads, page_size, dim), (indptr, view.batch), gpu, key))
     else:
         pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
         _, _, heads, page_size, dim = pages.shape
@@ -151,6 +176,28 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
 
         passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, page))
     return prepend_in_root(substitute(body, vmap), passes, copies.values())
+
+
+def _index(expr):
+    return expr.value if isinstance(expr, tirx.IntImm) else None
+
+
+def _reads_elements(body, pages) -> bool:
+    """Whether ``body`` uses ``pages`` only in loads of its keys' or values' elements
+    and in regions of one of the two (the page's half a constant): no copies of whole
+    boxes, no pointers to it."""
+    uses, halves = [], []
+
+    def visit(node):
+        if isinstance(node, ir_expr.Var) and node.same_as(pages):
+            uses.append(node)
+        elif isinstance(node, ir_expr.TensorLoad) and node.source.same_as(pages):
+            halves.append(_index(node.indices[1]))
+        elif isinstance(node, ir_expr.TensorRegion) and node.source.same_as(pages):
+            halves.append(_index(node.region[1].min) if _index(node.region[1].extent) == 1 else None)
+
+    tvm_ffi.structural_walk(body, visit)
+    return bool(halves) and len(uses) == len(halves) and all(half in (0, 1) for half in halves)
 
 
 #: Threads of a block of the rotation pass on GPUs.
