@@ -275,7 +275,9 @@ def test_rope_inside_attention_rotates_with_the_caches_rope_scaling(kind, q_lens
 
 
 @pytest.mark.parametrize("kind, q_lens, kv_lens, copied", [
-    case + (copied,) for case in CASES for copied in ("keys", "pages") if case[0] != "ragged" or copied == "keys"])
+    case + (copied,) for case in CASES for copied in ("keys", "pages")
+    if case[0] in {"keys": ("ragged", "prefill", "decode"), "pages": ("prefill", "decode", "prefill_window",
+                                                                       "decode_window")}[copied]])
 def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens, kv_lens, copied, monkeypatch):
     """Built for RoPE inside attention (a cache of ``RopeMode.INLINE``), the kernel
     rotates query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b`` by
@@ -283,8 +285,9 @@ def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens,
     rotation read from TVM's kernel: numpy's attention over numpy's rotated Q and K, and
     TVM's kernel's outputs; calls without RoPE inside attention run TVM's kernel. Both
     forms of the copies: rotated keys at the pool's page ids (a kernel that reads the
-    pages element by element, as this one does) and the listed pages in the table's
-    order (one that copies whole boxes of them, as the warp-specialised prefill does)."""
+    pages element by element, as this one does, outside sliding windows) and the listed
+    pages in the table's order (one that copies whole boxes of them, as the
+    warp-specialised prefill does, and under sliding windows)."""
     if copied == "pages":
         monkeypatch.setattr(rope_inside, "_reads_elements", lambda body, pages: False)
     theirs = _tvm_cpu_kernel(kind)

@@ -13,9 +13,10 @@ its body on rotated copies: a pass before it writes the rotated queries and the 
 the pages the table lists (rotated where a position holds a key the call sees, as they
 are elsewhere) into buffers of the call, and the body reads those. A body that reads
 the pages element by element reads its keys from a buffer of the pool's keys (written
-at the listed pages' ids) and its values where they are; one that copies whole boxes
-of pages (the warp-specialised prefill's TMA) reads a copy of the listed pages, keys
-and values, in the table's order (page ``e`` of the table is page ``e`` of the copy).
+at the listed pages' ids) and its values where they are (not under sliding windows);
+one that copies whole boxes of pages (the warp-specialised prefill's TMA), or under
+sliding windows, reads a copy of the listed pages, keys and values, in the table's
+order (page ``e`` of the table is page ``e`` of the copy).
 The copies cost a read and a write of the keys (and values) the call attends to; the
 kernel is unchanged.
 """
@@ -33,6 +34,7 @@ from tvm.ir import expr as ir_expr
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..primitives.ir import nest, prepend_in_root, seq
+from .spec import WINDOW_LAYOUTS
 
 #: The scalars of the cache's convention the rotation reads.
 SCALARS = ("rope_theta", "rope_scale")
@@ -131,50 +133,53 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
         vmap[k] = copies["k"]
         passes.append(_launch(k.shape[0], k.shape[1:], (indptr, view.batch), gpu, lambda t, b, h, x: tirx.BufferStore(
             copies["k"], rotation(lambda i: k[t, h, i], k_offset[b] + t - indptr[b], x, scalars), [t, h, x])))
-    elif _reads_elements(body, buffers["pages"]):
-        # The kernel reads the pages element by element: it reads its keys from rotated
-        # copies at the pool's page ids (a buffer of the pool's keys, written where the
-        # table lists a page) and its values where they are.
-        pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
-        _, _, heads, page_size, dim = pages.shape
-        keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype, "keys_rotated")
-        body = tvm_ffi.structural_map(body, [
-            (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(keys, [n.indices[0], *n.indices[2:]])
-             if n.source.same_as(pages) and _index(n.indices[1]) == 0 else n),
-            (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(keys, [n.region[0], *n.region[2:]])
-             if n.source.same_as(pages) and _index(n.region[1].min) == 0 else n)])
-
-        def key(e, b, h, r, x):
-            source = table[e]
-            j = view.position_key(b, (e - indptr[b]) * page_size + r)
-            sees = tirx.And(j >= 0, j < view.key_length(b))
-            return tirx.BufferStore(keys, tirx.Select(sees, rotation(
-                lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars), pages[source, 0, h, r, x]),
-                [source, h, r, x])
-
-        passes.append(_launch(table.shape[0], (heads, page_size, dim), (indptr, view.batch), gpu, key))
     else:
         pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
         _, _, heads, page_size, dim = pages.shape
         entries = table.shape[0]
-        copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
-        copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")
-        vmap.update({pages: copies["pages"], pages.shape[0]: entries, table: copies["table"]})
-        if isinstance(table.elem_offset, tirx.Var):
-            vmap[table.elem_offset] = tirx.IntImm(table.elem_offset.ty.dtype, 0)
 
-        def page(e, b, h, r, x):
+        def key(e, b, h, r, x):
+            """The page the table lists at ``e`` and its key element ``x`` at position
+            ``r``: rotated where the position holds a key the call sees, else as it is."""
             source = table[e]
             j = view.position_key(b, (e - indptr[b]) * page_size + r)
             sees = tirx.And(j >= 0, j < view.key_length(b))
-            key = tirx.Select(sees, rotation(lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars),
-                              pages[source, 0, h, r, x])
-            stores = [tirx.BufferStore(copies["pages"], key, [e, 0, h, r, x]),
-                      tirx.BufferStore(copies["pages"], pages[source, 1, h, r, x], [e, 1, h, r, x])]
-            first = tirx.And(tirx.And(h == 0, r == 0), x == 0)
-            return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
+            return source, tirx.Select(sees, rotation(lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars),
+                                       pages[source, 0, h, r, x])
 
-        passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, page))
+        if layout not in WINDOW_LAYOUTS and _reads_elements(body, pages):
+            # The kernel reads the pages element by element: it reads its keys from
+            # rotated copies at the pool's page ids (a buffer of the pool's keys, written
+            # where the table lists a page) and its values where they are. Not under
+            # sliding windows: there a page two sequences list (a fork's) may hold keys at
+            # other positions of each (their sinks and windows), which one copy a page
+            # cannot hold.
+            keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype,
+                                                     "keys_rotated")
+            body = tvm_ffi.structural_map(body, [
+                (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(keys, [n.indices[0], *n.indices[2:]])
+                 if n.source.same_as(pages) and _index(n.indices[1]) == 0 else n),
+                (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(keys, [n.region[0], *n.region[2:]])
+                 if n.source.same_as(pages) and _index(n.region[1].min) == 0 else n)])
+
+            def store(e, b, h, r, x):
+                source, value = key(e, b, h, r, x)
+                return tirx.BufferStore(keys, value, [source, h, r, x])
+        else:
+            copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
+            copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")
+            vmap.update({pages: copies["pages"], pages.shape[0]: entries, table: copies["table"]})
+            if isinstance(table.elem_offset, tirx.Var):
+                vmap[table.elem_offset] = tirx.IntImm(table.elem_offset.ty.dtype, 0)
+
+            def store(e, b, h, r, x):
+                source, value = key(e, b, h, r, x)
+                stores = [tirx.BufferStore(copies["pages"], value, [e, 0, h, r, x]),
+                          tirx.BufferStore(copies["pages"], pages[source, 1, h, r, x], [e, 1, h, r, x])]
+                first = tirx.And(tirx.And(h == 0, r == 0), x == 0)
+                return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
+
+        passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, store))
     return prepend_in_root(substitute(body, vmap), passes, copies.values())
 
 
