@@ -9,6 +9,7 @@ import tvm_ffi
 from tvm.ir.expr import TensorLoad
 
 from tvm_cascade.analysis.scope import buffer_params
+from tvm_cascade.library import rope_inside
 from tvm_cascade.library.kv_cache import cache_kernel
 from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs, tvm_kernel
 
@@ -200,7 +201,8 @@ def test_the_fast_families_functions_are_well_formed(kind):
 def test_the_fast_families_rotating_functions_are_well_formed(kind):
     """Built for RoPE inside attention on sm_90a (run by the GPU tests), the fast
     families' functions launch the rotation pass's kernels first, then their own, on
-    the copies: well-formed, the copies allocated in the function."""
+    the copies: well-formed, the copies allocated in the function (the tensor-core
+    decode reads pages element by element: rotated keys only)."""
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     theirs = tvm_kernel(kind, 32, 8, 128, hopper)
     kernel, why = cache_kernel(kind, 32, 8, 128, "float16", hopper, fallback=theirs, rotate_inside=True)
@@ -211,7 +213,7 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
     allocated = []
     tvm_ffi.structural_walk(ours, lambda n: allocated.append(n.buffer.name) if isinstance(n, tvm.tirx.AllocBuffer)
                             and n.buffer.scope() == "global" else None)
-    copies = {"ragged": ["q_rotated", "k_rotated"], "decode": ["q_rotated", "pages_rotated", "page_indices_in_order"]}
+    copies = {"ragged": ["q_rotated", "k_rotated"], "decode": ["q_rotated", "keys_rotated"]}
     assert allocated[: len(copies[kind])] == copies[kind]  # (around the kernels and their own buffers)
 
 
@@ -272,13 +274,22 @@ def test_rope_inside_attention_rotates_with_the_caches_rope_scaling(kind, q_lens
     assert np.abs(unscaled - out).max() > 1e-2
 
 
-@pytest.mark.parametrize("kind, q_lens, kv_lens", CASES)
-def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens, kv_lens):
+@pytest.mark.parametrize("kind, q_lens, kv_lens, copied", [
+    case + (copied,) for case in CASES for copied in ("keys", "pages")
+    if case[0] in {"keys": ("ragged", "prefill", "decode"), "pages": ("prefill", "decode", "prefill_window",
+                                                                       "decode_window")}[copied]])
+def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens, kv_lens, copied, monkeypatch):
     """Built for RoPE inside attention (a cache of ``RopeMode.INLINE``), the kernel
     rotates query ``t`` by ``q_rope_position[t]`` and key ``j`` of sequence ``b`` by
     ``k_rope_pos_offset[b] + j`` (a sliding window's keys counted sink first), the
     rotation read from TVM's kernel: numpy's attention over numpy's rotated Q and K, and
-    TVM's kernel's outputs; calls without RoPE inside attention run TVM's kernel."""
+    TVM's kernel's outputs; calls without RoPE inside attention run TVM's kernel. Both
+    forms of the copies: rotated keys at the pool's page ids (a kernel that reads the
+    pages element by element, as this one does, outside sliding windows) and the listed
+    pages in the table's order (one that copies whole boxes of them, as the
+    warp-specialised prefill does, and under sliding windows)."""
+    if copied == "pages":
+        monkeypatch.setattr(rope_inside, "_reads_elements", lambda body, pages: False)
     theirs = _tvm_cpu_kernel(kind)
     kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs, rotate_inside=True,
                                window=WINDOW if kind == "prefill_window" else 0)

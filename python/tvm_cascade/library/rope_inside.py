@@ -9,12 +9,16 @@ fallback): its query load under ``rotary_mode == 1`` is an expression of the row
 elements, the row's position, the element index and the ``rope_theta`` and
 ``rope_scale`` scalars (whatever RoPE scaling the model built its cache with), which
 :func:`rotation_of` takes as a template. A library kernel with RoPE inside attention is
-its body on rotated copies: a pass before it writes the rotated queries and, per
-sequence, its pages' keys (rotated where a position holds a key the call sees, as they
-are elsewhere) and values into buffers of the call (the pages in the order the page
-table lists them, so page ``e`` of the table is page ``e`` of the copy), and the body
-reads those. The copy costs a read and a write of the keys and values the call
-attends to; the kernel is unchanged.
+its body on rotated copies: a pass before it writes the rotated queries and the keys of
+the pages the table lists (rotated where a position holds a key the call sees, as they
+are elsewhere) into buffers of the call, and the body reads those. A body that reads
+the pages element by element reads its keys from a buffer of the pool's keys (written
+at the listed pages' ids) and its values where they are (not under sliding windows);
+one that copies whole boxes of pages (the warp-specialised prefill's TMA), or under
+sliding windows, reads a copy of the listed pages, keys and values, in the table's
+order (page ``e`` of the table is page ``e`` of the copy).
+The copies cost a read and a write of the keys (and values) the call attends to; the
+kernel is unchanged.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from tvm.ir import expr as ir_expr
 from ..analysis.chain import substitute
 from ..analysis.scope import buffer_params
 from ..primitives.ir import nest, prepend_in_root, seq
+from .spec import WINDOW_LAYOUTS
 
 #: The scalars of the cache's convention the rotation reads.
 SCALARS = ("rope_theta", "rope_scale")
@@ -132,25 +137,72 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
         pages, indptr, table = buffers["pages"], buffers["page_indptr"], buffers["page_indices"]
         _, _, heads, page_size, dim = pages.shape
         entries = table.shape[0]
-        copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
-        copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")
-        vmap.update({pages: copies["pages"], pages.shape[0]: entries, table: copies["table"]})
-        if isinstance(table.elem_offset, tirx.Var):
-            vmap[table.elem_offset] = tirx.IntImm(table.elem_offset.ty.dtype, 0)
 
-        def page(e, b, h, r, x):
+        def key(e, b, h, r, x):
+            """The page the table lists at ``e`` and its key element ``x`` at position
+            ``r``: rotated where the position holds a key the call sees, else as it is."""
             source = table[e]
             j = view.position_key(b, (e - indptr[b]) * page_size + r)
             sees = tirx.And(j >= 0, j < view.key_length(b))
-            key = tirx.Select(sees, rotation(lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars),
-                              pages[source, 0, h, r, x])
-            stores = [tirx.BufferStore(copies["pages"], key, [e, 0, h, r, x]),
-                      tirx.BufferStore(copies["pages"], pages[source, 1, h, r, x], [e, 1, h, r, x])]
-            first = tirx.And(tirx.And(h == 0, r == 0), x == 0)
-            return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
+            return source, tirx.Select(sees, rotation(lambda i: pages[source, 0, h, r, i], k_offset[b] + j, x, scalars),
+                                       pages[source, 0, h, r, x])
 
-        passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, page))
+        if layout not in WINDOW_LAYOUTS and _reads_elements(body, pages):
+            # The kernel reads the pages element by element: it reads its keys from
+            # rotated copies at the pool's page ids (a buffer of the pool's keys, written
+            # where the table lists a page) and its values where they are. Not under
+            # sliding windows: there a page two sequences list (a fork's) may hold keys at
+            # other positions of each (their sinks and windows), which one copy a page
+            # cannot hold.
+            keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype,
+                                                     "keys_rotated")
+            body = tvm_ffi.structural_map(body, [
+                (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(keys, [n.indices[0], *n.indices[2:]])
+                 if n.source.same_as(pages) and _index(n.indices[1]) == 0 else n),
+                (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(keys, [n.region[0], *n.region[2:]])
+                 if n.source.same_as(pages) and _index(n.region[1].min) == 0 else n)])
+
+            def store(e, b, h, r, x):
+                source, value = key(e, b, h, r, x)
+                return tirx.BufferStore(keys, value, [source, h, r, x])
+        else:
+            copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
+            copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")
+            vmap.update({pages: copies["pages"], pages.shape[0]: entries, table: copies["table"]})
+            if isinstance(table.elem_offset, tirx.Var):
+                vmap[table.elem_offset] = tirx.IntImm(table.elem_offset.ty.dtype, 0)
+
+            def store(e, b, h, r, x):
+                source, value = key(e, b, h, r, x)
+                stores = [tirx.BufferStore(copies["pages"], value, [e, 0, h, r, x]),
+                          tirx.BufferStore(copies["pages"], pages[source, 1, h, r, x], [e, 1, h, r, x])]
+                first = tirx.And(tirx.And(h == 0, r == 0), x == 0)
+                return seq(stores + [tirx.IfThenElse(first, tirx.BufferStore(copies["table"], e, [e]), None)])
+
+        passes.append(_launch(entries, (heads, page_size, dim), (indptr, view.batch), gpu, store))
     return prepend_in_root(substitute(body, vmap), passes, copies.values())
+
+
+def _index(expr):
+    return expr.value if isinstance(expr, tirx.IntImm) else None
+
+
+def _reads_elements(body, pages) -> bool:
+    """Whether ``body`` uses ``pages`` only in loads of its keys' or values' elements
+    and in regions of one of the two (the page's half a constant): no copies of whole
+    boxes, no pointers to it."""
+    uses, halves = [], []
+
+    def visit(node):
+        if isinstance(node, ir_expr.Var) and node.same_as(pages):
+            uses.append(node)
+        elif isinstance(node, ir_expr.TensorLoad) and node.source.same_as(pages):
+            halves.append(_index(node.indices[1]))
+        elif isinstance(node, ir_expr.TensorRegion) and node.source.same_as(pages):
+            halves.append(_index(node.region[1].min) if _index(node.region[1].extent) == 1 else None)
+
+    tvm_ffi.structural_walk(body, visit)
+    return bool(halves) and len(uses) == len(halves) and all(half in (0, 1) for half in halves)
 
 
 #: Threads of a block of the rotation pass on GPUs.
@@ -169,12 +221,19 @@ def _launch(items, extents, sequences, gpu, store):
         found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
     inner = store(item, None if found is None else found[0], *index)
     if gpu:
+        # Threads over the indices after the heads', each thread looping over the heads
+        # with the angles' cosines and sines computed once (they depend on the position
+        # and the element, not the head).
+        head, rest = index[0], list(zip(index[1:], extents[1:]))
+        inner, angles = _hoisted(inner, head)
+        inner = seq([tirx.Bind(var, value) for var, value in angles]
+                    + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
         tx = tirx.Var("threadIdx.x", "int32")
-        size = functools.reduce(lambda a, b: a * b, extents)
+        size = functools.reduce(lambda a, b: a * b, extents[1:], tirx.IntImm(extents[0].ty.dtype, 1))
         step = tirx.Var("step", size.ty.dtype)
         flat = step * THREADS + tirx.Cast(size.ty.dtype, tx)
         where = {}
-        for var, extent in reversed(list(zip(index, extents))):
+        for var, extent in reversed(rest):
             where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
         body = tirx.For(step, tirx.IntImm(step.ty.dtype, 0), tirx.ceildiv(size, THREADS), tirx.ForKind.SERIAL,
@@ -194,6 +253,28 @@ def _launch(items, extents, sequences, gpu, store):
         body = tirx.AttrStmt(_thread("blockIdx.x", items, block), "thread_extent", items, substitute(body, {item: block}))
         return tirx.IfThenElse(items > 0, body, None)
     return tirx.For(item, tirx.IntImm(item.ty.dtype, 0), items, tirx.ForKind.PARALLEL, body)
+
+
+#: The calls of a rotation that :func:`_hoisted` computes once for every head.
+_ANGLE_CALLS = ("tirx.cos", "tirx.sin")
+
+
+def _hoisted(stmt, head):
+    """``stmt`` with its cosines and sines that do not depend on ``head`` replaced by
+    variables, and those variables' ``(var, value)`` bindings."""
+    angles = {}
+
+    def angle(call):
+        if getattr(call.op, "name", "") not in _ANGLE_CALLS or head in tirx.analysis.undefined_vars(call):
+            return call
+        for var, value in angles.items():
+            if tvm_ffi.structural_equal(value, call):
+                return var
+        var = tirx.Var(call.op.name.split(".")[-1], call.ty.dtype)
+        angles[var] = call
+        return var
+
+    return tvm_ffi.structural_map(stmt, (ir_expr.Call, angle)), list(angles.items())
 
 
 def _thread(tag, extent, var):
