@@ -202,7 +202,7 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
     """Built for RoPE inside attention on sm_90a (run by the GPU tests), the fast
     families' functions launch the rotation pass's kernels first, then their own, on
     the copies: well-formed, the copies allocated in the function (the tensor-core
-    decode reads pages element by element: rotated keys only)."""
+    decode rotates keys in its registers: rotated queries only)."""
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     theirs = tvm_kernel(kind, 32, 8, 128, hopper)
     kernel, why = cache_kernel(kind, 32, 8, 128, "float16", hopper, fallback=theirs, rotate_inside=True)
@@ -213,8 +213,40 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
     allocated = []
     tvm_ffi.structural_walk(ours, lambda n: allocated.append(n.buffer.name) if isinstance(n, tvm.tirx.AllocBuffer)
                             and n.buffer.scope() == "global" else None)
-    copies = {"ragged": ["q_rotated", "k_rotated"], "decode": ["q_rotated", "keys_rotated"]}
-    assert allocated[: len(copies[kind])] == copies[kind]  # (around the kernels and their own buffers)
+    copies = {"ragged": ["q_rotated", "k_rotated"], "decode": ["q_rotated"]}
+    assert [name for name in allocated if name.endswith("_rotated")] == copies[kind]
+
+
+def _interleaved(rotation):
+    """``rotation`` pairing adjacent elements (GPT-J's interleaved RoPE) in place of
+    elements half a row apart."""
+    x, row = rotation.x, rotation.row
+    neighbour = tvm.tirx.if_then_else(x % 2 == 0, row[x + 1] * tvm.tirx.const(-1, row.dtype), row[x - 1])
+
+    def swap(node):
+        return neighbour if node.op.name.endswith("if_then_else") else node
+
+    return rope_inside.Rotation(tvm_ffi.structural_map(rotation.expr, (tvm.ir.expr.Call, swap)), row,
+                                rotation.position, x, rotation.scalars)
+
+
+def test_the_tensor_core_decode_rotates_keys_whose_pairs_its_lanes_hold():
+    """The tensor-core decode rotates keys in its registers where rotating element ``x``
+    reads elements a multiple of 32 from it (its lanes hold a quarter of a row in pieces
+    32 apart): TVM's rotation (``x`` and ``x ± d / 2``) at head dims 64 and 128; not an
+    interleaved one, nor a head dim its kernel pads (96: the pairs 48 apart)."""
+    from tvm_cascade.library.spec import AttentionSpec
+    from tvm_cascade.library.tensor_core_decode import TensorCoreDecode
+
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    for head_dim, rotates in ((64, True), (128, True), (96, False)):
+        rotation, _ = rope_inside.rotation_of(tvm_kernel("decode", 32, 8, head_dim, hopper))
+        assert rotation.reads(3) == [3, 3 + head_dim // 2] and rotation.reads(head_dim - 1) == [head_dim - 1,
+                                                                                             head_dim // 2 - 1]
+        spec = AttentionSpec.make(32, 8, head_dim, layout="kv_decode", target=hopper, page_size=16)
+        assert TensorCoreDecode().rotates_keys(spec, rotation) == rotates
+        assert rotation.reads(3) != _interleaved(rotation).reads(3) == [3, 2]
+        assert not TensorCoreDecode().rotates_keys(spec, _interleaved(rotation))
 
 
 def _row_tiles_from_their_sequences_last(func):

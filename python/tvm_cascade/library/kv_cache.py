@@ -62,7 +62,7 @@ from ..ops.variants import AttentionVariant
 from ..primitives.ir import prepend_in_root, replace_buffers
 from .families import planned_body, runtime_families
 from .layouts import INDEX_DTYPE, views
-from .rope_inside import SCALARS, Rotation, rotated_body, rotation_of
+from .rope_inside import SCALARS, Rotation, key_rotation, rotated_body, rotation_of
 from .spec import AttentionSpec
 
 logger = logging.getLogger("tvm_cascade.library")
@@ -164,7 +164,12 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     to ``other``, a function of the same convention, where there is one; such a call,
     or one of the other ``rotary_mode``, refused, or given to ``fallback``), the index
     arrays given element offsets, and, with ``rotation``, Q and K rotated before it."""
-    func = family.build(spec)
+    trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
+    scales = {name: trailing[name] for name in SCALARS}
+    # A family that rotates keys as they enter its products (in registers) needs no
+    # rotated copy of them.
+    rotates_keys = rotation is not None and hasattr(family, "rotates_keys") and family.rotates_keys(spec, rotation)
+    func = family.build(spec, key_rotation(rotation, scales)) if rotates_keys else family.build(spec)
     buffers = {b.name: b for b in buffer_params(func)}
     offsets = {b: _with_offset(b) for b in buffers.values() if b.dtype == INDEX_DTYPE}
     # (the tensors at their element offsets: those the returned function takes)
@@ -175,7 +180,6 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
     sm_scale = func.params[names.index("sm_scale")]
     scalars = func.params[names.index("sm_scale") + 1: names.index("out")]
     body = planned_body(func, family, spec, scalars, view.batch, view.rows, view.keys, tvm.cuda(0))
-    trailing = {name: tirx.Var(name, _SCALAR_DTYPES[name]) for name in _TRAILING}
     if spec.layout in ("kv_decode", "kv_decode_window"):  # one query a sequence: no mask
         del trailing["causal"]
     if rotation is None:
@@ -186,8 +190,8 @@ def _with_convention(family, spec: AttentionSpec, causal: bool, fallback, other=
                    f"{spec.describe()}: built for RoPE inside attention (rotary_mode {ROTATE_INSIDE})")]
     body = _redirect(body, offsets)
     if rotation is not None:
-        body = rotated_body(body, view, final, rotation, {name: trailing[name] for name in SCALARS}, spec.layout,
-                            gpu=tvm.target.Target(spec.target).kind.name == "cuda")
+        body = rotated_body(body, view, final, rotation, scales, spec.layout,
+                            gpu=tvm.target.Target(spec.target).kind.name == "cuda", keys=not rotates_keys)
     params = [offsets.get(p, p) for p in inputs] + [buffers["out"], buffers["lse"], *trailing.values(), sm_scale]
     if "causal" in trailing:
         matches = tirx.EQ(trailing["causal"], int(causal))

@@ -18,7 +18,9 @@ one that copies whole boxes of pages (the warp-specialised prefill's TMA), or un
 sliding windows, reads a copy of the listed pages, keys and values, in the table's
 order (page ``e`` of the table is page ``e`` of the copy).
 The copies cost a read and a write of the keys (and values) the call attends to; the
-kernel is unchanged.
+kernel is unchanged. A family that rotates keys itself as they enter its products
+(``rotates_keys(spec, rotation)`` true: the tensor-core decode, in registers, through
+:func:`key_rotation`) reads the pages as they are: only the queries are copied.
 """
 from __future__ import annotations
 
@@ -65,6 +67,15 @@ class Rotation:
         # float variable in the passes over pages (its analyzer made a float32 IntImm).
         expr = tvm_ffi.structural_map(expr, (tirx.Let, lambda n: substitute(n.body, {n.var: n.value})))
         return substitute(expr, vmap)
+
+    def reads(self, x: int) -> Optional[list]:
+        """The elements of the row that rotating its element ``x`` reads (``None`` where
+        they depend on more than ``x``)."""
+        expr = tvm.sym.Analyzer().simplify(substitute(self.expr, {self.x: tirx.IntImm(self.x.ty.dtype, x)}))
+        read = []
+        tvm_ffi.structural_walk(expr, lambda n: read.append(n.indices[0]) if isinstance(n, ir_expr.TensorLoad)
+                                and n.source.same_as(self.row) else None)
+        return [i.value for i in read] if all(isinstance(i, tirx.IntImm) for i in read) else None
 
 
 def rotation_of(fallback: tirx.PrimFunc) -> tuple[Optional[Rotation], str]:
@@ -116,10 +127,23 @@ def rotation_of(fallback: tirx.PrimFunc) -> tuple[Optional[Rotation], str]:
     return Rotation(expr, row, position, x, scalars), ""
 
 
-def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, layout: str, gpu: bool):
+def key_rotation(rotation: Rotation, scalars: dict):
+    """For a kernel that rotates its keys itself: ``rotate(view, load, b, j, x)``, element
+    ``x`` of key ``j`` of sequence ``b`` (as the call counts the keys it sees) rotated,
+    ``load(delta)`` the key's element ``x + delta``."""
+    def rotate(view, load, b, j, x):
+        offset = next(t for t in view.inputs if t.name == "k_rope_pos_offset")
+        return rotation(lambda i: load(i - rotation.x), offset[b] + j, x, scalars)
+
+    return rotate
+
+
+def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, layout: str, gpu: bool,
+                 keys: bool = True):
     """``body`` (a kernel over the tensors ``buffers``, by name, that ``view`` views) on
-    rotated copies of its queries and keys, after the pass that writes them (on GPUs a
-    thread block a token or page)."""
+    rotated copies of its queries and, with ``keys`` (a body that does not rotate them
+    itself), keys, after the pass that writes them (on GPUs a thread block a token or
+    page)."""
     q = buffers["q"]
     copies = {"q": tirx.decl_buffer(q.shape, q.dtype, "q_rotated")}
     vmap = {q: copies["q"]}
@@ -127,6 +151,8 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
     k_offset = buffers["k_rope_pos_offset"]
     passes = [_launch(q.shape[0], q.shape[1:], None, gpu, lambda t, _, h, x: tirx.BufferStore(
         copies["q"], rotation(lambda i: q[t, h, i], q_position[t], x, scalars), [t, h, x]))]
+    if not keys:
+        return prepend_in_root(substitute(body, vmap), passes, copies.values())
     if layout == "kv_ragged":
         k, indptr = buffers["k"], buffers["kv_indptr"]
         copies["k"] = tirx.decl_buffer(k.shape, k.dtype, "k_rotated")

@@ -89,8 +89,19 @@ class TensorCoreDecode(RuntimeLengthsOnly):
             return reason
         return None
 
-    def build(self, spec: AttentionSpec) -> tvm.tirx.PrimFunc:
-        return decode_kernel(spec)
+    def rotates_keys(self, spec: AttentionSpec, rotation) -> bool:
+        """Whether the kernel for ``spec`` can rotate its keys as ``rotation``
+        (:class:`.rope_inside.Rotation`) does: at the kernel's own head dim, rotating
+        element ``x`` reads elements a multiple of 32 from it only (in the lane's quarter
+        of the row: :func:`_k_dim`)."""
+        if kernel_head_dim(spec.head_dim, HEAD_DIMS) != spec.head_dim:
+            return False
+        reads = [rotation.reads(x) for x in range(spec.head_dim)]
+        return all(r is not None and all(0 <= i < spec.head_dim and (i - x) % 32 == 0 for i in r)
+                   for x, r in enumerate(reads))
+
+    def build(self, spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
+        return decode_kernel(spec, rotate_keys)
 
     def plan(self, spec: AttentionSpec, batch, max_q, max_kv, device) -> list:
         """``[chunk_keys]``: keys per chunk (a cache layout's ``[chunks]``, chunks per
@@ -117,10 +128,17 @@ def _v_dim(g, e):
     return (e // 8) * 64 + g * 8 + e % 8
 
 
-def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     """The family's PrimFunc for ``spec``: the layout's tensors, its scalars, then
     the scalar of its chunking (:func:`.split_k.chunking`), then ``out`` (and ``lse``
-    where the layout has one)."""
+    where the layout has one).
+
+    ``rotate_keys(view, load, b, j, x)``, where given, is element ``x`` of key ``j`` of
+    sequence ``b`` rotated (RoPE inside attention), ``load(i)`` its row's element ``i``:
+    the keys are rotated in registers as they enter the products. A lane holds a quarter
+    of each row it loads, in pieces of 8 dims 32 apart, so a rotation that pairs dims a
+    multiple of 32 apart (``x`` and ``x ± d / 2``: TVM's) finds both of a pair in the
+    lane's registers (:meth:`TensorCoreDecode.rotates_keys`)."""
     view = views(spec, tirx.decl_buffer)
     # d: the kernel's head dim; the tensors', the partials' and the output's is stored.
     stored, group, heads_q, dtype = spec.head_dim, spec.group, spec.heads_q, spec.dtype
@@ -241,6 +259,13 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
             load_row(v_buf, kk * v_elems, rows, entry, b, hk, v_key(j0, kk, quad), j0, end,
                      view.value_at, v_elems // 8, _v_dim, g)
 
+    def rotated_key(k_reg, n, at, b, j0, g, tx):
+        """Element ``at`` of a lane's quarter of its key ``n`` of the step at ``j0``,
+        rotated (``rotate_keys``)."""
+        # (the quad as ``tx % 4``, whose bounds let a rotation's conditions on the dim fold)
+        return rotate_keys(view, lambda delta: k_reg[n * k_elems + at + delta // 32 * 8], b, k_key(j0, n, g),
+                           _k_dim(tx % 4, at))
+
     def row_max(s, half):
         """The largest of a lane's scores of row ``g + 8 half``."""
         pairs = [T.max(s[n * 4 + half * 2], s[n * 4 + half * 2 + 1]) for n in range(2 * groups)]
@@ -312,8 +337,17 @@ def decode_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
                 locate_step(rows, b, start + (WARPS + ty) * step, end, g, quad)
             for it in T.serial((T.max(end - start, 0) + WARPS * step - 1) // (WARPS * step)):
                 j0 = start + (it * WARPS + ty) * step
-                for i in T.unroll(2 * groups * k_elems):
-                    k_reg[i] = k_next[i]
+                if rotate_keys is None:
+                    for i in T.unroll(2 * groups * k_elems):
+                        k_reg[i] = k_next[i]
+                else:
+                    # Rotated as they leave the loads' registers, the elements 8 apart
+                    # taken together: a rotation's pairs (32 dims apart) share an angle.
+                    for n in T.unroll(2 * groups):
+                        for r in T.unroll(8):
+                            for piece in T.unroll(k_elems // 8):
+                                k_reg[n * k_elems + piece * 8 + r] = rotated_key(k_next, n, piece * 8 + r, b, j0, g,
+                                                                                 tx)
                 for i in T.unroll(4 * groups * v_elems):
                     v_reg[i] = v_next[i]
                 load_step(k_next, v_next, rows, b, hk, j0 + WARPS * step, end, g, quad)
