@@ -183,3 +183,15 @@ def rope_inside_runs(kind, funcs, q_lens, kv_lens, heads_q, heads_kv, head_dim, 
                  [rotated(k, k_offsets[s] + np.arange(len(k)), ROPE_THETA, ROPE_SCALE, scaling)
                   for s, k in enumerate(ks)], vs)
     return runs, expected(q_lens, reference, causal, args[-1])
+
+
+def both_modes_runs(kind, func, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=0):
+    """``func`` (a compiled kernel of ``kind``'s convention) called with RoPE inside
+    attention (``rotary_mode`` 1, as :func:`rope_inside_runs`) and without (0) on the
+    same inputs: ``[((out, lse), (out, lse) of numpy's)]`` for each call."""
+    runs, reference = rope_inside_runs(kind, [func], q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=seed)
+    args, unrotated, causal = arguments(kind, q_lens, kv_lens, heads_q, heads_kv, head_dim, dev, seed=seed)
+    func(*args)  # (rotary_mode 0)
+    at = OUTPUT_AT[kind]
+    plain = (args[at].numpy().astype("float64"), args[at + 1].numpy())
+    return [(runs[0], reference), (plain, expected(q_lens, unrotated, causal, args[-1]))]

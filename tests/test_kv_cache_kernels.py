@@ -11,7 +11,7 @@ from tvm.ir.expr import TensorLoad
 from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.library import rope_inside
 from tvm_cascade.library.kv_cache import cache_kernel
-from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs, tvm_kernel
+from kv_cache_cases import OUTPUT_AT, arguments, both_modes_runs, expected, rope_inside_runs, tvm_kernel
 
 #: The parameter names of TVM's own kernels (``relax.frontend.nn.llm``), by kind.
 CONVENTION = {
@@ -338,6 +338,29 @@ def test_rope_inside_attention_rotates_q_and_k_as_tvms_kernel_does(kind, q_lens,
     if kind in CONVENTION_MASK:  # (the sliding-window prefill serves both masks)
         condition = tvm.tirx.And(condition, flags["causal"] == CONVENTION_MASK[kind])
     tvm.ir.assert_structural_equal(kernel.func.body.condition, tvm.tirx.op.tvm_thread_invariant(condition))
+
+
+def test_a_kernel_for_both_rotary_modes_serves_each_with_its_own(monkeypatch):
+    """With ``unrotated_too`` (a cache whose sliding-window support the runtime decides
+    calls its ragged prefill with either mode) the function rotates where ``rotary_mode``
+    is 1 and attends as it is where 0: numpy's attention in both, no call left to TVM's
+    kernel (the fallback of a call neither serves, here one that computes nothing, its
+    rotation read from TVM's: any call reaching it fails the check)."""
+    from tvm_cascade.library import kv_cache  # pylint: disable=import-outside-toplevel
+
+    kind, q_lens, kv_lens = CASES[0]
+    theirs = _tvm_cpu_kernel(kind)
+    silent = theirs.with_body(tvm.tirx.Evaluate(0))
+    monkeypatch.setattr(kv_cache, "rotation_of", lambda fallback: rope_inside.rotation_of(theirs))
+    kernel, why = cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=silent, rotate_inside=True,
+                               unrotated_too=True)
+    assert kernel is not None, why
+    func = tvm.compile(tvm.IRModule({"main": kernel.func}), target="llvm")["main"]
+    for (out, lse), (want, want_lse) in both_modes_runs(kind, func, q_lens, kv_lens, 4, 2, 32, tvm.cpu(), seed=4):
+        np.testing.assert_allclose(out, want, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="unrotated_too"):
+        cache_kernel(kind, 4, 2, 32, "float16", "llvm", fallback=theirs, unrotated_too=True)
 
 
 def test_rope_inside_attention_is_refused_without_tvms_rotation_or_a_rotation_pass():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 
-from kv_cache_cases import OUTPUT_AT, arguments, expected, rope_inside_runs, tvm_kernel
+from kv_cache_cases import OUTPUT_AT, arguments, both_modes_runs, expected, rope_inside_runs, tvm_kernel
 from tvm_cascade.library.kv_cache import cache_kernel
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
@@ -96,6 +96,26 @@ def test_rope_inside_attention_rotates_on_the_gpu(kind, q_lens, kv_lens):
     np.testing.assert_allclose(outputs[0][1], lse, atol=2e-3, rtol=1e-3)
     seen = lse > -5e4
     np.testing.assert_allclose(outputs[0][0][seen], outputs[1][0][seen], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_ragged_kernel_for_both_rotary_modes(head_dim, monkeypatch):
+    """The ragged prefill built for both ``rotary_mode`` values (a cache whose
+    sliding-window support the runtime decides) rotates where 1 and not where 0, each
+    by the library's kernel (TVM's, the fallback, here computes nothing)."""
+    from tvm_cascade.library import kv_cache, rope_inside  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    theirs = tvm_kernel("ragged", 32, 8, head_dim, target)
+    monkeypatch.setattr(kv_cache, "rotation_of", lambda fallback: rope_inside.rotation_of(theirs))
+    kernel, why = cache_kernel("ragged", 32, 8, head_dim, "float16", target, rotate_inside=True, unrotated_too=True,
+                               fallback=theirs.with_body(tvm.tirx.Evaluate(0)))
+    assert kernel is not None, why
+    func = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"])["main"]
+    for (out, lse), (want, want_lse) in both_modes_runs("ragged", func, [300, 7], [300, 7], 32, 8, head_dim,
+                                                        tvm.cuda(0), seed=6):
+        np.testing.assert_allclose(out, want, atol=5e-3, rtol=5e-3)
+        np.testing.assert_allclose(lse, want_lse, atol=2e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa4", "mha"])

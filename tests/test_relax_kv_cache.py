@@ -94,6 +94,30 @@ def test_inline_rope_gets_kernels_built_to_rotate(target, decode):
     tvm.ir.assert_structural_equal(func.body.condition, tvm.tirx.op.tvm_thread_invariant(tvm.tirx.EQ(rotary, 1)))
 
 
+def test_rope_where_the_runtime_decides_sliding_window_support():
+    """RoPE before attention in a cache whose sliding-window support is an argument (as
+    ``relax.frontend.nn.llm`` models take it): where the runtime turns it on, RoPE moves
+    inside attention, the calls going to the sliding-window kernels (built to rotate) and
+    the ragged prefill (built for both modes); the paged prefill and decode are called
+    only where it is off (built for RoPE before attention). A cache with sliding layers
+    never moves it."""
+    def conditions(spec):
+        with CPU:
+            mod = KVCacheAttention()(_with_rope_mode(_module(CPU, **spec), 1))
+        found = {}
+        for slot, (name, family) in _slots(mod).items():
+            assert family == "generic"
+            func = mod[name]
+            rotary = tvm.tirx.EQ(next(p for p in func.params if p.name == "rotary_mode"), 1)
+            found[slot] = [_requires(branch.condition, rotary) for branch in (func.body, func.body.else_case)
+                           if isinstance(branch, tvm.tirx.IfThenElse)]
+        return found
+
+    # (ragged: rotated, else its own unrotated kernel (with TVM's as its fallback))
+    assert conditions({}) == {15: [True, False], 16: [False], 17: [False], 18: [True], 19: [True]}
+    assert conditions({"layer_window": 40}) == {15: [False], 16: [False], 17: [False], 18: [False], 19: [False]}
+
+
 def test_inline_rope_without_a_rotation_pass_leaves_tvms_kernels_and_says_why(caplog, monkeypatch):
     from tvm_cascade.library import kv_cache  # pylint: disable=import-outside-toplevel
 
@@ -103,6 +127,13 @@ def test_inline_rope_without_a_rotation_pass_leaves_tvms_kernels_and_says_why(ca
         out = KVCacheAttention()(mod)
     tvm.ir.assert_structural_equal(out, mod)
     assert caplog.text.count("RoPE inside attention: no rotation pass for cuda targets") == 5
+
+
+def _requires(condition, term):
+    """Whether ``condition`` (a host branch's) holds ``term`` among its conjuncts."""
+    found = []
+    tvm_ffi.structural_walk(condition, lambda n: found.append(n) if tvm_ffi.structural_equal(n, term) else None)
+    return bool(found)
 
 
 def _with_rope_mode(mod, mode):

@@ -104,7 +104,7 @@ class CacheKernel:
 
 def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: str, target,
                  page_size: int = 16, fallback: Optional[tvm.tirx.PrimFunc] = None, window: int = 0,
-                 rotate_inside: bool = False) -> tuple[Optional[CacheKernel], str]:
+                 rotate_inside: bool = False, unrotated_too: bool = False) -> tuple[Optional[CacheKernel], str]:
     """The kernel of ``kind`` (:data:`KINDS`) for the cache's heads, head dim, dtype and
     page size on ``target``: ``(CacheKernel, "")``, or ``(None, why)`` where no family
     serves it (each family passed over is logged with its reason). ``window``
@@ -113,7 +113,10 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
 
     With ``rotate_inside`` (a cache of ``RopeMode.INLINE``) the kernel serves the calls
     with RoPE inside attention (``rotary_mode`` 1), rotating as ``fallback``, TVM's
-    kernel, does (:mod:`.rope_inside`; on :data:`ROTATES_ON`), else those without.
+    kernel, does (:mod:`.rope_inside`; on :data:`ROTATES_ON`), else those without;
+    with ``unrotated_too`` as well those without (the function holds a kernel for each
+    and chooses by ``rotary_mode``: a cache whose sliding-window support is decided at
+    run time calls its ragged prefill with either).
 
     A call the kernel does not serve (the other mask, the other ``rotary_mode``) raises
     a ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
@@ -122,6 +125,8 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     layout, causal = KINDS[kind]
     if window and kind != "prefill_window":
         raise ValueError(f"a window is the sliding-window prefill's, not the {kind} kernel's")
+    if unrotated_too and not rotate_inside:
+        raise ValueError("unrotated_too: calls without RoPE inside attention as well as with; rotate_inside is False")
     target = tvm.target.Target(target)
     rotation = None
     if rotate_inside:
@@ -149,6 +154,11 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
             reason = "its GPU kernel is not measured against TVM's sliding-window prefill"
         if reason is None:
             other = None if windowed is None else _with_convention(family, windowed, True, None, rotation=rotation)
+            if rotation is not None and unrotated_too:
+                # (the calls without RoPE inside attention: the kernel built for them, as
+                # its fallback)
+                plain = None if windowed is None else _with_convention(family, windowed, True, None)
+                fallback = _with_convention(family, spec, causal, fallback, plain)
             func = _with_convention(family, spec, causal, fallback, other, rotation).with_attrs(
                 {"tirx.is_scheduled": True, "target": family.compile_target(target)})
             return CacheKernel(func, family, spec), ""

@@ -11,11 +11,15 @@ TVM's kernel in a slot, and logs why on ``tvm_cascade.relax``, where the library
 not serve the cache: MLA, or a configuration no family builds. The tree-attention
 kernels stay TVM's (logged).
 
-A cache of ``RopeMode.INLINE`` gets kernels that rotate Q and K inside attention as
-TVM's do (:mod:`tvm_cascade.library.rope_inside`). Each replacement keeps TVM's
-kernel as its fallback (``cache_kernel``'s): a cache made with sliding-window support
-rotates Q and K inside attention even where the model asked for RoPE before it (the
-runtime's rule), and such calls run TVM's code.
+Kernels that rotate Q and K inside attention as TVM's do
+(:mod:`tvm_cascade.library.rope_inside`) serve the calls the runtime makes with RoPE
+inside attention: every call of a cache of ``RopeMode.INLINE``, and, in a cache with
+RoPE whose sliding-window support is not the constant 0 (a ``relax.frontend.nn.llm``
+model takes it as an argument: the runtime decides) and that has no sliding layers,
+the calls where that support is on: the runtime then turns RoPE before attention into
+RoPE inside it and attends through the sliding-window kernels (those kernels rotate)
+and the ragged prefill (built for both). Each replacement keeps TVM's kernel as its
+fallback (``cache_kernel``'s) for a call it does not serve.
 """
 from __future__ import annotations
 
@@ -32,15 +36,19 @@ logger = logging.getLogger("tvm_cascade.relax")
 CREATE = "vm.builtin.paged_attention_kv_cache_create"
 #: The create call's arguments that the pass reads, by position (after the function's name).
 CONFIG, HEADS_Q, HEADS_KV, QK_HEAD_DIM, V_HEAD_DIM, ATTN_KINDS, ROPE_MODE, DTYPE_OF = 0, 2, 3, 4, 5, 6, 8, 12
-#: Where the window of the cache's sliding layers lies in its configuration (``CONFIG``).
-LAYER_WINDOW = 5
+#: Where the cache's sliding-window support and the window of its sliding layers lie in
+#: its configuration (``CONFIG``).
+SLIDING_WINDOW_SUPPORT, LAYER_WINDOW = 4, 5
 #: The slots of the kernels replaced: position -> kind of :mod:`tvm_cascade.library.kv_cache`.
 SLOTS = {15: "ragged", 16: "prefill", 17: "decode", 18: "prefill_window", 19: "decode_window"}
 #: ``AttnKind.MHA`` and ``AttnKind.MHA_SLIDING`` (its layers attend through the
 #: sliding-window kernels, within the configuration's window), the attention kinds
-#: served, and the cache's ``RopeMode.INLINE``.
-_MHA, _SLIDING, _INLINE = 0, 3, 2
+#: served, and the cache's ``RopeMode.NONE`` and ``RopeMode.INLINE``.
+_MHA, _SLIDING, _NO_ROPE, _INLINE = 0, 3, 0, 2
 _SERVED_KINDS = (_MHA, _SLIDING)
+#: The kernels a cache with sliding-window support on calls (with RoPE inside attention,
+#: where it has RoPE); of them, the ragged prefill is called where it is off too.
+_CALLED_WITH_WINDOWS = ("ragged", "prefill_window", "decode_window")
 _CALL_PACKED = tvm.ir.Op.get("relax.call_pure_packed")
 
 
@@ -91,7 +99,14 @@ def _replacements(mod, args, target) -> dict:
     heads_q, heads_kv, head_dim = (_int(args[i]) for i in (HEADS_Q, HEADS_KV, QK_HEAD_DIM))
     dtype = str(args[DTYPE_OF].ty.dtype)
     window = _layer_window(args)
-    rotate_inside = _int(args[ROPE_MODE]) == _INLINE
+    rope_mode = _int(args[ROPE_MODE])
+    window_support = args[CONFIG].values[SLIDING_WINDOW_SUPPORT]
+    # The runtime's rule: sliding-window support (where no layer slides) turns RoPE
+    # into RoPE inside attention, every call then attending through the sliding-window
+    # kernels but the ragged prefill.
+    maybe_inside = (rope_mode != _NO_ROPE and not window
+                    and not (isinstance(window_support, tvm.tirx.IntImm) and window_support.value == 0))
+    always_inside = rope_mode == _INLINE or (maybe_inside and isinstance(window_support, tvm.tirx.IntImm))
     logger.info("paged KV cache: the tree-attention kernels stay TVM's")
     out = {}
     for slot, kind in SLOTS.items():
@@ -99,8 +114,10 @@ def _replacements(mod, args, target) -> dict:
         if not (isinstance(pair, relax.Tuple) and len(pair.fields) == 2):
             continue
         old = pair.fields[1]
+        inside = always_inside or (maybe_inside and kind in _CALLED_WITH_WINDOWS)
         kernel, why = cache_kernel(kind, heads_q, heads_kv, head_dim, dtype, target, fallback=mod[old],
-                                   window=window if kind == "prefill_window" else 0, rotate_inside=rotate_inside)
+                                   window=window if kind == "prefill_window" else 0, rotate_inside=inside,
+                                   unrotated_too=inside and not always_inside and kind == "ragged")
         if kernel is None:
             logger.info("paged KV cache's %s kernel left to TVM's (%s): %s", kind, old.name_hint, why)
             continue
