@@ -23,13 +23,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..cuda import ALL_LANES
-from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
 from .warp_specialized import THREADS
 from .warp_specialized_fp8_gemm import (
-    _QUANTISE, _QUANTISE_SOURCE, DEPTH, EPS, FP8_MAX, ROWS, Fp8GemmConfig, _k_major, _params, _producer, tiled_block,
-    unsupported,
+    _QUANTISE, _QUANTISE_SOURCE, DEPTH, EPS, FP8_MAX, ROWS, Fp8GemmConfig, _k_major, _params, _producer, tile_store,
+    tiled_block, unsupported,
 )
 
 #: Threads of a block of the quantisation kernel (a row).
@@ -126,9 +125,9 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
     x_tile, w_tile = ROWS * DEPTH // 2, cols * DEPTH // 2
     w_base = stages * x_tile
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
-    part_n = n % cols != 0
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
     fence_accumulators = register_fence(n_acc)
+    store_tile = tile_store(out, w_scale, m, n, cols)
 
     @T.macro
     def wait(bar, t):
@@ -165,20 +164,7 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
                 acc[i] = acc[i] + part[i]
         for g in T.unroll(2):
             scale[g] = q_scale[T.min(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, m - 1)]
-        for p in T.unroll(cols // 16):
-            for half in T.unroll(2):
-                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
-                if part_n:
-                    for e in T.unroll(2):
-                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
-                else:
-                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
-            col = T.meta_var(c0 + 16 * p + first_column(lane))
-            for g in T.unroll(2):
-                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
-                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
-                store_four(out, ov, four, row, col, m, n, part_n)
+        store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, x_tile, lambda st: st * x_tile, lambda st: w_base + st * w_tile,
                         (x_tile + w_tile) * 2, x_boxes=1)

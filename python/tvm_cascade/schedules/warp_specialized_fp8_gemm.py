@@ -277,6 +277,35 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
     return block
 
 
+def tile_store(out, w_scale, m, n, cols):
+    """The consumers' macro ``store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)``:
+    a warp's accumulators ``acc`` of the output tile at ``(r0, c0)`` (consumer ``cw``,
+    warp ``w``), row ``g`` of a lane's two scaled by ``scale[g]`` and each column by its
+    ``w_scale``, stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`;
+    ``sv``, ``four`` and ``ov`` the lane's scratch registers)."""
+    part_n = n % cols != 0
+
+    @T.macro
+    def store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane):
+        # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
+        for p in T.unroll(cols // 16):
+            for half in T.unroll(2):
+                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
+                if part_n:
+                    for e in T.unroll(2):
+                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
+                else:
+                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
+            col = T.meta_var(c0 + 16 * p + first_column(lane))
+            for g in T.unroll(2):
+                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
+                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
+                store_four(out, ov, four, row, col, m, n, part_n)
+
+    return store_tile
+
+
 #: Annotations of ``ops.fp8_quant_gemm``'s GEMM block that ask :func:`build` for a kernel:
 #: its form (:data:`FORMS`) and that form's choices, ``[cols, stages, group]``
 #: (:class:`Fp8GemmConfig`) for "tiles" and "two_pass" (one k tile: X quantised by a
@@ -543,7 +572,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
     x_tile, w_tile = 2 * box, cols * DEPTH // 2
     w_base = stages * x_tile
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
-    part_n = n % cols != 0
+    store_tile = tile_store(out, w_scale, m, n, cols)
     abs_max, abs_max_source, pair_max, pair_max_source = _magnitude_helpers(dtype)
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
 
@@ -652,22 +681,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, pair * 2 + half, cw, w, lane)
         for g in T.unroll(2):
             scale[g] = T.max(peak[g], T.float32(EPS)) / T.float32(FP8_MAX)
-        # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
-        # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
-        for p in T.unroll(cols // 16):
-            for half in T.unroll(2):
-                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
-                if part_n:
-                    for e in T.unroll(2):
-                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
-                else:
-                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
-            col = T.meta_var(c0 + 16 * p + first_column(lane))
-            for g in T.unroll(2):
-                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
-                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
-                store_four(out, ov, four, row, col, m, n, part_n)
+        store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
     block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), dtype, produce, consume)
