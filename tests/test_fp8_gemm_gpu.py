@@ -26,13 +26,13 @@ def test_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, config, symb
     _check(m, n, k, dtype, out_dtype, symbolic, lambda rows: fp8.kernel(rows, n, k, dtype, out_dtype, config))
 
 
-def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of):
+def _check(m, n, k, dtype, out_dtype, symbolic, kernel_of, tile=fp8.DEPTH):
     target = tvm.target.Target.from_device(tvm.cuda(0))
     if not warp_specialized.serves_target(target):
         pytest.skip("the fp8 kernel needs an H100 or H200 (sm_90)")
     pytest.importorskip("torch")  # float8 and bfloat16 tensors
     rows = tvm.tirx.Var("m", "int64") if symbolic else m
-    _compare(fp8.build(kernel_of(rows), target)["main"], m, n, k, dtype, out_dtype)
+    _compare(fp8.build(kernel_of(rows), target)["main"], m, n, k, dtype, out_dtype, tile)
 
 
 def test_one_function_serves_every_token_count():
@@ -47,8 +47,8 @@ def test_one_function_serves_every_token_count():
         _compare(kernel, m, 256, 512, "float16", "float16")
 
 
-def _compare(kernel, m, n, k, dtype, out_dtype):
-    """``kernel`` on random inputs of ``m`` tokens against the definition."""
+def _compare(kernel, m, n, k, dtype, out_dtype, tile=fp8.DEPTH):
+    """``kernel`` on random inputs of ``m`` tokens against the definition (k tile ``tile``)."""
     import torch
 
     rng = np.random.default_rng(m + n + k)
@@ -62,7 +62,7 @@ def _compare(kernel, m, n, k, dtype, out_dtype):
     kernel(*(tvm.runtime.from_dlpack(a) for a in (x, w, w_scale, out)))
     x64, w64, s64 = (a.double().cpu().numpy() for a in (x, w, w_scale))
     got = out.double().cpu().numpy()
-    ref = R.fp8_quant_gemm_ref(x64, w64, s64, tile=fp8.DEPTH)
+    ref = R.fp8_quant_gemm_ref(x64, w64, s64, tile=tile)
     error = lambda r: np.abs(got - r).max() / np.abs(r).max()  # noqa: E731
     assert error(ref) < (1e-3 if out_dtype == "float32" else 4e-3), (m, error(ref))
     assert error(x64 @ (w64 * s64[:, None]).T) < 5e-2
@@ -77,6 +77,23 @@ def _compare(kernel, m, n, k, dtype, out_dtype):
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, tokens, stages, symbolic):
     _check(m, n, k, dtype, out_dtype, symbolic, lambda rows: fp8.skinny_kernel(rows, n, k, dtype, out_dtype, tokens, stages))
+
+
+@pytest.mark.parametrize("m, n, k, dtype, out_dtype, config", [
+    (256, 512, 1024, "float16", "float16", fp8.Fp8GemmConfig()),
+    (1, 256, 512, "float16", "float32", fp8.Fp8GemmConfig(cols=64)),
+    (200, 328, 528, "float16", "float32", fp8.Fp8GemmConfig(stages=3, group=2)),  # no whole tiles
+    (300, 512, 1024, "bfloat16", "bfloat16", fp8.Fp8GemmConfig(stages=6)),
+    (128, 384, 4096, "bfloat16", "float32", fp8.Fp8GemmConfig(cols=64, stages=7)),
+])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_two_pass_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, config, symbolic):
+    """The op with one k tile (each row quantised by its abs-max over all of k) as two
+    kernels (``fp8_two_pass``): quantisation, then the GEMM of e4m3 operands."""
+    from tvm_cascade.schedules import fp8_two_pass
+
+    _check(m, n, k, dtype, out_dtype, symbolic,
+           lambda rows: fp8_two_pass.two_pass_kernel(rows, n, k, dtype, out_dtype, config), tile=k)
 
 
 @pytest.mark.parametrize("m, form, choices", [(24, None, None), (300, None, None), (40, "skinny", [64, 3])])

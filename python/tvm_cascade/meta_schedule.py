@@ -243,9 +243,13 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         :mod:`~tvm_cascade.schedules.warp_specialized_fp8_gemm` that can serve it: 128-row
         tiles (columns and row-tile grouping sampled) and, for up to 64 static tokens,
         the skinny form (tokens a block sampled); for a variable token count, the form
-        that picks among the skinny kernels and the 128-row one at run time."""
+        that picks among the skinny kernels and the 128-row one at run time; for the
+        op with one k tile (the two-pass quantisation), the two kernels of
+        :mod:`~tvm_cascade.schedules.fp8_two_pass` (columns, stages and grouping
+        sampled). Forms that cannot serve the op are left out."""
         fp8 = warp_specialized_fp8_gemm
-        forms = [("tiles", (fp8.COLS_CHOICES, (fp8.Fp8GemmConfig.stages,), fp8.GROUP_CHOICES))]
+        forms = [("tiles", (fp8.COLS_CHOICES, (fp8.Fp8GemmConfig.stages,), fp8.GROUP_CHOICES)),
+                 ("two_pass", (fp8.COLS_CHOICES, fp8.TWO_PASS_STAGE_CHOICES, fp8.GROUP_CHOICES))]
         if isinstance(problem.m, int) and problem.m <= max(fp8.TOKEN_CHOICES):
             tokens = tuple(t for t in fp8.TOKEN_CHOICES if t < 2 * max(problem.m, 16))
             forms.append(("skinny", (tokens, (4 if max(tokens) < 64 else 3,))))

@@ -39,7 +39,9 @@ the consumers' per-element work (load, abs-max, scale, convert: repeated for eve
 column block) and by X's 16-bit tiles, read from L2 once per column block: it loses to
 the two-kernel path from 64 tokens on (H200, ``python -m benchmarks.fp8_gemm``,
 RESULTS.md). For few tokens :func:`skinny_kernel` computes the same with the tokens as
-the wgmma's N and wins (1.15-1.21x at 1 to 16 tokens); :func:`kernel_for` chooses.
+the wgmma's N and wins (1.15-1.21x at 1 to 16 tokens); :func:`kernel_for` chooses. The
+definition with one k tile (the usual two-pass quantisation) runs as two kernels
+(:mod:`.fp8_two_pass`), the ``"two_pass"`` form.
 
 Reached as a schedule of ``ops.fp8_quant_gemm`` (the definition, with this kernel's k
 tile): :func:`schedule` annotates the kernel's form and choices on its GEMM block, which
@@ -49,6 +51,7 @@ schedules with the choices sampled.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -135,9 +138,10 @@ class Fp8GemmConfig:
     producer_registers: int = 24
     consumer_registers: int = 240
 
-    def shared_bytes(self) -> int:
-        """The dynamic shared memory of the kernel's stages: each stage's X and W tiles."""
-        return self.stages * (2 * ROWS + self.cols) * DEPTH
+    def shared_bytes(self, x_bytes: int = 2) -> int:
+        """The dynamic shared memory of the kernel's stages: each stage's X tile (of
+        ``x_bytes`` an element: 16-bit X, or 1 for X quantised beforehand) and W tile."""
+        return self.stages * (x_bytes * ROWS + self.cols) * DEPTH
 
 
 _OLD, _NEW = sympy.symbols("m_old m_new", real=True)
@@ -179,8 +183,9 @@ def _k_major(smem, at, ks):
     return descriptor(smem.ptr_to([at + ks * 16]), 16, 1024, swizzle=True)
 
 
-def unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig()):
-    """Why the kernel cannot serve this GEMM (M is free), or None."""
+def unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig(), x_bytes=2):
+    """Why the kernel cannot serve this GEMM (M is free), or None; ``x_bytes``: of an
+    element of X's tiles in shared memory (:meth:`Fp8GemmConfig.shared_bytes`)."""
     if dtype not in PTX_TYPE:
         return f"the fp8 GEMM quantises float16 or bfloat16 rows, not {dtype}"
     if out_dtype not in ("float16", "bfloat16", "float32"):
@@ -189,8 +194,9 @@ def unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig()):
         return f"TMA needs rows of a multiple of 16 bytes: W's rows hold K = {k} bytes"
     if config.cols not in (64, 128):
         return f"{config.cols} columns a block: 64 or 128 (two sets of accumulators a thread)"
-    if config.shared_bytes() > SHARED_BYTES:
-        return f"{config.stages} stages of {config.cols} columns need {config.shared_bytes()} bytes of shared memory"
+    if config.shared_bytes(x_bytes) > SHARED_BYTES:
+        return (f"{config.stages} stages of {config.cols} columns need {config.shared_bytes(x_bytes)} bytes of "
+                f"shared memory")
     return None
 
 
@@ -204,11 +210,11 @@ def _params(m, n, k, dtype, out_dtype):
     ]
 
 
-def _producer(k_tiles, stages, box, x_at, w_at, expect):
+def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2):
     """The producer thread's macro ``produce(x_map, w_map, smem, full, empty, r0, c0)``:
-    each k tile's X box pair (from row ``r0``) and W box (from row ``c0``) into stage
-    ``st``'s places in ``smem``, ``x_at(st)`` and ``w_at(st)`` (16-bit elements),
-    ``expect`` bytes a stage."""
+    each k tile's ``x_boxes`` X boxes (from row ``r0``: two of 16-bit X, one of e4m3)
+    and W box (from row ``c0``) into stage ``st``'s places in ``smem``, ``x_at(st)`` and
+    ``w_at(st)`` (16-bit elements), ``expect`` bytes a stage."""
 
     @T.macro
     def produce(x_map, w_map, smem, full, empty, r0, c0):
@@ -216,9 +222,9 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect):
             st = T.meta_var(t % stages)
             T.cuda.mbarrier_wait(empty.ptr_to([st]), ((t // stages) & 1) ^ 1)
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(expect))
-            for h in T.unroll(2):
+            for h in T.unroll(x_boxes):
                 T.ptx[_TMA](
-                    smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(t * DEPTH + h * DEPTH // 2),
+                    smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(t * DEPTH + h * DEPTH // x_boxes),
                     T.Cast("int32", r0), full.ptr_to([st]),
                 )
             T.ptx[_TMA](
@@ -228,16 +234,89 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect):
     return produce
 
 
+def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
+    """The macro ``block(x_map, w_map, bx, tx)`` of a kernel of :data:`ROWS` x
+    ``config.cols`` output tiles: block ``bx``'s tile (groups of ``config.group`` row
+    tiles, rows fastest within a group), its ``config.stages`` stages' ``full`` and
+    ``empty`` barriers and ``elements`` of shared memory (of ``dtype``), the producer
+    thread's ``produce(x_map, w_map, smem, full, empty, r0, c0)`` and the consumer
+    warpgroups' ``consume(smem, full, empty, r0, c0, tx, cw)`` (a consumer whose 64 rows
+    all lie past ``m`` does nothing: a few tokens' tile)."""
+    stages, group, cols = config.stages, config.group, config.cols
+    m_tiles = (m + ROWS - 1) // ROWS
+
+    @T.macro
+    def block(x_map, w_map, bx, tx):
+        # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
+        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
+        smem = T.alloc_buffer((elements,), dtype, scope="shared.dyn", align=1024)
+        full = T.alloc_shared((stages,), "uint64")
+        empty = T.alloc_shared((stages,), "uint64")
+        first = bx // (group * n_tiles) * group
+        rows_here = T.min(m_tiles - first, group)
+        within = bx % (group * n_tiles)
+        r0 = (first + within % rows_here) * ROWS
+        c0 = within // rows_here * cols
+        warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
+        consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.Cast("uint32", 128 * consumers))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if warpgroup == 0:
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
+            if tx == 0:
+                produce(x_map, w_map, smem, full, empty, r0, c0)
+        else:
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
+            if warpgroup <= consumers:
+                consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+
+    return block
+
+
+def tile_store(out, w_scale, m, n, cols):
+    """The consumers' macro ``store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)``:
+    a warp's accumulators ``acc`` of the output tile at ``(r0, c0)`` (consumer ``cw``,
+    warp ``w``), row ``g`` of a lane's two scaled by ``scale[g]`` and each column by its
+    ``w_scale``, stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`;
+    ``sv``, ``four`` and ``ov`` the lane's scratch registers)."""
+    part_n = n % cols != 0
+
+    @T.macro
+    def store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane):
+        # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
+        for p in T.unroll(cols // 16):
+            for half in T.unroll(2):
+                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
+                if part_n:
+                    for e in T.unroll(2):
+                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
+                else:
+                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
+            col = T.meta_var(c0 + 16 * p + first_column(lane))
+            for g in T.unroll(2):
+                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
+                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
+                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
+                store_four(out, ov, four, row, col, m, n, part_n)
+
+    return store_tile
+
+
 #: Annotations of ``ops.fp8_quant_gemm``'s GEMM block that ask :func:`build` for a kernel:
 #: its form (:data:`FORMS`) and that form's choices, ``[cols, stages, group]``
-#: (:class:`Fp8GemmConfig`) for "tiles", ``[tokens, stages]`` for "skinny", and for
+#: (:class:`Fp8GemmConfig`) for "tiles" and "two_pass" (one k tile: X quantised by a
+#: kernel of its own first, :mod:`.fp8_two_pass`), ``[tokens, stages]`` for "skinny", and for
 #: "by_tokens" (a variable token count) the skinny kernels' tokens a block, ascending,
 #: each taking the counts up to it at run time, the 128-row kernel the rest
 #: (:func:`by_tokens`). On the block, not a loop: MetaSchedule's postprocessors bind and
 #: split the loops of a sample's unscheduled blocks.
 FORM = "tvm_cascade.fp8_gemm_form"
 CHOICES = "tvm_cascade.fp8_gemm_choices"
-FORMS = ("tiles", "skinny", "by_tokens")
+FORMS = ("tiles", "skinny", "by_tokens", "two_pass")
 #: The choices a design space samples (:class:`~tvm_cascade.meta_schedule.CascadeFusion`).
 COLS_CHOICES = (64, 128)
 GROUP_CHOICES = (8, 16)
@@ -246,35 +325,48 @@ GROUP_CHOICES = (8, 16)
 @dataclass(frozen=True)
 class Fp8QuantGemm:
     """An ``ops.fp8_quant_gemm`` function's arguments (``m`` an int or its variable; its
-    k tile is :data:`DEPTH`)."""
+    k tile :data:`DEPTH`, that of the one-kernel forms, or ``k``: one tile, the two-pass
+    quantisation)."""
 
     m: object
     n: int
     k: int
     dtype: str
     out_dtype: str
+    tile: int = DEPTH
 
     def function(self) -> tvm.tirx.PrimFunc:
-        return cascades.fp8_quant_gemm(self.m, self.n, self.k, DEPTH, self.dtype, self.out_dtype, FP8_MAX, EPS)
+        return cascades.fp8_quant_gemm(self.m, self.n, self.k, self.tile, self.dtype, self.out_dtype, FP8_MAX, EPS)
+
+    def one_tile(self) -> bool:
+        """Whether each row is quantised by its abs-max over all of k."""
+        return self.tile >= self.k
 
 
 def fp8_quant_gemm_of(func) -> Optional[Fp8QuantGemm]:
-    """The arguments of the ``ops.fp8_quant_gemm`` (k tile :data:`DEPTH`, 448 and
+    """The arguments of the ``ops.fp8_quant_gemm`` (k tile :data:`DEPTH` or K, 448 and
     :data:`EPS`) that ``func`` is, or None: ``func`` is compared, structurally, with that
     function rebuilt from its parameters."""
-    problem = _problem_of_params(func)
-    if problem is None:
+    params = _problem_of_params(func)
+    if params is None:
         return None
-    try:
-        expected = problem.function()
-    except (ValueError, tvm.TVMError):
-        return None
-    return problem if tvm_ffi.structural_equal(func, expected, map_free_vars=True) else None
+    for tile in dict.fromkeys((DEPTH, params.k)):
+        problem = dataclasses.replace(params, tile=tile)
+        try:
+            expected = problem.function()
+        except (ValueError, tvm.TVMError):
+            continue
+        if tvm_ffi.structural_equal(func, expected, map_free_vars=True):
+            return problem
+    return None
 
 
 def default_choices(problem: Fp8QuantGemm):
     """The form and choices :func:`kernel_for` takes for ``problem``."""
     m = problem.m
+    if problem.one_tile() and problem.k > DEPTH:
+        config = TWO_PASS_CONFIG
+        return "two_pass", [config.cols, config.stages, config.group]
     if not isinstance(m, int):
         return "by_tokens", list(RUN_TIME_TOKENS)
     if m <= SKINNY_TOKENS:
@@ -290,7 +382,8 @@ def schedule(func, form: Optional[str] = None, choices=None) -> tvm.s_tir.Schedu
     is not such a function, ``ValueError`` where the kernel cannot serve it."""
     problem = fp8_quant_gemm_of(func)
     if problem is None:
-        raise FusionError("the fp8 GEMM kernels serve ops.fp8_quant_gemm functions (k tile 128); this function is not one")
+        raise FusionError(
+            "the fp8 GEMM kernels serve ops.fp8_quant_gemm functions (k tile 128, or one of K); this function is not one")
     if form is None:
         form, choices = default_choices(problem)
     reason = unsupported_choices(problem, form, choices)
@@ -316,6 +409,17 @@ def lowers(mod) -> bool:
 
 
 def unsupported_choices(problem, form, choices):
+    if form == "two_pass":
+        if not problem.one_tile():
+            return (f"the two-pass form quantises each row by its abs-max over all of k: one k tile, "
+                    f"not {problem.tile} of {problem.k}")
+        from .fp8_two_pass import two_pass_unsupported  # (it builds on this module)
+
+        cols, stages, group = (int(c) for c in choices)
+        return two_pass_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype,
+                                    Fp8GemmConfig(cols, stages, group))
+    if problem.tile != DEPTH and form in FORMS:
+        return f"the one-kernel forms quantise k tiles of {DEPTH}, not {problem.tile}"
     if form == "tiles":
         cols, stages, group = (int(c) for c in choices)
         return unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
@@ -332,6 +436,12 @@ def unsupported_choices(problem, form, choices):
 
 
 def _kernel(problem, form, choices):
+    if form == "two_pass":
+        from .fp8_two_pass import two_pass_kernel  # (it builds on this module)
+
+        cols, stages, group = (int(c) for c in choices)
+        return two_pass_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype,
+                               Fp8GemmConfig(cols, stages, group))
     if form == "tiles":
         cols, stages, group = (int(c) for c in choices)
         return kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
@@ -370,6 +480,8 @@ def build(mod, target):
                 f"W[N, K] (float8_e4m3fn), w_scale[N] (float32), out[M, N]"
             )
         form, choices = str(block.annotations[FORM]), list(block.annotations[CHOICES])
+        if form == "two_pass":  # (the form was chosen for the function's one k tile)
+            problem = dataclasses.replace(problem, tile=problem.k)
         reason = unsupported_choices(problem, form, choices)
         if reason is not None:
             raise ValueError(reason)
@@ -408,15 +520,25 @@ def _problem_of_params(func, kernel_dtypes=False) -> Optional[Fp8QuantGemm]:
 SKINNY_TOKENS = 32
 
 
+#: The two-pass form's choices in :func:`kernel_for`, and the stages a design space
+#: samples for it (its stages hold X in e4m3: more fit).
+TWO_PASS_CONFIG = Fp8GemmConfig()
+TWO_PASS_STAGE_CHOICES = (4, 6)
+
+
 #: :func:`by_tokens`' skinny kernels for a variable token count in :func:`kernel_for`.
 RUN_TIME_TOKENS = (16, SKINNY_TOKENS)
 
 
-def kernel_for(m, n, k, dtype="float16", out_dtype="float16"):
-    """The kernel that serves ``m`` tokens: :func:`skinny_kernel` up to
-    :data:`SKINNY_TOKENS` (16 tokens a block up to 16), else :func:`kernel`; for a
-    variable ``m``, :func:`by_tokens` of :data:`RUN_TIME_TOKENS`."""
-    problem = Fp8QuantGemm(m, n, k, dtype, out_dtype)
+def kernel_for(m, n, k, dtype="float16", out_dtype="float16", tile=DEPTH):
+    """The kernel of ``ops.fp8_quant_gemm`` with k tile ``tile`` for ``m`` tokens: with
+    :data:`DEPTH`, :func:`skinny_kernel` up to :data:`SKINNY_TOKENS` (16 tokens a block
+    up to 16), else :func:`kernel`, and for a variable ``m`` :func:`by_tokens` of
+    :data:`RUN_TIME_TOKENS`; with ``k`` (one tile: each row quantised by its abs-max over
+    all of k), :func:`.fp8_two_pass.two_pass_kernel` (any ``m``)."""
+    if tile not in (DEPTH, k):
+        raise ValueError(f"the fp8 GEMM kernels quantise k tiles of {DEPTH} or one of K = {k}, not {tile}")
+    problem = Fp8QuantGemm(m, n, k, dtype, out_dtype, tile)
     return _kernel(problem, *default_choices(problem))
 
 
@@ -450,7 +572,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
     x_tile, w_tile = 2 * box, cols * DEPTH // 2
     w_base = stages * x_tile
     n_acc = cols // 2  # a thread's accumulators: 64 x cols over 128 threads
-    part_n = n % cols != 0
+    store_tile = tile_store(out, w_scale, m, n, cols)
     abs_max, abs_max_source, pair_max, pair_max_source = _magnitude_helpers(dtype)
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
 
@@ -559,55 +681,10 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, pair * 2 + half, cw, w, lane)
         for g in T.unroll(2):
             scale[g] = T.max(peak[g], T.float32(EPS)) / T.float32(FP8_MAX)
-        # stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`):
-        # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
-        for p in T.unroll(cols // 16):
-            for half in T.unroll(2):
-                at = T.meta_var(c0 + 8 * (2 * p + half) + 2 * (lane % 4))
-                if part_n:
-                    for e in T.unroll(2):
-                        sv[2 * half + e] = w_scale[T.min(at + e, n - 1)]
-                else:
-                    sv.vstore([2 * half], w_scale.vload([at], "float32x2"))
-            col = T.meta_var(c0 + 16 * p + first_column(lane))
-            for g in T.unroll(2):
-                row = T.meta_var(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g)
-                trade_halves(four, lane, lambda e: acc[8 * p + 2 * g + e] * scale[g] * sv[e],
-                             lambda e: acc[8 * p + 4 + 2 * g + e] * scale[g] * sv[2 + e])
-                store_four(out, ov, four, row, col, m, n, part_n)
+        store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
-
-    @T.macro
-    def block(x_map, w_map, bx, tx):
-        # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
-        T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
-        smem = T.alloc_buffer((stages * (x_tile + w_tile),), dtype, scope="shared.dyn", align=1024)
-        full = T.alloc_shared((stages,), "uint64")
-        empty = T.alloc_shared((stages,), "uint64")
-        # Tile bx: groups of `group` row tiles, rows fastest within a group.
-        first = bx // (group * n_tiles) * group
-        rows_here = T.min(m_tiles - first, group)
-        within = bx % (group * n_tiles)
-        r0 = (first + within % rows_here) * ROWS
-        c0 = within // rows_here * cols
-        warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
-        # a consumer whose 64 rows all lie past m does nothing (a few tokens' tile)
-        consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.Cast("uint32", 128 * consumers))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
-        if warpgroup == 0:
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
-            if tx == 0:
-                produce(x_map, w_map, smem, full, empty, r0, c0)
-        else:
-            T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            if warpgroup <= consumers:
-                consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+    block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), dtype, produce, consume)
 
     maps = ((X, k, m, k * 2, DEPTH // 2, ROWS, 1, 1, dtype), (W, k, n, k, DEPTH, cols, 1, 1, "float8_e4m3fn"))
     return tma_kernel(params, maps, m_tiles * n_tiles, THREADS, block)
