@@ -315,6 +315,9 @@ class ScenarioReport:
     tokens: int = 0
     kv_checks: int = 0
     max_abs_error: float = 0.0
+    #: Without a reference (``KVCacheChecker(reference=False)``): each step's attention
+    #: outputs, every layer's.
+    outputs: list = dataclasses.field(default_factory=list)
 
 
 class KVCacheChecker:
@@ -337,7 +340,10 @@ class KVCacheChecker:
     was created with sliding window support (default: ``compiled``'s default), which
     the reference models only without RoPE. ``sm_scale`` (default ``head_dim ** -0.5``)
     is passed to the runtime and used by the reference; ``seed`` seeds the random
-    q/k/v (uniform in [-1, 1)); ``name`` prefixes failure messages.
+    q/k/v (uniform in [-1, 1)); ``name`` prefixes failure messages. Without
+    ``reference``, nothing is compared but sequence lengths: each step's attention
+    outputs are kept in the report, to compare one cache with another (a cache the
+    reference does not model: RoPE with sliding window support).
     """
 
     def __init__(  # pylint: disable=too-many-arguments
@@ -351,6 +357,7 @@ class KVCacheChecker:
         atol: float | None = None,
         support_sliding_window: bool | None = None,
         name: str = "",
+        reference: bool = True,
     ):
         self.compiled = compiled
         self.spec = compiled.spec
@@ -363,7 +370,8 @@ class KVCacheChecker:
         self.atol = default_atol if atol is None else atol
         if support_sliding_window is None:
             support_sliding_window = compiled.support_sliding_window
-        if support_sliding_window and self.spec.rope_mode != RopeMode.NONE:
+        self.reference = reference
+        if reference and support_sliding_window and self.spec.rope_mode != RopeMode.NONE:
             # With sliding window support the runtime turns any RoPE into RoPE inside the
             # attention kernels, at in-window positions.
             raise ValueError("a cache with sliding window support needs RopeMode.NONE")
@@ -474,6 +482,8 @@ class KVCacheChecker:
                                              tvm.runtime.tensor(qkv[layer], self.device), out)
             outputs.append(out.numpy())
         self.fn.end_forward(self.cache)
+        if not self.reference:
+            self.report.outputs.append(outputs)
 
         offset = 0
         for seq_id, length in zip(seq_ids, lengths):
@@ -492,7 +502,7 @@ class KVCacheChecker:
                 q = np.stack([self._rope(q[layer], positions) for layer in range(s.num_layers)])
                 every = np.arange(keys.shape[1], dtype=np.float64)
                 seen = np.stack([self._rope(keys[layer], every) for layer in range(s.num_layers)])
-            for layer in range(s.num_layers):
+            for layer in range(s.num_layers if self.reference else 0):
                 window = s.layer_window if s.sliding(layer) else 0
                 expected = reference_attention(q[layer], seen[layer], values[layer], self.sm_scale, window)
                 actual = outputs[layer][rows].astype(np.float64)
@@ -540,7 +550,7 @@ class KVCacheChecker:
                 got = self.fn.sequence_length(self.cache, seq_id)
                 assert got == length, f"sequence {seq_id} has length {got}, expected {length}"
             # (the runtime reads back the K/V of caches of MHA layers only)
-            if self.fn.debug_get_kv is None or length == 0 or s.layer_window:
+            if self.fn.debug_get_kv is None or length == 0 or s.layer_window or not self.reference:
                 continue
             shape = (s.num_layers, length, s.num_kv_heads, s.head_dim)
             k = tvm.runtime.empty(shape, s.dtype, device=self.device)

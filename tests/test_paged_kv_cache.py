@@ -104,6 +104,36 @@ def test_scenario_with_rope_inside_attention(pipeline, scenario):
                                      rope_scale=0.5))
 
 
+@pytest.mark.parametrize("scenario", ["prefill_decode", "sliding_window"])
+def test_rope_that_the_runtime_moves_inside_attention(scenario, monkeypatch):
+    """RoPE before attention (``RopeMode.NORMAL``) in a cache created with sliding window
+    support: the runtime rotates inside attention, at the positions it keeps for a
+    window (which the reference does not model), through the sliding-window kernels and
+    the ragged prefill. Those of the library serve every such call: with TVM's kernels,
+    their fallbacks, made to compute nothing, the outputs equal the default pipeline's
+    (TVM's kernels) step by step."""
+    from tvm_cascade.library import kv_cache as library  # pylint: disable=import-outside-toplevel
+    from tvm_cascade.library import rope_inside  # pylint: disable=import-outside-toplevel
+    from tvm_cascade.relax import kv_cache as relax_kv  # pylint: disable=import-outside-toplevel
+
+    build = relax_kv.cache_kernel
+
+    def without_tvms(kind, *args, fallback, **options):
+        monkeypatch.setattr(library, "rotation_of", lambda _: rope_inside.rotation_of(fallback))
+        return build(kind, *args, fallback=fallback.with_body(tvm.tirx.Evaluate(0)), **options)
+
+    monkeypatch.setattr(relax_kv, "cache_kernel", without_tvms)
+    config = dict(head_dim=64, rope_mode=pkv.RopeMode.NORMAL, rope_theta=5e5, rope_scale=0.5)
+    library_only = pkv.compile_paged_kv_cache(TARGET, tvm.transform.Sequential(
+        [relax_kv.KVCacheAttention(), relax.get_pipeline("default")]), **config)
+    runs = [pkv.SCENARIOS[scenario](model, cache_options={"support_sliding_window": True}, reference=False)
+            for model in (library_only, compiled("default", **config))]
+    assert len(runs[0].outputs) == len(runs[1].outputs) > 0
+    for ours, theirs in zip(runs[0].outputs, runs[1].outputs):
+        for layer, (a, b) in enumerate(zip(ours, theirs)):
+            np.testing.assert_allclose(a, b, atol=2e-3, rtol=2e-3, err_msg=f"layer {layer}")
+
+
 @pytest.mark.parametrize("scenario", ["prefill_decode", "fork_sequence", "sliding_window"])
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_scenario_gqa_group_of_four(pipeline, scenario):
