@@ -249,6 +249,27 @@ def test_the_tensor_core_decode_rotates_keys_whose_pairs_its_lanes_hold():
         assert not TensorCoreDecode().rotates_keys(spec, _interleaved(rotation))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_tensor_core_decode_rotates_keys_in_registers(head_dim):
+    """Built for RoPE inside attention on sm_90a, the tensor-core decode's CUDA rotates
+    each key where its registers hold it: its key registers are indexed by constants
+    only (an index known at run time would put them in local memory), and the angle's
+    cosine and sine are taken in the kernel (not in a pass over the pages)."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    theirs = tvm_kernel("decode", 32, 8, head_dim, hopper)
+    kernel, why = cache_kernel("decode", 32, 8, head_dim, "float16", hopper, fallback=theirs, rotate_inside=True)
+    assert kernel is not None and kernel.family.name == "tensor_core_decode", why
+    source = tvm.compile(tvm.IRModule({"main": kernel.func}), target=kernel.func.attrs["target"]).mod.imports[0] \
+        .inspect_source()
+    decode = next(body for body in source.split("extern \"C\" __global__")
+                  if "k_reg_ptr" in body and "{" in body and "mma" in body)
+    indices = re.findall(r"\b(?:k_reg|k_next)_ptr\[([^\]]*)\]", decode)
+    assert indices and all(index.isdigit() for index in indices), sorted(set(indices))
+    assert "cosf(" in decode and "sinf(" in decode
+
+
 def _row_tiles_from_their_sequences_last(func):
     """Whether ``func`` (a warp-specialised kernel) checks that a row tile (from ``r0``)
     lies after its sequence's first row: counted back from the sequence's own last, a
