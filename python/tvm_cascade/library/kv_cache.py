@@ -34,9 +34,10 @@ seen), and with ``causal=1`` for the layers of a cache's sliding layers
 (``AttnKind.MHA_SLIDING``: new token ``i`` sees the last ``W - 1 - i`` cached keys of
 the layers' window of ``W``); its kernel serves both where it is given ``W``. RoPE
 inside attention (``rotary_mode`` 1, what the runtime passes for the cache's
-``RopeMode.INLINE``; its other modes rotate keys before they enter the pages) is
-computed by a kernel built for it (``rotate_inside``: :mod:`.rope_inside`), which
-refuses the calls without; other kernels refuse it. The index arrays may be views into
+``RopeMode.INLINE``, and for RoPE in a cache whose sliding-window support is on; else
+keys are rotated before they enter the pages) is computed by a kernel built for it
+(``rotate_inside``: :mod:`.rope_inside`), which refuses the calls without unless built
+for both (``unrotated_too``); other kernels refuse it. The index arrays may be views into
 the runtime's workspace (any element offset).
 
 The kernel is the first family of :data:`KIND_FAMILIES` that serves the spec; its
@@ -111,8 +112,9 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
     (``"prefill_window"`` only): the keys of the cache's sliding layers' window, which
     its calls with ``causal=1`` attend within.
 
-    With ``rotate_inside`` (a cache of ``RopeMode.INLINE``) the kernel serves the calls
-    with RoPE inside attention (``rotary_mode`` 1), rotating as ``fallback``, TVM's
+    With ``rotate_inside`` (the calls of a cache of ``RopeMode.INLINE``, or of one whose
+    sliding-window support is on: :mod:`tvm_cascade.relax.kv_cache`) the kernel serves
+    the calls with RoPE inside attention (``rotary_mode`` 1), rotating as ``fallback``, TVM's
     kernel, does (:mod:`.rope_inside`; on :data:`ROTATES_ON`), else those without;
     with ``unrotated_too`` as well those without (the function holds a kernel for each
     and chooses by ``rotary_mode``: a cache whose sliding-window support is decided at
@@ -120,8 +122,7 @@ def cache_kernel(kind: str, heads_q: int, heads_kv: int, head_dim: int, dtype: s
 
     A call the kernel does not serve (the other mask, the other ``rotary_mode``) raises
     a ``RuntimeError``, or, with ``fallback`` (a kernel of the same convention: TVM's),
-    runs ``fallback``'s body in its place: the runtime switches a cache with RoPE to
-    RoPE inside attention where it supports sliding windows."""
+    runs ``fallback``'s body in its place."""
     layout, causal = KINDS[kind]
     if window and kind != "prefill_window":
         raise ValueError(f"a window is the sliding-window prefill's, not the {kind} kernel's")
