@@ -180,17 +180,17 @@ def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, l
             # sliding windows: there a page two sequences list (a fork's) may hold keys at
             # other positions of each (their sinks and windows), which one copy a page
             # cannot hold.
-            keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype,
-                                                     "keys_rotated")
+            pool_keys = copies["keys"] = tirx.decl_buffer((pages.shape[0], heads, page_size, dim), pages.dtype,
+                                                          "keys_rotated")
             body = tvm_ffi.structural_map(body, [
-                (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(keys, [n.indices[0], *n.indices[2:]])
+                (ir_expr.TensorLoad, lambda n: tirx.BufferLoad(pool_keys, [n.indices[0], *n.indices[2:]])
                  if n.source.same_as(pages) and _index(n.indices[1]) == 0 else n),
-                (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(keys, [n.region[0], *n.region[2:]])
+                (ir_expr.TensorRegion, lambda n: tirx.BufferRegion(pool_keys, [n.region[0], *n.region[2:]])
                  if n.source.same_as(pages) and _index(n.region[1].min) == 0 else n)])
 
             def store(e, b, h, r, x):
                 source, value = key(e, b, h, r, x)
-                return tirx.BufferStore(keys, value, [source, h, r, x])
+                return tirx.BufferStore(pool_keys, value, [source, h, r, x])
         else:
             copies["pages"] = tirx.decl_buffer((entries, 2, heads, page_size, dim), pages.dtype, "pages_rotated")
             copies["table"] = tirx.decl_buffer((entries,), table.dtype, "page_indices_in_order")

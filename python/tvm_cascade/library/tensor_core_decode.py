@@ -134,7 +134,8 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     where the layout has one).
 
     ``rotate_keys(view, load, b, j, x)``, where given, is element ``x`` of key ``j`` of
-    sequence ``b`` rotated (RoPE inside attention), ``load(i)`` its row's element ``i``:
+    sequence ``b`` rotated (RoPE inside attention), ``load(delta)`` the row's element
+    ``x + delta``:
     the keys are rotated in registers as they enter the products. A lane holds a quarter
     of each row it loads, in pieces of 8 dims 32 apart, so a rotation that pairs dims a
     multiple of 32 apart (``x`` and ``x ± d / 2``: TVM's) finds both of a pair in the
