@@ -6,20 +6,24 @@ pipeline" is that Relax graph compiled with ``relax_pipeline="cascade"``: what a
 user gets (its cross-entropy, log-sum-exp and top-k on tvm-cascade's kernels,
 ``relax/row_dispatch.py``).
 
-    python -m benchmarks.cascades [--out DIR] [--only NAME ...] [--tune TRIALS]
+    python -m benchmarks.cascades [--out DIR] [--only NAME ...] [--tune TRIALS] [--records DIR]
 
 tvm-cascade's kernel is the unfused function of :mod:`tvm_cascade.ops.cascades`
 scheduled by :func:`tvm_cascade.schedules.rows.schedule_rows` with
 :func:`~tvm_cascade.schedules.rows.plan_rows`' arguments. Every output is checked first
 against float64 PyTorch on the GPU (top-k: the chosen experts' probabilities equal the
 reference's k largest, and each is the probability of the expert named); a peer that is
-wrong or fails shows its reason instead of a time. With ``--tune TRIALS``,
-"tvm-cascade (tuned)" is the best of ``TRIALS`` candidates MetaSchedule measured in
-the space of :func:`tvm_cascade.meta_schedule.cascade_space` (which proposes the fusions
-itself), starting from the unfused function (xgboost's cost model where it is
-installed, else random sampling; the record's trace is in the JSON). Times are medians of CUDA-event
-timed calls with the L2 cache flushed before each (:func:`benchmarks.timing.bench`).
-Prints a progress line per shape and a table; writes ``cascades.json``, ``cascades.md``
+wrong or fails shows its reason instead of a time. "tvm-cascade (tuned)" is the unfused
+function built from its best MetaSchedule record
+(:func:`tvm_cascade.meta_schedule.tuned_schedule`) in the package's tuning database, or
+in ``--records DIR``; with ``--tune TRIALS`` the shape is tuned into that database
+(default ``OUT/tuning/records``) first: ``TRIALS`` candidates of the space of
+:func:`tvm_cascade.meta_schedule.cascade_space` (which proposes the fusions itself)
+measured, starting from the unfused function (xgboost's cost model where it is
+installed, else random sampling; the record's fusion instructions are in the JSON). The
+package's records come from ``--tune 32 --records python/tvm_cascade/tuned/cascades``.
+Times are medians of CUDA-event timed calls with the L2 cache flushed before each
+(:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes ``cascades.json``, ``cascades.md``
 and (with matplotlib) ``cascades.png``.
 """
 from __future__ import annotations
@@ -69,27 +73,31 @@ def cascade_kernel(workload, rows, n, top_k, dtype, target):
     return tvm.compile(sch.mod, target=target)["main"]
 
 
-def tuned_kernel(workload, rows, n, top_k, dtype, target, trials: int, work_dir: Path):
-    """The best of ``trials`` MetaSchedule candidates for the unfused function, and the
-    fusion instructions of its trace."""
+def tuned_kernel(workload, rows, n, top_k, dtype, target, trials: int, records: Optional[Path], logs: Path):
+    """The kernel of the unfused function's best record in the database at ``records``
+    (default: the package's, :func:`tvm_cascade.meta_schedule.tuned_database`), tuned
+    there first with ``trials`` MetaSchedule candidates if asked, and the fusion
+    instructions of its trace."""
     import importlib.util
 
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    from tvm_cascade.meta_schedule import tune_tir
+    from tvm_cascade.meta_schedule import build, tune_tir, tuned_database, tuned_schedule
 
     mod = tvm.IRModule({"main": unfused(workload, rows, n, top_k, dtype)})
+    database = tuned_database(records)
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
-    runner = ms.runner.LocalRunner(f_alloc_argument=arguments_in_range)
-    database = tune_tir(
-        mod, target, str(work_dir), trials, num_trials_per_iter=min(trials, 32), cost_model=cost_model, runner=runner
-    )
-    sch = ms.tir_integration.compile_tir(database, mod, target)
+    if trials:
+        runner = ms.runner.LocalRunner(f_alloc_argument=arguments_in_range)
+        tune_tir(mod, target, str(logs), trials, database=database, num_trials_per_iter=min(trials, 32),
+                 cost_model=cost_model, runner=runner)
+    sch = tuned_schedule(mod, target, database)
     if sch is None:
-        raise RuntimeError(f"none of the {trials} candidates ran (why: {work_dir}/logs)")
+        raise RuntimeError(f"no record of this shape (why: {logs}/logs)" if trials else "no record of this shape")
     fusions = [i.kind.name for i in sch.trace.insts if i.kind.name in ("RollingUpdate", "SplitKUpdate")]
-    return tvm.compile(sch.mod, target=target)["main"], {"cost_model": cost_model, "fusions": fusions}
+    record = {"fusions": fusions, **({"cost_model": cost_model, "trials": trials} if trials else {})}
+    return build(sch.mod, target)["main"], record
 
 
 def arguments_in_range(device, args_info, alloc_repeat):
@@ -253,7 +261,7 @@ def _reason(err: Exception) -> str:
     return f"{type(err).__name__} in {Path(frame.filename).parent.name}/{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
 
 
-def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dict]:
+def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None, records: Optional[Path] = None) -> List[Dict]:
     import torch
     import tvm
 
@@ -295,7 +303,9 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     tuning = {}
 
     def tuned():
-        kernel, tuning["record"] = tuned_kernel(workload, rows, n, top_k, dtype, target, tune, work_dir / name.replace(" ", "_"))
+        kernel, tuning["record"] = tuned_kernel(
+            workload, rows, n, top_k, dtype, target, tune, records, work_dir / name.replace(" ", "_")
+        )
         return on_tensors(kernel)
 
     builders = {
@@ -303,13 +313,12 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
         "torch.compile": eager(torch.compile(fn), *args, result=as_list),
         "tvm": tvm_vm("default"), "tvm, cascade pipeline": tvm_vm("cascade"),
     }
-    peers = PEERS + ((TUNED,) if tune else ())
     builders[TUNED] = tuned
     results = []
-    for peer in peers:
+    for peer in PEERS + (TUNED,):
         row = {"shape": name, **measure(peer, builders[peer], workload, args, top_k, bytes_moved)}
         if peer == TUNED:
-            row.update(trials=tune, **tuning.get("record", {}))
+            row.update(tuning.get("record", {}))
         results.append(row)
     compiled = next(r.get("ms") for r in results if r["peer"] == "torch.compile")
     for row in results:
@@ -360,9 +369,12 @@ def plot(results: List[Dict], path: Path) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = shapes_parser("benchmarks.cascades", __doc__, "cascades.json, .md and .png")
-    p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune each shape with MetaSchedule")
+    p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="tune each shape with MetaSchedule first")
+    p.add_argument("--records", type=Path, default=None, metavar="DIR",
+                   help="the tuning database read (and tuned into); default: the package's")
     args = p.parse_args(argv)
-    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning")  # noqa: E731
+    records = args.out / "tuning" / "records" if args.tune and args.records is None else args.records
+    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
     results = run_shapes("benchmarks.cascades", args.out, argv, named(SHAPES, args.only), measure, tolerance=TOLERANCE)
     if results is None:
         return 0

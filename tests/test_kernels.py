@@ -310,7 +310,7 @@ def _pip_install(tmp_path_factory):
 def test_installed_package_finds_its_records(tmp_path, runs_ahead, request):
     """``pip install .`` (not editable: a wheel built in an isolated environment, C++ core
     included) into a folder of its own; the package imported from there finds the tuned
-    records it ships."""
+    records it ships (the cascades' compressed: a benchmark shape's workload in them)."""
     install = runs_ahead.result(request.node)
     site = Path(install.args[install.args.index("--target") + 1])
     if install.returncode and "satisfies the requirement" in install.stderr:
@@ -319,12 +319,16 @@ def test_installed_package_finds_its_records(tmp_path, runs_ahead, request):
     probe = (
         "import tvm_cascade, tvm_cascade.kernels as k; "
         "print(tvm_cascade.__file__); "
-        "print(*[(k.default_records(kind) / 'database_tuning_record.json').is_file() for kind in ('decode', 'prefill')])"
+        "print(*[(k.default_records(kind) / 'database_tuning_record.json').is_file() for kind in ('decode', 'prefill')]); "
+        "import tvm; from tvm_cascade.meta_schedule import tuned_database; from tvm_cascade.ops import cascades; "
+        "print(tuned_database().has_workload(tvm.IRModule({'main': cascades.logsumexp(1024, 128256, 'bfloat16')})))"
     )
     env = {key: value for key, value in os.environ.items() if not key.startswith("TVM_CASCADE_TUNED")}
     env["PYTHONPATH"] = str(site)
+    env["TVM_CASCADE_CACHE"] = str(tmp_path / "cache")
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    where, found = result.stdout.strip().splitlines()
+    where, found, cascades = result.stdout.strip().splitlines()
     assert where.startswith(str(site))
     assert found == "True True"
+    assert cascades == "True"

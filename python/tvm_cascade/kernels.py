@@ -51,6 +51,7 @@ from .library.spec import AttentionSpec
 from .ops.variants import AttentionVariant
 from .schedules import decode, prefill
 from .trace import JSONDatabase
+from .trace.database import holds_records
 
 #: Query rows up to which a configuration is decode (split-k), beyond which prefill.
 DECODE_QUERIES = 8
@@ -62,7 +63,7 @@ DECODE_QUERIES = 8
 #: 8192 keys and 0.98-1.01x at 4096.
 RUNTIME_DECODE_KEYS = 8192
 _SHIPPED_RECORDS = Path(__file__).resolve().parent / "tuned"
-_RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL"}
+_RECORDS_ENV = {"decode": "TVM_CASCADE_TUNED", "prefill": "TVM_CASCADE_TUNED_PREFILL", "cascades": "TVM_CASCADE_TUNED_CASCADES"}
 #: Lengths are padded to multiples of these (query rows, keys), the whole tiles of the
 #: schedules and of every choice of their design spaces; padded keys are masked. Decode
 #: may pad its query rows further (:func:`padding`).
@@ -97,8 +98,10 @@ def padding(kind, heads_q, heads_kv, seq_q, head_dim, config=None):
 
 
 def default_records(kind):
-    """The tuning database of ``kind`` kernels shipped with the package (package data),
-    or the one the environment names."""
+    """The tuning database of ``kind`` kernels (``"decode"``, ``"prefill"``, or
+    ``"cascades"``: the cascades beyond attention,
+    :func:`tvm_cascade.meta_schedule.tuned_database`) shipped with the package (package
+    data), or the one the environment names."""
     return Path(os.environ.get(_RECORDS_ENV[kind], _SHIPPED_RECORDS / kind))
 
 
@@ -235,7 +238,7 @@ def tuned_schedule(func, target, records):
     the schedule of the family it comes from serves the function on ``target`` (records
     of the warp-specialised kernel an sm_90 ``target`` only)."""
     records = Path(records)
-    if not (records / "database_tuning_record.json").exists():
+    if not holds_records(records):
         return None
     spec, seq_q, seq_kv = _spec(func, target)
     kind = kind_of(seq_q)

@@ -46,13 +46,23 @@ postprocessors and mutators for the target, with :class:`CascadeFusion` first::
 The default rules run as :class:`TargetDefault`: one that fails on a block leaves that
 block as it was instead of stopping the whole space, as it does on an unfused attention.
 
-:func:`tune_tir` and :func:`tune_relax` are MetaSchedule's entry points with that space
-and a database that reloads the fused records (:class:`tvm_cascade.trace.JSONDatabase`);
+:func:`tune_tir` and :func:`tune_relax` are MetaSchedule's entry points with that space,
+a search that measures every design space before evolving
+(:class:`~tvm_cascade.spaces_first.SpacesFirst`: a fused space of a few decisions, whose
+rule's own choices are the decisions it carries, is otherwise seldom measured) and a
+database that reloads the fused records (:class:`tvm_cascade.trace.JSONDatabase`);
 with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` they measure the candidates on the RPC
 servers registered under that key with TVM's tracker
 (:func:`tvm_cascade.rpc_tuning.rpc_runner`), in parallel, into the one database::
 
     tune_tir(func, target, work_dir, 64, rpc_tracker="10.0.0.1:9190", rpc_key="h100")
+
+:func:`tuned_schedule` gives a function's best record, from a database of the user's
+(``tuned/cascades`` under the kernel cache's directory) or the package's
+(:func:`tuned_database`: MetaSchedule's best for the shapes of ``python -m
+benchmarks.cascades`` on an H200), and :func:`build` builds it::
+
+    kernel = build(tuned_schedule(ops.cascades.logsumexp(8192, 128256, "bfloat16"), target).mod, target)
 """
 from __future__ import annotations
 
@@ -62,6 +72,7 @@ import logging
 import os
 from typing import Sequence
 
+import tvm
 import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
@@ -76,7 +87,9 @@ from .rpc_tuning import resolve_runner
 from .schedules import warp_specialized_fp8_gemm, warp_specialized_gemm
 from .schedules.rows import plan_chain, plan_chunks, row_chains, schedule_rows
 from .schedules.warp_specialized import serves_target
+from .spaces_first import SpacesFirst
 from .trace import JSONDatabase, sample_uniform
+from .trace.database import holds_records
 from .tvm_intrinsics import imported
 from .transform.detect import find_candidates
 from .transform.fuse import (
@@ -210,7 +223,10 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             # per block dividing the rows, decided once for the trace: every sampled
             # value must decide alike.
             per_block = [p for p in per_block if chain.rows % p == 0]
-        sampled = [sample_uniform(sch, c) for c in (chunks, tiles, per_block)]
+        own = (plan["chunks"], plan["tile"], plan["rows_per_block"])
+        sampled = [
+            sample_uniform(sch, c, first=o if o in c else None) for c, o in zip((chunks, tiles, per_block), own)
+        ]
         schedule_rows(sch, *sampled)
         for site in collect_sites(only_func(sch).body.block):
             sch.annotate(sch.get_sblock(site.name), *SKIP)
@@ -228,9 +244,11 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         )
         if warp_specialized_gemm.unsupported(problem.n, problem.k, problem.layout, problem.dtype, problem.out_dtype, largest):
             return False
+        own = warp_specialized_gemm.WarpSpecializedGemmConfig()
         sampled = [
-            sample_uniform(sch, choices) for choices in (
-                warp_specialized_gemm.COLS_CHOICES, warp_specialized_gemm.STAGE_CHOICES, warp_specialized_gemm.GROUP_CHOICES,
+            sample_uniform(sch, choices, first) for choices, first in (
+                (warp_specialized_gemm.COLS_CHOICES, own.cols), (warp_specialized_gemm.STAGE_CHOICES, own.stages),
+                (warp_specialized_gemm.GROUP_CHOICES, own.group),
             )
         ]
         warp_specialized_gemm.apply_schedule(sch, problem, *sampled)
@@ -260,7 +278,11 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
             if fp8.unsupported_choices(problem, form, [max(o) for o in options]) is not None:
                 continue
             proposal = sch.copy()
-            fp8.apply_schedule(proposal, form, [sample_uniform(proposal, o) for o in options])
+            own = fp8.Fp8GemmConfig()
+            firsts = (own.cols, own.stages, own.group) if form in ("tiles", "two_pass") else (None,) * len(options)
+            fp8.apply_schedule(proposal, form, [
+                sample_uniform(proposal, o, f if f in o else None) for o, f in zip(options, firsts)
+            ])
             for block in ir.blocks_in(only_func(proposal).body.block):
                 proposal.annotate(proposal.get_sblock(block.name_hint), *SKIP)
             proposals.append(proposal)
@@ -413,7 +435,8 @@ def tune_tir(
     or with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` on the RPC servers registered
     under that key (:func:`tvm_cascade.rpc_tuning.rpc_runner`, ``rpc_workers`` at once:
     default one per server), else on this machine. ``options`` go to ``ms.tune_tir``
-    (``num_trials_per_iter``, ``strategy``, ...)."""
+    (``num_trials_per_iter``, ...; ``strategy`` default :class:`SpacesFirst`: every
+    design space measured once, then the evolutionary search)."""
     runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
     return ms.tune_tir(
         mod, target, work_dir, max_trials_global,
@@ -421,7 +444,7 @@ def tune_tir(
         database=_database(work_dir) if database is None else database,
         builder=candidate_builder() if builder is None else builder,
         runner=runner,
-        **options,
+        **{"strategy": SpacesFirst(), **options},
     )
 
 
@@ -446,7 +469,8 @@ def tune_relax(
     :func:`cascade_space`), into ``database`` (default the cascade JSON database in
     ``work_dir``), built by ``builder`` (default :func:`candidate_builder`), measured by
     ``runner``, on the RPC servers of ``rpc_tracker`` and ``rpc_key``, or on this
-    machine; returns the database."""
+    machine, each task searched by ``strategy`` (default :class:`SpacesFirst`); returns
+    the database."""
     runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
     return ms.relax_integration.tune_relax(
         mod, params, target, work_dir, max_trials_global,
@@ -454,8 +478,49 @@ def tune_relax(
         database=_database(work_dir) if database is None else database,
         builder=candidate_builder() if builder is None else builder,
         runner=runner,
-        **options,
+        **{"strategy": SpacesFirst(), **options},
     )
+
+
+def tuned_database(records=None):
+    """The tuning records :func:`tuned_schedule` reads: those in the directory
+    ``records`` (MetaSchedule's two JSON files; created where missing), or by default
+    the user's own (``tuned/cascades`` under the kernel cache's directory,
+    :func:`tvm_cascade.kernels.user_records`) before those shipped with the package
+    (:func:`tvm_cascade.kernels.default_records`: the shapes of ``python -m
+    benchmarks.cascades`` tuned on an H200); None where there are none."""
+    if records is not None:
+        return _database(records)
+    from .kernels import default_records, user_records  # (it imports the attention library)
+
+    found = [
+        JSONDatabase(work_dir=str(path), allow_missing=False)
+        for path in (user_records("cascades"), default_records("cascades"))
+        if holds_records(path)
+    ]
+    if len(found) < 2:
+        return found[0] if found else None
+    return ms.database.OrderedUnionDatabase(*found)
+
+
+def tuned_schedule(func, target, database=None):
+    """The schedule of ``func`` (an unfused cascade: a PrimFunc, or an IRModule of one)
+    its best record in ``database`` (default :func:`tuned_database`) gives on
+    ``target``, or None where no record holds its workload. Build it with
+    :func:`build`."""
+    database = tuned_database() if database is None else database
+    if database is None:
+        return None
+    mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
+    return ms.tir_integration.compile_tir(database, mod, target)
+
+
+def build(mod, target):
+    """``mod`` (a schedule's module, e.g. :func:`tuned_schedule`'s) built for ``target`` as
+    the candidate builder builds it: a warp-specialised GEMM or fp8 GEMM lowered to its
+    kernel, anything else as MetaSchedule builds it."""
+    imported("tvm.s_tir.tensor_intrin")  # (as the candidate builder's processes start: TVM's own import takes half a minute)
+    return _build_candidate(mod, tvm.target.Target(target), None)
 
 
 def _database(work_dir: str) -> JSONDatabase:

@@ -8,6 +8,8 @@ File format (identical to ``tvm.s_tir.meta_schedule.database.JSONDatabase``):
 * tuning-record table: one JSON line per record,
   ``[workload_index, [trace_json, run_secs, target_config, args_info]]``.
 
+A table may instead be stored xz-compressed beside where it would be
+(``database_workload.json.xz``: how the package ships its records), read only.
 Files written by TVM's own JSONDatabase load here (and vice versa for native-only
 traces).  Traces are replayed with :func:`tvm_cascade.trace.apply_json_to_schedule`, so
 records containing ``RollingUpdate`` / ``SplitKUpdate`` load where TVM's loader fails.
@@ -19,6 +21,7 @@ trace applied with ``Trace.apply_to_schedule``).
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import threading
 from typing import List, Optional, Tuple
@@ -34,15 +37,26 @@ from .json_io import to_plain_json, trace_from_json
 MAX_MEAN_TIME = 1e10
 
 
+#: The suffix of a table stored compressed (read-only): a database shipped as package data.
+COMPRESSED = ".xz"
+
+
+def holds_records(directory) -> bool:
+    """Whether ``directory`` holds a tuning-record table, plain or compressed."""
+    path = os.path.join(str(directory), "database_tuning_record.json")
+    return os.path.exists(path) or os.path.exists(path + COMPRESSED)
+
+
 def _read_json_lines(path: str, allow_missing: bool) -> List[object]:
-    if not os.path.exists(path):
+    compressed = not os.path.exists(path) and os.path.exists(path + COMPRESSED)
+    if not os.path.exists(path) and not compressed:
         if not allow_missing:
             raise ValueError(f"File doesn't exist: {path}")
         with open(path, "w", encoding="utf-8"):
             pass
         return []
     out = []
-    with open(path, "r", encoding="utf-8") as f:
+    with (lzma.open(path + COMPRESSED, "rt", encoding="utf-8") if compressed else open(path, "r", encoding="utf-8")) as f:
         for line in f:
             line = line.strip()
             if line:
@@ -200,6 +214,8 @@ class JSONDatabase(PyDatabase):
 
     @staticmethod
     def _append_line(path: str, obj: object) -> None:
+        if not os.path.exists(path) and os.path.exists(path + COMPRESSED):
+            raise ValueError(f"{path + COMPRESSED} is a compressed table, read only: tune into plain JSON files")
         with open(path, "a", encoding="utf-8") as f:
             f.write(_dumps(obj) + "\n")
 

@@ -1,0 +1,54 @@
+"""The cascades' tuning records shipped with the package (``tvm_cascade/tuned/cascades``,
+MetaSchedule's best candidates on an H200 for the shapes of ``python -m
+benchmarks.cascades``): every shape has one, it replays as a fusion, and it builds for
+CUDA."""
+import shutil
+
+import pytest
+import tvm
+
+from benchmarks.cascades import SHAPES, unfused
+from tvm_cascade.kernels import default_records
+from tvm_cascade.meta_schedule import build, tuned_database, tuned_schedule
+
+H200 = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024, "max_shared_memory_per_block": 49152, "thread_warp_size": 32})
+
+
+@pytest.fixture
+def shipped(monkeypatch, tmp_path):
+    monkeypatch.delenv("TVM_CASCADE_TUNED_CASCADES", raising=False)
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path))  # no user's records
+    return tuned_database()
+
+
+def test_every_benchmark_shape_has_a_fused_record(shipped):
+    assert shipped is not None and str(default_records("cascades")).endswith("tuned/cascades")
+    for name, workload, rows, n, top_k, dtype in SHAPES:
+        sch = tuned_schedule(unfused(workload, rows, n, top_k, dtype), H200, shipped)
+        assert sch is not None, name
+        kinds = {inst.kind.name for inst in sch.trace.insts}
+        assert {"SplitKUpdate", "RollingUpdate"} <= kinds, name
+
+
+def test_a_shape_without_a_record_has_no_schedule(shipped):
+    from tvm_cascade.ops import cascades
+
+    assert tuned_schedule(cascades.logsumexp(1000, 32000, "bfloat16"), H200, shipped) is None
+
+
+@pytest.mark.parametrize("shape", ["log-sum-exp 1024", "moe routing 16384 x 256"])
+def test_shipped_records_build_for_cuda(shipped, shape):
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    (found,) = [s for s in SHAPES if s[0].startswith(shape)]
+    _, workload, rows, n, top_k, dtype = found
+    sch = tuned_schedule(unfused(workload, rows, n, top_k, dtype), H200, shipped)
+    source = build(sch.mod, H200).imports[0].inspect_source()
+    assert "__global__" in source and "blockIdx.x" in source
+
+
+def test_a_compressed_database_is_read_only(shipped):
+    from tvm_cascade.ops import cascades
+
+    with pytest.raises(ValueError, match="compressed table, read only"):
+        shipped.commit_workload(tvm.IRModule({"main": cascades.logsumexp(1000, 32000, "bfloat16")}))
