@@ -69,8 +69,7 @@ def test_the_first_round_measures_every_design_space_as_its_rule_chose():
 def test_tune_tir_measures_each_space_once_then_searches(tmp_path, monkeypatch):
     """On the CPU: log-sum-exp's 11 design spaces (the default rules' 9 unfused ones, the
     rolled one, the split-k one) are all measured, then the search's round; no module is
-    measured twice (the search starts once they are in the database), and the best
-    record computes what numpy does, read from the tuning directory, from where the
+    measured twice, and the best record computes what numpy does, read from the tuning directory, from where the
     package's records are (``TVM_CASCADE_TUNED_CASCADES``), and from the user's."""
     func = cascades.logsumexp(4, 40)
     mod = tvm.IRModule({"main": func})

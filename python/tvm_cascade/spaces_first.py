@@ -25,7 +25,8 @@ from tvm.s_tir import meta_schedule as ms
 @derived_object
 class SpacesFirst(ms.search_strategy.PySearchStrategy):
     """Measure every design space (its schedule as generated, post-processed) in the first
-    round (as many as the trials allow, those of the fewest decisions first), then search with ``search`` (default MetaSchedule's
+    round (as many as the trials allow, those of the fewest decisions first), then search
+    with ``search`` (default MetaSchedule's
     :class:`~tvm.s_tir.meta_schedule.search_strategy.EvolutionarySearch` with
     ``evolutionary``'s options) for the trials left."""
 
@@ -34,8 +35,7 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
         self.context = None
         self.waiting = []  # the design spaces' schedules, until handed out
         self.measuring_spaces = False
-        self.searching = None  # the search's pre-tuning arguments
-        self.started = False
+        self.searches = False  # whether trials are left to the search
 
     def _initialize_with_tune_context(self, context) -> None:
         self.context = context
@@ -43,11 +43,13 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
         self.waiting = self._spaces(design_spaces)[:max_trials]
-        self.searching = (max_trials - len(self.waiting), num_trials_per_iter, design_spaces, database, cost_model)
-        self.started = False
+        self.searches = max_trials > len(self.waiting)
+        if self.searches:
+            self.search.pre_tuning(max_trials - len(self.waiting), num_trials_per_iter, design_spaces, database,
+                                   cost_model)
 
     def post_tuning(self) -> None:
-        if self.started:
+        if self.searches:
             self.search.post_tuning()
 
     def generate_measure_candidates(self):
@@ -55,16 +57,10 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
             candidates, self.waiting = self.waiting, []
             self.measuring_spaces = True
             return candidates
-        if self.searching[0] <= 0:
-            return None
-        if not self.started:
-            # Started once the spaces are measured: it reads the workloads measured
-            # from the database as it starts, and does not measure them again.
-            self.search.pre_tuning(*self.searching)
-            self.started = True
-        return self.search.generate_measure_candidates()
+        return self.search.generate_measure_candidates() if self.searches else None
 
     def notify_runner_results(self, measure_candidates, results) -> None:
+        # (the search counts the trials it handed out only)
         if self.measuring_spaces:
             self.measuring_spaces = False
             return
@@ -75,13 +71,16 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
 
     def _spaces(self, design_spaces) -> list:
         """Each design space's schedule with its decisions, post-processed, those of the
-        fewest decisions first (the search's population holds least of them); those the
-        postprocessors reject, and repeats, left out."""
+        fewest decisions first (the search's population holds least of them); those that
+        fail to replay or that the postprocessors reject, and repeats, left out."""
         postprocs = list(self.context.space_generator.postprocs)
         seen, candidates = set(), []
         for space in sorted(design_spaces, key=lambda space: len(space.trace.decisions)):
             sch = tvm.s_tir.Schedule(self.context.mod, debug_mask=0)
-            space.trace.apply_to_schedule(sch, remove_postproc=True)
+            try:
+                space.trace.apply_to_schedule(sch, remove_postproc=True)
+            except (RuntimeError, ValueError):  # (a replay failure: the search passes over those too)
+                continue
             if not all(postproc.apply(sch) for postproc in postprocs):
                 continue
             key = tvm_ffi.structural_hash(sch.mod)
