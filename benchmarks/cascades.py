@@ -14,17 +14,12 @@ scheduled by :func:`tvm_cascade.schedules.rows.schedule_rows` with
 against float64 PyTorch on the GPU (top-k: the chosen experts' probabilities equal the
 reference's k largest, and each is the probability of the expert named); a peer that is
 wrong or fails shows its reason instead of a time. "tvm-cascade (tuned)" is the unfused
-function built from its best MetaSchedule record
-(:func:`tvm_cascade.meta_schedule.tuned_schedule`) in the package's tuning database, or
-in ``--records DIR``; with ``--tune TRIALS`` the shape is tuned into that database
-(default ``OUT/tuning/records``) first: ``TRIALS`` candidates of the space of
-:func:`tvm_cascade.meta_schedule.cascade_space` (which proposes the fusions itself)
-measured, starting from the unfused function (xgboost's cost model where it is
-installed, else random sampling; the record's fusion instructions are in the JSON). The
-package's records come from ``--tune 32 --records python/tvm_cascade/tuned/cascades``.
-Times are medians of CUDA-event timed calls with the L2 cache flushed before each
-(:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes ``cascades.json``, ``cascades.md``
-and (with matplotlib) ``cascades.png``.
+function from its best MetaSchedule record (:mod:`benchmarks.tuned_peer`: the package's
+records, or ``--records DIR``; ``--tune TRIALS`` tunes into them first, xgboost's cost
+model where it is installed, else random sampling; the record's fusion instructions
+are in the JSON). Times are medians of CUDA-event timed calls with the L2 cache flushed
+before each (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a
+table; writes ``cascades.json``, ``cascades.md`` and (with matplotlib) ``cascades.png``.
 """
 from __future__ import annotations
 
@@ -33,11 +28,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .attention import named, run_shapes, shapes_parser, write_table
+from . import tuned_peer
 from .report import grouped_bars
 from .timing import bench
+from .tuned_peer import TUNED
 
 PEERS = ("tvm-cascade", "torch", "torch.compile", "tvm", "tvm, cascade pipeline")
-TUNED = "tvm-cascade (tuned)"
 #: (name, workload, rows (tokens), row length (classes, experts), top-k, dtype)
 SHAPES = (
     ("cross-entropy 1024 x 128256 bf16", "cross_entropy", 1024, 128256, 0, "bfloat16"),
@@ -74,30 +70,18 @@ def cascade_kernel(workload, rows, n, top_k, dtype, target):
 
 
 def tuned_kernel(workload, rows, n, top_k, dtype, target, trials: int, records: Optional[Path], logs: Path):
-    """The kernel of the unfused function's best record in the database at ``records``
-    (default: the package's, :func:`tvm_cascade.meta_schedule.tuned_database`), tuned
-    there first with ``trials`` MetaSchedule candidates if asked, and the fusion
-    instructions of its trace."""
+    """:func:`benchmarks.tuned_peer.tuned_kernel` of the unfused function (xgboost's cost
+    model where it is installed, else random sampling), and what its record chose."""
     import importlib.util
 
-    import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    from tvm_cascade.meta_schedule import build, tune_tir, tuned_database, tuned_schedule
-
-    mod = tvm.IRModule({"main": unfused(workload, rows, n, top_k, dtype)})
-    database = tuned_database(records)
     cost_model = "xgb" if importlib.util.find_spec("xgboost") else "random"
-    if trials:
-        runner = ms.runner.LocalRunner(f_alloc_argument=arguments_in_range)
-        tune_tir(mod, target, str(logs), trials, database=database, num_trials_per_iter=min(trials, 32),
-                 cost_model=cost_model, runner=runner)
-    sch = tuned_schedule(mod, target, database)
-    if sch is None:
-        raise RuntimeError(f"no record of this shape (why: {logs}/logs)" if trials else "no record of this shape")
+    runner = ms.runner.LocalRunner(f_alloc_argument=arguments_in_range)
+    kernel, sch = tuned_peer.tuned_kernel(unfused(workload, rows, n, top_k, dtype), target, trials, records, logs,
+                                          cost_model=cost_model, runner=runner)
     fusions = [i.kind.name for i in sch.trace.insts if i.kind.name in ("RollingUpdate", "SplitKUpdate")]
-    record = {"fusions": fusions, **({"cost_model": cost_model, "trials": trials} if trials else {})}
-    return build(sch.mod, target)["main"], record
+    return kernel, {"fusions": fusions, **({"cost_model": cost_model, "trials": trials} if trials else {})}
 
 
 def arguments_in_range(device, args_info, alloc_repeat):
@@ -369,11 +353,9 @@ def plot(results: List[Dict], path: Path) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = shapes_parser("benchmarks.cascades", __doc__, "cascades.json, .md and .png")
-    p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="tune each shape with MetaSchedule first")
-    p.add_argument("--records", type=Path, default=None, metavar="DIR",
-                   help="the tuning database read (and tuned into); default: the package's")
+    tuned_peer.add_arguments(p)
     args = p.parse_args(argv)
-    records = args.out / "tuning" / "records" if args.tune and args.records is None else args.records
+    records = tuned_peer.records_of(args)
     measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
     results = run_shapes("benchmarks.cascades", args.out, argv, named(SHAPES, args.only), measure, tolerance=TOLERANCE)
     if results is None:

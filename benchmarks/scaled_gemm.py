@@ -9,7 +9,7 @@ through TVM's default CUDA pipeline; "tvm, cascade pipeline": the same graph thr
 on the normalised input (``torch.matmul``: what the fused kernel would take if the norm
 cost nothing).
 
-    python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...] [--tune TRIALS]
+    python -m benchmarks.scaled_gemm [--out DIR] [--only NAME ...] [--tune TRIALS] [--records DIR]
 
 X is [M, K] float16 (bfloat16 where the shape says so), gamma [K], W [K, N]; the output
 [M, N] of the same dtype. Every output is checked first against float64 PyTorch
@@ -17,10 +17,10 @@ X is [M, K] float16 (bfloat16 where the shape says so), gamma [K], W [K, N]; the
 reason instead of a time. Times are medians of
 CUDA-event timed calls with the L2 cache flushed before each
 (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
-``scaled_gemm.json`` and ``scaled_gemm.md``. With ``--tune TRIALS``, "tvm-cascade
-(tuned)" is the best of ``TRIALS`` candidates MetaSchedule measured in
-:func:`tvm_cascade.meta_schedule.cascade_space` from the unfused ``ops.rmsnorm_gemm``
-(records under ``DIR/tuning``), built by the candidate builder's build function; its
+``scaled_gemm.json`` and ``scaled_gemm.md``. With ``--records DIR`` or ``--tune
+TRIALS``, "tvm-cascade (tuned)" is the unfused ``ops.rmsnorm_gemm`` from its best
+MetaSchedule record in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's records
+hold none of these shapes), ``--tune`` tuning into it first (random cost model); its
 row names the kernel the record chose.
 """
 from __future__ import annotations
@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .attention import named, run_shapes, shapes_parser, write_table
+from . import tuned_peer
 from .cascades import _reason, eager
 from .timing import bench
+from .tuned_peer import TUNED
 
-TUNED = "tvm-cascade (tuned)"
 PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N[, dtype]) (float16 unless named)
 SHAPES = (
@@ -66,29 +67,23 @@ def stock_tvm(m, k, n, target, pipeline="default", dtype="float16"):
     return relax.VirtualMachine(tvm.compile(bb.get(), target=target, relax_pipeline=pipeline), tvm.cuda(0))["main"]
 
 
-def tuned_kernel(m, k, n, dtype, target, trials: int, work_dir: Path):
-    """The best of ``trials`` MetaSchedule candidates for the unfused function, and what
-    its record chose (the warp-specialised kernel's choices, or its trace's instruction kinds)."""
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
-    from tvm_cascade.meta_schedule import BUILD_FUNC, tune_tir
+def tuned_kernel(m, k, n, dtype, target, trials: int, records: Optional[Path], logs: Path):
+    """:func:`benchmarks.tuned_peer.tuned_kernel` of the unfused function (random cost
+    model), and what its record chose (the warp-specialised kernel's choices, or its
+    trace's instruction kinds)."""
     from tvm_cascade.ops import cascades
     from tvm_cascade.schedules import warp_specialized_gemm as ws
 
-    mod = tvm.IRModule({"main": cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype)})
-    database = tune_tir(mod, target, str(work_dir), trials, num_trials_per_iter=min(trials, 32), cost_model="random")
-    sch = ms.tir_integration.compile_tir(database, mod, target)
-    if sch is None:
-        raise RuntimeError(f"none of the {trials} candidates ran (why: {work_dir}/logs)")
+    func = cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype=dtype)
+    kernel, sch = tuned_peer.tuned_kernel(func, target, trials, records, logs, cost_model="random")
     config = ws.chosen_config(sch.mod)
     record = {"kernel": "warp-specialised", "cols": config.cols, "stages": config.stages, "group": config.group} if config else {
         "kernel": "other", "instructions": sorted({i.kind.name for i in sch.trace.insts})
     }
-    return tvm.get_global_func(BUILD_FUNC)(sch.mod, target, None)["main"], record
+    return kernel, {**record, **({"trials": trials} if trials else {})}
 
 
-def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dict]:
+def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None, records: Optional[Path] = None) -> List[Dict]:
     import torch
     import torch.nn.functional as F
     import tvm
@@ -138,7 +133,7 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
     tuning = {}
 
     def tuned():
-        kernel, tuning["record"] = tuned_kernel(m, k, n, dtype, target, tune, work_dir / name.replace(" ", "_"))
+        kernel, tuning["record"] = tuned_kernel(m, k, n, dtype, target, tune, records, work_dir / name.replace(" ", "_"))
         return _kernel_call(kernel)
 
     norm_gemm = lambda a, g, b: F.rms_norm(a, (k,), g, EPS) @ b  # noqa: E731
@@ -150,7 +145,7 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
         TUNED: tuned,
     }
     results = []
-    for peer in PEERS + ((TUNED,) if tune else ()):
+    for peer in PEERS + ((TUNED,) if tune or records is not None else ()):
         row = {"shape": name, "peer": peer}
         try:
             call, result = builders[peer]()
@@ -166,7 +161,7 @@ def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None) -> List[Dic
         except Exception as err:  # a peer that fails shows why, the others still run
             row["error"] = _reason(err)
         if peer == TUNED:
-            row.update(trials=tune, **tuning.get("record", {}))
+            row.update(tuning.get("record", {}))
         results.append(row)
     by_peer = {r["peer"]: r.get("ms") for r in results}
     for row in results:
@@ -194,9 +189,10 @@ def markdown(results: List[Dict]) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md")
-    p.add_argument("--tune", type=int, default=0, metavar="TRIALS", help="also tune each shape with MetaSchedule")
+    tuned_peer.add_arguments(p)
     args = p.parse_args(argv)
-    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning")  # noqa: E731
+    records = tuned_peer.records_of(args)
+    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
     results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), measure)
     if results is None:
         return 0

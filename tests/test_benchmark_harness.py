@@ -244,6 +244,43 @@ def test_cascades_tuning_arguments_keep_labels_in_range():
     assert not any(a.numpy().astype("float32").any() for a in args)
 
 
+def test_the_tuned_peer_reads_the_package_records_or_those_named(tmp_path, monkeypatch):
+    """``tvm-cascade (tuned)``: the package's records by default (a benchmark shape's
+    kernel built from them), ``--records DIR`` where named, and with ``--tune`` and no
+    ``--records`` a database under ``OUT`` (the package's is read only); a shape without
+    a record says so."""
+    import argparse
+    import shutil
+
+    import tvm
+
+    from benchmarks import tuned_peer
+    from benchmarks.cascades import unfused
+    from tvm_cascade.ops import cascades
+
+    monkeypatch.delenv("TVM_CASCADE_TUNED_CASCADES", raising=False)
+    monkeypatch.setenv("TVM_CASCADE_CACHE", str(tmp_path / "cache"))
+    parser = argparse.ArgumentParser()
+    tuned_peer.add_arguments(parser)
+
+    def records(*argv):
+        args = parser.parse_args(argv)
+        args.out = tmp_path / "out"
+        return tuned_peer.records_of(args)
+
+    assert records() is None and records("--records", "r") == Path("r")
+    assert records("--tune", "8") == tmp_path / "out" / "tuning" / "records"
+    assert records("--tune", "8", "--records", "r") == Path("r")
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    with pytest.raises(RuntimeError, match="no record of this shape"):
+        tuned_peer.tuned_kernel(cascades.logsumexp(1000, 32000, "bfloat16"), cuda, 0, None, tmp_path)
+    with pytest.raises(RuntimeError, match="no record of this shape"):
+        tuned_peer.tuned_kernel(cascades.logsumexp(1024, 128256, "bfloat16"), cuda, 0, tmp_path / "empty", tmp_path)
+    if shutil.which("nvcc"):
+        kernel, sch = tuned_peer.tuned_kernel(unfused("logsumexp", 1024, 128256, 0, "bfloat16"), cuda, 0, None, tmp_path)
+        assert "SplitKUpdate" in {inst.kind.name for inst in sch.trace.insts} and kernel is not None
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("cfg", TINY, ids=lambda c: f"{c.name}-q{c.seq_q}")
 def test_torch_peers_express_the_variants(cfg, small_window, monkeypatch):
