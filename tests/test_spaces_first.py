@@ -47,6 +47,8 @@ def test_the_first_round_measures_every_design_space_as_its_rule_chose():
 
     first = strategy.generate_measure_candidates()
     assert len(first) == len(spaces) == 7
+    # Post-processed as the search does: what follows the mark is the postprocessors'.
+    assert all(any(i.kind.name == "EnterPostproc" for i in c.sch.trace.insts) for c in first)
     assert collections.Counter(_fusions(c.sch) for c in first) == collections.Counter(_fusions(s) for s in spaces)
     (chain,) = row_chains(func)
     plan = plan_chain(func, chain)
@@ -87,6 +89,13 @@ def test_tune_tir_measures_each_space_once_then_searches(tmp_path, monkeypatch):
     assert kinds[("RollingUpdate",)] >= 1 and kinds[("SplitKUpdate",)] >= 1 and kinds[()] >= 9
     measured = [tvm_ffi.structural_hash(_replayed(record, mod).mod) for record in records]
     assert len(set(measured)) == len(measured)
+    # Every record replays as the search replays the database's best: its postprocessing
+    # left out, then done again.
+    postprocs = ms.TuneContext(mod=mod, target=TARGET, space_generator=cascade_space(chunks=(2, 4)),
+                               task_name="main").space_generator.postprocs
+    for record in records:
+        sch = _replayed(record, mod)
+        assert all(postproc.apply(sch) for postproc in postprocs)
 
     x = np.random.default_rng(0).standard_normal((4, 40)).astype("float32") * 4
     expected = R.logsumexp_ref(x)

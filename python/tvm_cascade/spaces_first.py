@@ -81,6 +81,9 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
                 space.trace.apply_to_schedule(sch, remove_postproc=True)
             except (RuntimeError, ValueError):  # (a replay failure: the search passes over those too)
                 continue
+            # (as the search marks it: a record's replay leaves what follows to the
+            # postprocessors, which would otherwise apply twice)
+            sch.enter_postproc()
             if not all(postproc.apply(sch) for postproc in postprocs):
                 continue
             key = tvm_ffi.structural_hash(sch.mod)
