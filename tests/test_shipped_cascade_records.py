@@ -52,3 +52,29 @@ def test_a_compressed_database_is_read_only(shipped):
 
     with pytest.raises(ValueError, match="compressed table, read only"):
         shipped.commit_workload(tvm.IRModule({"main": cascades.logsumexp(1000, 32000, "bfloat16")}))
+
+
+def test_shipped_records_replay_as_the_search_replays_them(shipped):
+    """MetaSchedule's search starts from the database's best records (a user tuning on
+    from the package's): each record marks where its postprocessing starts (the search
+    replays what comes before and mutates it, then post-processes anew), and replayed
+    so, with the target's postprocessors, it is the schedule measured."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_cascade.meta_schedule import cascade_space
+
+    records = shipped.get_all_tuning_records()
+    assert len(records) == 40
+    postprocs = None
+    for record in records:
+        mod = record.workload.mod
+        assert any(inst.kind.name == "EnterPostproc" for inst in record.trace.insts)
+        if postprocs is None:
+            postprocs = ms.TuneContext(mod=mod, target=H200, space_generator=cascade_space(),
+                                       task_name="main").space_generator.postprocs
+        measured, replayed = tvm.s_tir.Schedule(mod), tvm.s_tir.Schedule(mod)
+        record.trace.apply_to_schedule(measured, remove_postproc=False)
+        record.trace.apply_to_schedule(replayed, remove_postproc=True)
+        assert all(postproc.apply(replayed) for postproc in postprocs)
+        assert tvm_ffi.structural_equal(replayed.mod, measured.mod)
