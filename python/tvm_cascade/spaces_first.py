@@ -28,7 +28,8 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
     round (as many as the trials allow, those of the fewest decisions first), then search
     with ``search`` (default MetaSchedule's
     :class:`~tvm.s_tir.meta_schedule.search_strategy.EvolutionarySearch` with
-    ``evolutionary``'s options) for the trials left."""
+    ``evolutionary``'s options) for the trials left, none of its candidates measured
+    again where it proposes a space's module (it counts it among its trials)."""
 
     def __init__(self, search=None, **evolutionary):
         self.search = ms.search_strategy.EvolutionarySearch(**evolutionary) if search is None else search
@@ -36,6 +37,8 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
         self.waiting = []  # the design spaces' schedules, until handed out
         self.measuring_spaces = False
         self.searches = False  # whether trials are left to the search
+        self.measured = {}  # the spaces' modules, by structural hash
+        self.handed = ([], [])  # the search's last candidates, and which went to be measured
 
     def _initialize_with_tune_context(self, context) -> None:
         self.context = context
@@ -43,6 +46,9 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
         self.waiting = self._spaces(design_spaces)[:max_trials]
+        self.measured = {}
+        for candidate in self.waiting:
+            self.measured.setdefault(tvm_ffi.structural_hash(candidate.sch.mod), []).append(candidate.sch.mod)
         self.searches = max_trials > len(self.waiting)
         if self.searches:
             self.search.pre_tuning(max_trials - len(self.waiting), num_trials_per_iter, design_spaces, database,
@@ -57,14 +63,28 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
             candidates, self.waiting = self.waiting, []
             self.measuring_spaces = True
             return candidates
-        return self.search.generate_measure_candidates() if self.searches else None
+        candidates = self.search.generate_measure_candidates() if self.searches else None
+        if candidates is None:
+            return None
+        # The search does not know the spaces' modules measured (MetaSchedule's does not
+        # read them from the database): those it proposes again are not measured twice.
+        kept = [not self._measured(candidate.sch.mod) for candidate in candidates]
+        self.handed = (list(candidates), kept)
+        return [candidate for candidate, keep in zip(candidates, kept) if keep]
 
     def notify_runner_results(self, measure_candidates, results) -> None:
-        # (the search counts the trials it handed out only)
+        # (the search counts the trials it handed out only, and all of those)
         if self.measuring_spaces:
             self.measuring_spaces = False
             return
-        self.search.notify_runner_results(measure_candidates, results)
+        candidates, kept = self.handed
+        given = iter(results)
+        self.search.notify_runner_results(candidates, [
+            next(given) if keep else ms.runner.RunnerResult(None, "measured as a design space") for keep in kept
+        ])
+
+    def _measured(self, mod) -> bool:
+        return any(tvm_ffi.structural_equal(mod, seen) for seen in self.measured.get(tvm_ffi.structural_hash(mod), ()))
 
     def clone(self):
         return SpacesFirst(self.search.clone())
