@@ -486,7 +486,8 @@ def tuned_database(records=None):
     """The tuning records :func:`tuned_schedule` reads: those in the directory
     ``records`` (MetaSchedule's two JSON files; created where missing), or by default
     the user's own (``tuned/cascades`` under the kernel cache's directory,
-    :func:`tvm_cascade.kernels.user_records`) before those shipped with the package
+    :func:`tvm_cascade.kernels.user_records`: ``tune_tir(..., database=
+    tuned_database(user_records("cascades")))`` tunes into it) before those shipped with the package
     (:func:`tvm_cascade.kernels.default_records`: the shapes of ``python -m
     benchmarks.cascades`` tuned on an H200); None where there are none."""
     if records is not None:
