@@ -9,7 +9,7 @@ the two-kernel path users run (a quantisation kernel, then ``torch._scaled_mm`` 
 row-wise scales; the quantisation eager and ``torch.compile``d), ``torch.compile`` of
 the whole, and cuBLAS's float16 GEMM of the unquantised operands for reference.
 
-    python -m benchmarks.fp8_gemm [--out DIR] [--only NAME ...]
+    python -m benchmarks.fp8_gemm [--out DIR] [--only NAME ...] [--tune TRIALS] [--records DIR]
 
 X is [M, K] float16, W [N, K] float8_e4m3fn with a float32 scale per output channel,
 the output [M, N] float16. Every output is checked first against float64 PyTorch:
@@ -19,14 +19,21 @@ the largest output), every peer's against the unquantised product (under 5%: fp8
 own rounding); the table gives each one's error against the unquantised product. Times
 are medians of CUDA-event timed calls with the L2 cache flushed before each
 (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
-``fp8_gemm.json`` and ``fp8_gemm.md``.
+``fp8_gemm.json`` and ``fp8_gemm.md``. With ``--records DIR`` or ``--tune TRIALS``,
+"tvm-cascade (tuned)" and "tvm-cascade (tuned), two passes" are the unfused
+``ops.fp8_quant_gemm`` with k tiles of 128 and of all of K from their best MetaSchedule
+records in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's hold none of these
+shapes), ``--tune`` tuning into it first (random cost model), each checked against its
+definition.
 """
 from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from . import tuned_peer
 from .attention import named, run_shapes, shapes_parser, write_table
 from .cascades import _reason, eager
 from .timing import bench
@@ -94,7 +101,12 @@ def rolling_reference(x, w, w_scale, tile):
     return out * w_scale.double()[None, :]
 
 
-def run_shape(shape) -> List[Dict]:
+#: The tuned peers (with ``--tune`` or ``--records``): ``ops.fp8_quant_gemm`` with k tiles
+#: of 128 and with one of all of K (the two-pass quantisation), from their best records.
+TUNED_TILES = {tuned_peer.TUNED: 128, f"{tuned_peer.TUNED}, two passes": None}
+
+
+def run_shape(shape, tune: int = 0, work_dir: Optional[Path] = None, records: Optional[Path] = None) -> List[Dict]:
     import torch
     import tvm
 
@@ -120,6 +132,16 @@ def run_shape(shape) -> List[Dict]:
 
         return built
 
+    def tuned(tile):
+        def build():
+            from tvm_cascade.ops import cascades
+
+            func = cascades.fp8_quant_gemm(m, n, k, tile=tile or k)
+            logs = work_dir / f"{name}, {tile or k}".replace(" ", "_").replace(",", "")
+            return tuned_peer.tuned_kernel(func, target, tune, records, logs, cost_model="random")[0]
+
+        return ours(build)
+
     two_kernels = lambda q: lambda a, b, s: scaled_mm(*q(a), b, s)  # noqa: E731
     builders = {
         "tvm-cascade": ours(lambda: fp8.build(fp8.kernel_for(m, n, k), target)["main"]),
@@ -129,9 +151,11 @@ def run_shape(shape) -> List[Dict]:
         TWO_KERNELS: eager(two_kernels(torch.compile(quantise)), x, w, w_scale),
         "torch.compile": eager(torch.compile(two_kernels(quantise)), x, w, w_scale),
         "fp16 cuBLAS GEMM": eager(torch.matmul, x, w16),
+        **{peer: tuned(tile) for peer, tile in TUNED_TILES.items()},
     }
+    ours_by_tile = {**OURS, **TUNED_TILES}
     results = []
-    for peer in PEERS:
+    for peer in PEERS + (tuple(TUNED_TILES) if tune or records is not None else ()):
         row = {"shape": name, "peer": peer}
         try:
             call, result = builders[peer]()
@@ -140,8 +164,8 @@ def run_shape(shape) -> List[Dict]:
             got = result().double()
             row["relative error"] = (got - product).abs().max().item() / product.abs().max().item()
             wrong = None
-            if peer in OURS:
-                definition = definitions[OURS[peer]]
+            if peer in ours_by_tile:
+                definition = definitions[ours_by_tile[peer]]
                 off = (got - definition).abs().max().item() / definition.abs().max().item()
                 if off > DEFINITION_ERROR:
                     wrong = f"off its definition by {off:.2e} of the largest output"
@@ -174,14 +198,15 @@ def _any_m(n, k, target):
 
 
 def markdown(results: List[Dict]) -> str:
+    peers = PEERS + tuple(p for p in TUNED_TILES if any(r["peer"] == p for r in results))
     lines = [
-        "| shape | " + " | ".join(f"{p} ms" for p in PEERS)
+        "| shape | " + " | ".join(f"{p} ms" for p in peers)
         + f" | tvm-cascade TFLOP/s | vs {TWO_KERNELS}: one kernel / two passes | error: tvm-cascade / two kernels |",
-        "|---|" + "---|" * (len(PEERS) + 3),
+        "|---|" + "---|" * (len(peers) + 3),
     ]
     for shape in dict.fromkeys(r["shape"] for r in results):
         rows = {r["peer"]: r for r in results if r["shape"] == shape}
-        cells = [f"{rows[p]['ms']:.4f}" if rows.get(p, {}).get("ms") else "fails" if p in rows else "--" for p in PEERS]
+        cells = [f"{rows[p]['ms']:.4f}" if rows.get(p, {}).get("ms") else "fails" if p in rows else "--" for p in peers]
         ours = rows["tvm-cascade"]
         extra = [f"{ours['TFLOP/s']:.0f}" if ours.get("ms") else "--"]
         extra.append(" / ".join(f"{rows[p][f'vs {TWO_KERNELS}']:.2f}x" if rows.get(p, {}).get(f"vs {TWO_KERNELS}")
@@ -194,8 +219,12 @@ def markdown(results: List[Dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = shapes_parser("benchmarks.fp8_gemm", __doc__, "fp8_gemm.json and .md").parse_args(argv)
-    results = run_shapes("benchmarks.fp8_gemm", args.out, argv, named(SHAPES, args.only), run_shape)
+    p = shapes_parser("benchmarks.fp8_gemm", __doc__, "fp8_gemm.json and .md")
+    tuned_peer.add_arguments(p)
+    args = p.parse_args(argv)
+    records = tuned_peer.records_of(args)
+    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
+    results = run_shapes("benchmarks.fp8_gemm", args.out, argv, named(SHAPES, args.only), measure)
     if results is None:
         return 0
     write_table("benchmarks.fp8_gemm", args.out, results, markdown)
