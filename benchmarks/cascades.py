@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser, write_table
 from . import tuned_peer
 from .report import grouped_bars
 from .timing import bench
@@ -351,17 +350,10 @@ def plot(results: List[Dict], path: Path) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = shapes_parser("benchmarks.cascades", __doc__, "cascades.json, .md and .png")
-    tuned_peer.add_arguments(p)
-    args = p.parse_args(argv)
-    records = tuned_peer.records_of(args)
-    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
-    results = run_shapes("benchmarks.cascades", args.out, argv, named(SHAPES, args.only), measure, tolerance=TOLERANCE)
-    if results is None:
-        return 0
-    write_table("benchmarks.cascades", args.out, results, markdown)
-    plot(results, args.out / "cascades.png")
+    results, args = tuned_peer.main("benchmarks.cascades", __doc__, "cascades.json, .md and .png", SHAPES, run_shape, markdown,
+                                    list(sys.argv[1:] if argv is None else argv), tolerance=TOLERANCE)
+    if results is not None:
+        plot(results, args.out / "cascades.png")
     return 0
 
 

@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .attention import named, run_shapes, shapes_parser, write_table
 from . import tuned_peer
 from .cascades import _reason, eager
 from .timing import bench
@@ -187,16 +186,8 @@ def markdown(results: List[Dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = shapes_parser("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md")
-    tuned_peer.add_arguments(p)
-    args = p.parse_args(argv)
-    records = tuned_peer.records_of(args)
-    measure = lambda shape: run_shape(shape, args.tune, args.out / "tuning", records)  # noqa: E731
-    results = run_shapes("benchmarks.scaled_gemm", args.out, argv, named(SHAPES, args.only), measure)
-    if results is None:
-        return 0
-    write_table("benchmarks.scaled_gemm", args.out, results, markdown)
+    tuned_peer.main("benchmarks.scaled_gemm", __doc__, "scaled_gemm.json and .md", SHAPES, run_shape, markdown,
+                    list(sys.argv[1:] if argv is None else argv))
     return 0
 
 

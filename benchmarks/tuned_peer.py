@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
+
+from .attention import named, run_shapes, shapes_parser, write_table
 
 TUNED = "tvm-cascade (tuned)"
 
@@ -44,3 +46,19 @@ def tuned_kernel(func, target, trials: int, records: Optional[Path], logs: Path,
     if sch is None:
         raise RuntimeError(f"no record of this shape (why: {logs}/logs)" if trials else "no record of this shape")
     return build(sch.mod, target)["main"], sch
+
+
+def main(prog: str, doc: str, outputs: str, shapes, run_shape, markdown, argv: Sequence[str], **options):
+    """The command line of a benchmark with the tuned peer: the shapes ``--only`` names,
+    each measured by ``run_shape(shape, tune, work_dir, records)``
+    (:func:`benchmarks.attention.run_shapes`, ``options`` to it), the table written;
+    ``(results, args)``, results None where nothing ran."""
+    parser = shapes_parser(prog, doc, outputs)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    records = records_of(args)
+    results = run_shapes(prog, args.out, argv, named(shapes, args.only),
+                         lambda shape: run_shape(shape, args.tune, args.out / "tuning", records), **options)
+    if results is not None:
+        write_table(prog, args.out, results, markdown)
+    return results, args
