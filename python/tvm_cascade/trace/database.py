@@ -44,11 +44,16 @@ COMPRESSED = ".xz"
 def holds_records(directory) -> bool:
     """Whether ``directory`` holds a tuning-record table, plain or compressed."""
     path = os.path.join(str(directory), "database_tuning_record.json")
-    return os.path.exists(path) or os.path.exists(path + COMPRESSED)
+    return os.path.exists(path) or _compressed(path)
+
+
+def _compressed(path: str) -> bool:
+    """Whether the table at ``path`` is stored compressed beside it (and not plain)."""
+    return not os.path.exists(path) and os.path.exists(path + COMPRESSED)
 
 
 def _read_json_lines(path: str, allow_missing: bool) -> List[object]:
-    compressed = not os.path.exists(path) and os.path.exists(path + COMPRESSED)
+    compressed = _compressed(path)
     if not os.path.exists(path) and not compressed:
         if not allow_missing:
             raise ValueError(f"File doesn't exist: {path}")
@@ -214,7 +219,7 @@ class JSONDatabase(PyDatabase):
 
     @staticmethod
     def _append_line(path: str, obj: object) -> None:
-        if not os.path.exists(path) and os.path.exists(path + COMPRESSED):
+        if _compressed(path):
             raise ValueError(f"{path + COMPRESSED} is a compressed table, read only: tune into plain JSON files")
         with open(path, "a", encoding="utf-8") as f:
             f.write(_dumps(obj) + "\n")
