@@ -45,10 +45,13 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
         self.search._initialize_with_tune_context(context)
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
-        self.waiting = self._spaces(design_spaces)[:max_trials]
-        self.measured = {}
-        for candidate in self.waiting:
-            self.measured.setdefault(tvm_ffi.structural_hash(candidate.sch.mod), []).append(candidate.sch.mod)
+        self.waiting, self.measured = [], {}
+        for candidate in self._spaces(design_spaces):
+            if len(self.waiting) == max_trials:
+                break
+            if not self._measured(candidate.sch.mod):  # (two spaces may give one module)
+                self.measured.setdefault(tvm_ffi.structural_hash(candidate.sch.mod), []).append(candidate.sch.mod)
+                self.waiting.append(candidate)
         self.searches = max_trials > len(self.waiting)
         if self.searches:
             self.search.pre_tuning(max_trials - len(self.waiting), num_trials_per_iter, design_spaces, database,
@@ -89,12 +92,11 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
     def clone(self):
         return SpacesFirst(self.search.clone())
 
-    def _spaces(self, design_spaces) -> list:
+    def _spaces(self, design_spaces):
         """Each design space's schedule with its decisions, post-processed, those of the
         fewest decisions first (the search's population holds least of them); those that
-        fail to replay or that the postprocessors reject, and repeats, left out."""
+        fail to replay or that the postprocessors reject left out."""
         postprocs = list(self.context.space_generator.postprocs)
-        seen, candidates = set(), []
         for space in sorted(design_spaces, key=lambda space: len(space.trace.decisions)):
             sch = tvm.s_tir.Schedule(self.context.mod, debug_mask=0)
             try:
@@ -104,11 +106,5 @@ class SpacesFirst(ms.search_strategy.PySearchStrategy):
             # (as the search marks it: a record's replay leaves what follows to the
             # postprocessors, which would otherwise apply twice)
             sch.enter_postproc()
-            if not all(postproc.apply(sch) for postproc in postprocs):
-                continue
-            key = tvm_ffi.structural_hash(sch.mod)
-            if key in seen:
-                continue
-            seen.add(key)
-            candidates.append(ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, True)))
-        return candidates
+            if all(postproc.apply(sch) for postproc in postprocs):
+                yield ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, True))
