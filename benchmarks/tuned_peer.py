@@ -1,5 +1,5 @@
 """The "tvm-cascade (tuned)" peer of the benchmarks beyond attention (``cascades``,
-``scaled_gemm``): the unfused function built from its best MetaSchedule record
+``scaled_gemm``, ``fp8_gemm``) and their shared command line: the unfused function built from its best MetaSchedule record
 (:func:`tvm_cascade.meta_schedule.tuned_schedule`) in the records the package ships, or
 in ``--records DIR``; with ``--tune TRIALS`` the shape is tuned into that database
 (default ``OUT/tuning/records``) first, over :func:`tvm_cascade.meta_schedule.cascade_space`
