@@ -254,7 +254,8 @@ def test_the_tensor_core_decode_rotates_keys_in_registers(head_dim):
     """Built for RoPE inside attention on sm_90a, the tensor-core decode's CUDA rotates
     each key where its registers hold it: its key registers are indexed by constants
     only (an index known at run time would put them in local memory), and the angle's
-    cosine and sine are taken in the kernel (not in a pass over the pages)."""
+    cosine and sine are taken in the kernel (not in a pass over the pages), its
+    frequencies once per element."""
     import re  # pylint: disable=import-outside-toplevel
 
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
@@ -268,6 +269,10 @@ def test_the_tensor_core_decode_rotates_keys_in_registers(head_dim):
     indices = re.findall(r"\b(?:k_reg|k_next)_ptr\[([^\]]*)\]", decode)
     assert indices and all(index.isdigit() for index in indices), sorted(set(indices))
     assert "cosf(" in decode and "sinf(" in decode
+    # The frequencies (a pow per element) once, into a table: a lane's quarter of a key
+    # reads half its elements' entries (a pair shares one).
+    assert decode.count("powf(") == 1
+    assert len(set(re.findall(r"/ per_element_ptr\[([^\]]*)\]", decode))) == head_dim // 8
 
 
 def _row_tiles_from_their_sequences_last(func):
@@ -308,6 +313,57 @@ def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
 #: positions: the bands fall inside a head dim of 32).
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("head_dim, scaling", [(64, None), (128, None), (32, LLAMA3_SCALING)])
+def test_a_key_rotation_takes_its_part_per_element_from_a_table(head_dim, scaling):
+    """A kernel rotating keys itself computes the rotation's part that no key changes
+    (TVM's frequency: ``rope_theta`` to the power ``2 (x mod d/2) / d``) once per element,
+    half the head dim of them (the two of a pair share one), into a table: the table
+    holds numpy's frequencies, and every element rotated with it equals the rotation
+    without it, at positions up to 8192."""
+    from types import SimpleNamespace
+
+    from tvm.script import tirx as T
+
+    from tvm_cascade.library.rope_inside import key_rotation
+
+    rotation, _ = rope_inside.rotation_of(tvm_kernel("decode", 4, 2, head_dim, scaling=scaling))
+    half = head_dim // 2
+
+    def rotated(rotate, row, offset, x, table=None):
+        return rotate(SimpleNamespace(inputs=[offset]), lambda delta: row[x + delta], 0, 0, x, table)
+
+    @T.prim_func(s_tir=True)
+    def rotations(row: T.Buffer((head_dim,), "float16"), k_rope_pos_offset: T.Buffer((1,), "int32"),
+                  scalars: T.Buffer((2,), "float32"), table: T.Buffer((half,), "float32"),
+                  plain: T.Buffer((head_dim,), "float16"), tabled: T.Buffer((head_dim,), "float16")):
+        rotate = T.meta_var(key_rotation(rotation, {"rope_theta": scalars[0], "rope_scale": scalars[1]}))
+        for y in range(half):
+            with T.sblock("table"):
+                vy = T.axis.spatial(half, y)
+                table[vy] = rotate.per_element(vy)
+        for x in range(head_dim):
+            with T.sblock("rotate"):
+                vx = T.axis.spatial(head_dim, x)
+                plain[vx] = rotated(rotate, row, k_rope_pos_offset, vx)
+                tabled[vx] = rotated(rotate, row, k_rope_pos_offset, vx, table)
+
+    rotate = key_rotation(rotation, {"rope_theta": T.float32(1), "rope_scale": T.float32(1)})
+    assert rotate.table_dtype == "float32" and rotate.period == half
+    func = tvm.compile(tvm.IRModule({"main": rotations}), target="llvm")["main"]
+    rng = np.random.default_rng(5)
+    theta = 500000.0
+    for position in (0, 7, 1000, 8191):
+        arrays = [rng.standard_normal(head_dim).astype("float16"), np.array([position], "int32"),
+                  np.array([theta, 1.0], "float32"), np.zeros(half, "float32"),
+                  np.zeros(head_dim, "float16"), np.zeros(head_dim, "float16")]
+        tensors = [tvm.runtime.tensor(a) for a in arrays]
+        func(*tensors)
+        if scaling is None:
+            expected = theta ** (2 * np.arange(head_dim // 2) / head_dim)
+            np.testing.assert_allclose(tensors[3].numpy(), expected, rtol=1e-5)
+        np.testing.assert_array_equal(tensors[5].numpy(), tensors[4].numpy())
 
 
 @pytest.mark.parametrize("kind, q_lens, kv_lens", [CASES[0], CASES[3]])

@@ -20,7 +20,8 @@ order (page ``e`` of the table is page ``e`` of the copy).
 The copies cost a read and a write of the keys (and values) the call attends to; the
 kernel is unchanged. A family that rotates keys itself as they enter its products
 (``rotates_keys(spec, rotation)`` true: the tensor-core decode, in registers, through
-:func:`key_rotation`) reads the pages as they are: only the queries are copied.
+:func:`key_rotation`) reads the pages as they are: only the queries are copied. It takes
+the rotation's part that no key changes (TVM's frequencies) from a table it fills once.
 """
 from __future__ import annotations
 
@@ -127,15 +128,91 @@ def rotation_of(fallback: tirx.PrimFunc) -> tuple[Optional[Rotation], str]:
     return Rotation(expr, row, position, x, scalars), ""
 
 
-def key_rotation(rotation: Rotation, scalars: dict):
-    """For a kernel that rotates its keys itself: ``rotate(view, load, b, j, x)``, element
-    ``x`` of key ``j`` of sequence ``b`` (as the call counts the keys it sees) rotated,
-    ``load(delta)`` the key's element ``x + delta``."""
-    def rotate(view, load, b, j, x):
-        offset = next(t for t in view.inputs if t.name == "k_rope_pos_offset")
-        return rotation(lambda i: load(i - rotation.x), offset[b] + j, x, scalars)
+def _inlined(expr):
+    """``expr`` with its bindings inlined (see :meth:`Rotation.__call__`)."""
+    return tvm_ffi.structural_map(expr, (tirx.Let, lambda n: substitute(n.body, {n.var: n.value})))
 
-    return rotate
+
+def _per_element(rotation: Rotation) -> Optional[tirx.PrimExpr]:
+    """The rotation's one call of its element index and scalars only, with no other
+    such call around it (TVM's: the angle's frequency, ``pow(rope_theta, 2 (x mod d/2) / d)``),
+    or None where there is none, or more than one."""
+    found = []
+
+    def varying(node) -> bool:
+        seen = []
+        tvm_ffi.structural_walk(node, lambda n: seen.append(n) if (
+            isinstance(n, ir_expr.TensorLoad) or (isinstance(n, tirx.Var) and n.same_as(rotation.position))) else None)
+        return bool(seen)
+
+    def visit(node):
+        if isinstance(node, ir_expr.Call) and not node.op.name.endswith("if_then_else") and not varying(node):
+            found.append(node)
+
+    tvm_ffi.structural_walk(_inlined(rotation.expr), visit)
+    outermost = [c for c in found if not any(o is not c and _holds(o, c) for o in found)]
+    distinct = []
+    for call in outermost:
+        if not any(tvm_ffi.structural_equal(call, d) for d in distinct):
+            distinct.append(call)
+    return distinct[0] if len(distinct) == 1 else None
+
+
+def _holds(outer, inner) -> bool:
+    held = []
+    tvm_ffi.structural_walk(outer.args, lambda n: held.append(n) if n.same_as(inner) else None)
+    return bool(held)
+
+
+class KeyRotation:
+    """For a kernel that rotates its keys itself: ``rotate(view, load, b, j, x, table)``,
+    element ``x`` of key ``j`` of sequence ``b`` (as the call counts the keys it sees)
+    rotated, ``load(delta)`` the key's element ``x + delta``.
+
+    A kernel short of registers computes the rotation's part that depends on the element
+    only (:attr:`table_dtype` not None: TVM's frequency, a ``pow`` per element that no key
+    changes) once per element into ``table`` (a buffer of :attr:`period` elements of that
+    dtype, element ``x`` ``per_element(x)``) and passes the table to every rotation."""
+
+    def __init__(self, rotation: Rotation, scalars: dict):
+        self.rotation, self.scalars = rotation, scalars
+        self.call = _per_element(rotation)
+        self.table_dtype = None if self.call is None else str(self.call.ty.dtype)
+        self.period = None if self.call is None else self._period()
+
+    def _period(self) -> int:
+        """The table's elements: half the row's where element ``x + d / 2`` has the part
+        of ``x`` (TVM's frequencies, ``x mod d/2``: then both of a rotation's pairs read
+        one entry, and their angles are one expression, computed once), else the row's."""
+        size = int(self.rotation.row.shape[0])
+        x, half = self.rotation.x, size // 2
+        analyzer = tvm.sym.Analyzer()
+        analyzer.bind(x, tvm.ir.Range(0, half))
+        shifted = analyzer.simplify(substitute(self.call, {x: x + half}))
+        return half if tvm_ffi.structural_equal(shifted, analyzer.simplify(self.call)) else size
+
+    def per_element(self, x):
+        """The rotation's part of element ``x`` that no key changes."""
+        vmap = {self.rotation.x: x}
+        vmap.update((var, self.scalars[name]) for name, var in self.rotation.scalars.items())
+        return substitute(self.call, vmap)
+
+    def __call__(self, view, load, b, j, x, table=None):
+        offset = next(t for t in view.inputs if t.name == "k_rope_pos_offset")
+        rotation = self.rotation
+        if table is not None:
+            looked_up = tvm_ffi.structural_map(
+                _inlined(rotation.expr),
+                (ir_expr.Call, lambda n: table[rotation.x % self.period] if tvm_ffi.structural_equal(n, self.call)
+                 else n),
+            )
+            rotation = Rotation(looked_up, rotation.row, rotation.position, rotation.x, rotation.scalars)
+        return rotation(lambda i: load(i - self.rotation.x), offset[b] + j, x, self.scalars)
+
+
+def key_rotation(rotation: Rotation, scalars: dict) -> KeyRotation:
+    """The :class:`KeyRotation` of ``rotation`` with the convention's ``scalars``."""
+    return KeyRotation(rotation, scalars)
 
 
 def rotated_body(body, view, buffers: dict, rotation: Rotation, scalars: dict, layout: str, gpu: bool,

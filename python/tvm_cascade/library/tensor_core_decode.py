@@ -133,10 +133,11 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     the scalar of its chunking (:func:`.split_k.chunking`), then ``out`` (and ``lse``
     where the layout has one).
 
-    ``rotate_keys(view, load, b, j, x)``, where given, is element ``x`` of key ``j`` of
-    sequence ``b`` rotated (RoPE inside attention), ``load(delta)`` the row's element
-    ``x + delta``:
-    the keys are rotated in registers as they enter the products. A lane holds a quarter
+    ``rotate_keys`` (a :class:`~.rope_inside.KeyRotation`), where given, rotates element
+    ``x`` of key ``j`` of sequence ``b`` (RoPE inside attention) from the row's elements
+    around it: the keys are rotated in registers as they enter the products, the
+    rotation's part per element (TVM's frequencies) taken from a table in shared memory
+    that the block fills first. A lane holds a quarter
     of each row it loads, in pieces of 8 dims 32 apart, so a rotation that pairs dims a
     multiple of 32 apart (``x`` and ``x ± d / 2``: TVM's) finds both of a pair in the
     lane's registers (:meth:`TensorCoreDecode.rotates_keys`)."""
@@ -167,6 +168,8 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     by_page = paged and spec.layout not in WINDOW_LAYOUTS and spec.page_size % 16 == 0
     spans = 1 if spec.variant.window is None else 2
     entries = groups * spans if by_page else (LANE_KEYS * groups if paged else 1) * row_parts
+    tabled = rotate_keys is not None and rotate_keys.table_dtype is not None
+    table_dtype = rotate_keys.table_dtype if tabled else None
 
     @T.macro
     def locate(rows, n, b, j):
@@ -260,12 +263,12 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
             load_row(v_buf, kk * v_elems, rows, entry, b, hk, v_key(j0, kk, quad), j0, end,
                      view.value_at, v_elems // 8, _v_dim, g)
 
-    def rotated_key(k_reg, n, at, b, j0, g, tx):
+    def rotated_key(k_reg, n, at, b, j0, g, tx, table):
         """Element ``at`` of a lane's quarter of its key ``n`` of the step at ``j0``,
-        rotated (``rotate_keys``)."""
+        rotated (``rotate_keys``, its part per element read from ``table``)."""
         # (the quad as ``tx % 4``, whose bounds let a rotation's conditions on the dim fold)
         return rotate_keys(view, lambda delta: k_reg[n * k_elems + at + delta // 32 * 8], b, k_key(j0, n, g),
-                           _k_dim(tx % 4, at))
+                           _k_dim(tx % 4, at), table)
 
     def row_max(s, half):
         """The largest of a lane's scores of row ``g + 8 half``."""
@@ -301,6 +304,10 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
             merged_m = T.alloc_shared((WARPS, ROWS), ACC)
             merged_l = T.alloc_shared((WARPS, ROWS), ACC)
             merged_o = T.alloc_shared((WARPS, ROWS, d), ACC)
+            # The rotation's part per element (a pow of the element's index) computed
+            # once: in the loop it takes registers the rotating kernels spill for.
+            if tabled:
+                per_element = T.alloc_shared((rotate_keys.period,), table_dtype)
             b = by // spec.heads_kv
             hk = by % spec.heads_kv
             g = tx // 4
@@ -324,6 +331,12 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
             for t in T.unroll(k_steps):
                 for f in T.unroll(8):
                     q_frag[t * 8 + f] = staged[(f // 2) % 2 * k_elems + t * 4 + 2 * (f // 4) + f % 2]
+            if tabled:
+                for i in T.serial((rotate_keys.period + WARP * WARPS - 1) // (WARP * WARPS)):
+                    if i * WARP * WARPS + ty * WARP + tx < rotate_keys.period:
+                        per_element[i * WARP * WARPS + ty * WARP + tx] = rotate_keys.per_element(
+                            i * WARP * WARPS + ty * WARP + tx)
+                T.tvm_storage_sync("shared")
             for half in T.unroll(2):
                 m[half] = NEG_INF
                 l[half] = T.float32(0)
@@ -348,7 +361,7 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
                         for r in T.unroll(8):
                             for piece in T.unroll(k_elems // 8):
                                 k_reg[n * k_elems + piece * 8 + r] = rotated_key(k_next, n, piece * 8 + r, b, j0, g,
-                                                                                 tx)
+                                                                                 tx, per_element if tabled else None)
                 for i in T.unroll(4 * groups * v_elems):
                     v_reg[i] = v_next[i]
                 load_step(k_next, v_next, rows, b, hk, j0 + WARPS * step, end, g, quad)
