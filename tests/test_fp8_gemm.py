@@ -196,7 +196,8 @@ def test_schedule_annotates_the_form_and_replays_from_json():
     sch = fp8.schedule(func)
     expected = tvm.s_tir.Schedule(func)
     expected.annotate(expected.get_sblock("gemm"), fp8.FORM, "by_tokens")
-    expected.annotate(expected.get_sblock("gemm"), fp8.CHOICES, [16, 32])
+    expected.annotate(expected.get_sblock("gemm"), f"{fp8.CHOICES}.0", 16)
+    expected.annotate(expected.get_sblock("gemm"), f"{fp8.CHOICES}.1", 32)
     tvm.ir.assert_structural_equal(sch.mod, expected.mod)
     replayed = tvm.s_tir.Schedule(func)
     cascade_trace.apply_json_to_schedule(json.loads(json.dumps(cascade_trace.to_plain_json(sch.trace.as_json()))), replayed)
@@ -283,7 +284,7 @@ def test_metaschedule_proposes_the_kernels_and_its_builder_lowers_them():
         for postproc in context.space_generator.postprocs:
             assert postproc.apply(sample), type(postproc).__name__
         (block,) = {str(b.annotations[fp8.FORM]): b for _, _, b in annotated_blocks(sample.mod, fp8.FORM)}.values()
-        form, choices = str(block.annotations[fp8.FORM]), [int(c) for c in block.annotations[fp8.CHOICES]]
+        form, choices = fp8.chosen(block.annotations)
         forms.append(form)
         source = tvm.get_global_func(BUILD_FUNC)(sample.mod, target, None).imports[0].inspect_source()
         columns = choices[0] if form == "tiles" else choices[0]

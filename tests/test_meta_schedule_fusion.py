@@ -127,6 +127,38 @@ def test_gpu_proposals_are_bound_and_compile_for_cuda():
             assert f"__launch_bounds__({4 * GPU_LANES[decision]})" in source
 
 
+HOPPER_CASES = {
+    "rows": lambda: cascades.logsumexp(8, 2048, "float16"),
+    "moe_routing": lambda: cascades.moe_routing(32, 256, 2, "float16"),
+    "rmsnorm_gemm": lambda: cascades.rmsnorm_gemm(256, 512, 1024, dtype="float16"),
+    "fp8_tiles_and_skinny": lambda: cascades.fp8_quant_gemm(32, 512, 1024),
+    "fp8_two_pass": lambda: cascades.fp8_quant_gemm(2048, 512, 1024, tile=1024),
+    "fp8_by_tokens": lambda: cascades.fp8_quant_gemm(tvm.tirx.Var("m", "int64"), 512, 1024),
+}
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES)
+def test_simplified_traces_of_gpu_proposals_replay_to_their_schedules(case):
+    """MetaSchedule stores a candidate's trace simplified (instructions whose outputs no
+    later instruction takes are dropped): every fused proposal on an H100 target, its
+    sampled kernel choices included, replays from it to the module the space held. (A
+    value sampled into a list inside one annotation would be dropped: the trace then
+    fails to replay.)"""
+    func = HOPPER_CASES[case]()
+    target = tvm.target.Target("nvidia/nvidia-h100")
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=target, space_generator=cascade_space(), task_name=case)
+    proposals = [
+        s for s in context.generate_design_space()
+        if any(i.kind.name == "Annotate" and [str(i.attrs[0]), str(i.inputs[1])] == list(SKIP) for i in s.trace.insts)
+    ]
+    assert any(i.kind.name == "SampleCategorical" for s in proposals for i in s.trace.insts)
+    for space in proposals:
+        simplified = space.trace.simplified(remove_postproc=True)
+        replayed = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        simplified.apply_to_schedule(replayed, remove_postproc=True)
+        tvm.ir.assert_structural_equal(replayed.mod, space.mod)
+
+
 def test_every_mutator_applies_to_a_gpu_row_space_with_one_chunk_count():
     """MoE routing over 256 experts on CUDA leaves one chunk count to its row fusion. The
     space takes that count as a constant: as a one-option categorical decision,

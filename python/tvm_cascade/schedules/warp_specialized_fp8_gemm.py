@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import sympy
 import tvm
@@ -307,7 +308,9 @@ def tile_store(out, w_scale, m, n, cols):
 
 
 #: Annotations of ``ops.fp8_quant_gemm``'s GEMM block that ask :func:`build` for a kernel:
-#: its form (:data:`FORMS`) and that form's choices, ``[cols, stages, group]``
+#: its form (:data:`FORMS`) and that form's choices, one a key (``CHOICES.0``, ``CHOICES.1``,
+#: ...: a trace's dead-code elimination keeps a sampled value only where an instruction
+#: takes it itself, not inside a list), ``[cols, stages, group]``
 #: (:class:`Fp8GemmConfig`) for "tiles" and "two_pass" (one k tile: X quantised by a
 #: kernel of its own first, :mod:`.fp8_two_pass`), ``[tokens, stages]`` for "skinny", and for
 #: "by_tokens" (a variable token count) the skinny kernels' tokens a block, ascending,
@@ -400,7 +403,14 @@ def apply_schedule(sch, form, choices) -> None:
     :func:`build` reads."""
     gemm = sch.get_sblock("gemm")
     sch.annotate(gemm, FORM, form)
-    sch.annotate(gemm, CHOICES, list(choices))
+    for i, choice in enumerate(choices):
+        sch.annotate(gemm, f"{CHOICES}.{i}", choice)
+
+
+def chosen(annotations) -> Tuple[str, Tuple[int, ...]]:
+    """The form and choices that :func:`apply_schedule` annotated."""
+    count = next(i for i in itertools.count() if f"{CHOICES}.{i}" not in annotations)
+    return str(annotations[FORM]), tuple(int(annotations[f"{CHOICES}.{i}"]) for i in range(count))
 
 
 def lowers(mod) -> bool:
@@ -466,7 +476,7 @@ def build(mod, target):
     else:
         sites = ir.annotated_blocks(mod, FORM)
         # (a decomposed reduction's init block keeps the GEMM block's annotations)
-        notes = {tvm_ffi.structural_hash([b.annotations[FORM], b.annotations[CHOICES]]) for _, _, b in sites}
+        notes = {chosen(b.annotations) for _, _, b in sites}
         if len(notes) != 1 or len(mod.functions_items()) != 1:
             raise ValueError(
                 f"the fp8 GEMM builds a module of one function annotated once; "
@@ -479,7 +489,7 @@ def build(mod, target):
                 f"'{gvar.name_hint}': its parameters are not ops.fp8_quant_gemm's X[M, K] (16-bit), "
                 f"W[N, K] (float8_e4m3fn), w_scale[N] (float32), out[M, N]"
             )
-        form, choices = str(block.annotations[FORM]), list(block.annotations[CHOICES])
+        form, choices = chosen(block.annotations)
         if form == "two_pass":  # (the form was chosen for the function's one k tile)
             problem = dataclasses.replace(problem, tile=problem.k)
         reason = unsupported_choices(problem, form, choices)
