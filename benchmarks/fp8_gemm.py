@@ -22,8 +22,9 @@ are medians of CUDA-event timed calls with the L2 cache flushed before each
 ``fp8_gemm.json`` and ``fp8_gemm.md``. With ``--records DIR`` or ``--tune TRIALS``,
 "tvm-cascade (tuned)" and "tvm-cascade (tuned), two passes" are the unfused
 ``ops.fp8_quant_gemm`` with k tiles of 128 and of all of K from their best MetaSchedule
-records in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's hold none of these
-shapes), ``--tune`` tuning into it first (random cost model), each checked against its
+records in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's,
+``python/tvm_cascade/tuned/cascades``, hold 16 x 4096 x 14336 with both k tiles and 2048 x
+4096 x 14336 with one), ``--tune`` tuning into it first (random cost model), each checked against its
 definition.
 """
 from __future__ import annotations

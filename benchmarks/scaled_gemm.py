@@ -19,8 +19,9 @@ CUDA-event timed calls with the L2 cache flushed before each
 (:func:`benchmarks.timing.bench`). Prints a progress line per shape and a table; writes
 ``scaled_gemm.json`` and ``scaled_gemm.md``. With ``--records DIR`` or ``--tune
 TRIALS``, "tvm-cascade (tuned)" is the unfused ``ops.rmsnorm_gemm`` from its best
-MetaSchedule record in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's records
-hold none of these shapes), ``--tune`` tuning into it first (random cost model); its
+MetaSchedule record in ``DIR`` (:mod:`benchmarks.tuned_peer`; the package's records,
+``python/tvm_cascade/tuned/cascades``, hold 2048 x 4096 x 14336 in float16), ``--tune``
+tuning into it first (random cost model); its
 row names the kernel the record chose.
 """
 from __future__ import annotations

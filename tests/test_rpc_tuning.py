@@ -18,6 +18,7 @@ import tvm_cascade.meta_schedule
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_cascade import trace as cascade_trace
+from tvm_cascade.candidate_timing import run_evaluator
 from tvm_cascade.meta_schedule import tune_relax, tune_tir
 from tvm_cascade.ops import cascades, testing
 from tvm_cascade.ops import reference as R
@@ -121,7 +122,8 @@ def test_tracker_address_and_runner_arguments_are_checked():
     for address, complaint in [("10.0.0.1", "has no port"), (":9190", "has no host"), ("h:x", "1..65535"), ("h:70000", "1..65535")]:
         with pytest.raises(ValueError, match=complaint):
             parse_tracker(address)
-    assert resolve_runner() == "local"
+    local = resolve_runner()
+    assert isinstance(local, ms.runner.LocalRunner) and local.f_run_evaluator is run_evaluator
     with pytest.raises(ValueError, match="rpc_key is missing"):
         resolve_runner(rpc_tracker="10.0.0.1:9190")
     with pytest.raises(ValueError, match="not both"):
@@ -146,7 +148,7 @@ def test_entry_points_hand_metaschedule_the_space_database_and_runner(monkeypatc
     tune_relax(tvm.IRModule(), {}, TARGET, str(tmp_path / "relax"), 8, runner=runner)
     (tir_args, tir), (relax_args, relax) = calls
     assert tir_args == (func, TARGET, str(tmp_path / "tir"), 8) and tir["num_trials_per_iter"] == 4
-    assert tir["runner"] == "local" and relax["runner"].same_as(runner)
+    assert tir["runner"].f_run_evaluator is run_evaluator and relax["runner"].same_as(runner)
     assert tir["builder"] is default_builder and relax["builder"] is default_builder
     for kwargs in (tir, relax):
         assert isinstance(kwargs["space"], ms.space_generator.PostOrderApply)

@@ -1,13 +1,15 @@
 """The cascades' tuning records shipped with the package (``tvm_cascade/tuned/cascades``,
 MetaSchedule's best candidates on an H200 for the shapes of ``python -m
-benchmarks.cascades``): every shape has one, it replays as a fusion, and it builds for
-CUDA."""
+benchmarks.cascades`` and some of ``benchmarks.scaled_gemm`` and ``benchmarks.fp8_gemm``):
+every such shape has one, it replays as a fusion or as the warp-specialised kernel, and
+it builds for CUDA."""
 import shutil
 
 import pytest
 import tvm
 
 from benchmarks.cascades import SHAPES, unfused
+from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.kernels import default_records
 from tvm_cascade.meta_schedule import build, tuned_database, tuned_schedule
 
@@ -28,6 +30,43 @@ def test_every_benchmark_shape_has_a_fused_record(shipped):
         assert sch is not None, name
         kinds = {inst.kind.name for inst in sch.trace.insts}
         assert {"SplitKUpdate", "RollingUpdate"} <= kinds, name
+
+
+#: The GEMM shapes (M, K, N) with records: RMSNorm + GEMM in float16, fp8 quantisation +
+#: GEMM with k tiles of 128 (None: one tile of all of K, the two-pass form).
+GEMM_SHAPES = [("rmsnorm", 2048, 4096, 14336, None), ("fp8", 16, 4096, 14336, 128), ("fp8", 16, 4096, 14336, None),
+               ("fp8", 2048, 4096, 14336, None)]
+
+
+def _gemm(kind, m, k, n, tile):
+    from benchmarks.scaled_gemm import EPS
+    from tvm_cascade.ops import cascades
+
+    if kind == "rmsnorm":
+        return cascades.rmsnorm_gemm(m, n, k, eps=EPS, dtype="float16")
+    return cascades.fp8_quant_gemm(m, n, k, tile=tile or k)
+
+
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "_".join(str(v) for v in s))
+def test_gemm_shapes_have_records_of_the_warp_specialised_kernels(shipped, shape):
+    from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
+    from tvm_cascade.schedules import warp_specialized_gemm as ws
+
+    sch = tuned_schedule(_gemm(*shape), H200, shipped)
+    assert sch is not None
+    if shape[0] == "rmsnorm":
+        assert ws.chosen_config(sch.mod) is not None
+    else:
+        forms = {fp8.chosen(b.annotations)[0] for _, _, b in annotated_blocks(sch.mod, fp8.FORM)}
+        assert forms == ({"two_pass"} if shape[-1] is None else {"skinny"})
+
+
+@pytest.mark.parametrize("shape", [GEMM_SHAPES[0], GEMM_SHAPES[-1]], ids=["rmsnorm", "fp8_two_pass"])
+def test_shipped_gemm_records_build_for_cuda(shipped, shape):
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    source = build(tuned_schedule(_gemm(*shape), H200, shipped).mod, H200).imports[0].inspect_source()
+    assert "wgmma" in source
 
 
 def test_a_shape_without_a_record_has_no_schedule(shipped):
@@ -65,7 +104,7 @@ def test_shipped_records_replay_as_the_search_replays_them(shipped):
     from tvm_cascade.meta_schedule import cascade_space
 
     records = shipped.get_all_tuning_records()
-    assert len(records) == 40
+    assert len(records) == 55
     postprocs = None
     for record in records:
         mod = record.workload.mod

@@ -42,6 +42,7 @@ import tvm_ffi
 
 from . import ops
 from .analysis.scope import buffer_params
+from .candidate_timing import local_runner
 from .library import attention_kernel  # noqa: F401  (the runtime-length entry point)
 from .library import cache
 from .library.families import FAMILIES, config_family, families_of, schedule_families, scheduled_by
@@ -267,7 +268,8 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
     """MetaSchedule's evolutionary search with the xgboost cost model over
     :func:`design_space` of ``func`` (of ``variant``; ``spaces``: prefill's design spaces
     searched), ``trials`` candidates measured by ``runner`` (default: on this machine's
-    GPU; :func:`tvm_cascade.rpc_tuning.rpc_runner`: on RPC servers); the records go to the
+    GPU, the L2 cache flushed before each run: :func:`tvm_cascade.candidate_timing.local_runner`;
+    :func:`tvm_cascade.rpc_tuning.rpc_runner`: on RPC servers); the records go to the
     JSON database at ``records``, MetaSchedule's logs below its ``logs`` folder. Returns
     the best valid run time in seconds, or None."""
     from tvm.s_tir import meta_schedule as ms
@@ -293,7 +295,7 @@ def tune(func, target, records, trials, variant=None, spaces=PREFILL_SPACES, run
         num_trials_per_iter=min(_TRIALS_PER_ROUND[kind], trials),
         space=_space_generator(families, spec),
         builder=builder,
-        runner="local" if runner is None else runner,
+        runner=local_runner() if runner is None else runner,
         strategy=ms.search_strategy.EvolutionarySearch(**_SEARCH[kind]),
         cost_model="xgb",
         database=database,

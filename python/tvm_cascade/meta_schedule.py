@@ -60,7 +60,7 @@ servers registered under that key with TVM's tracker
 :func:`tuned_schedule` gives a function's best record, from a database of the user's
 (``tuned/cascades`` under the kernel cache's directory) or the package's
 (:func:`tuned_database`: MetaSchedule's best for the shapes of ``python -m
-benchmarks.cascades`` on an H200), and :func:`build` builds it::
+benchmarks.cascades`` and some GEMM shapes on an H200), and :func:`build` builds it::
 
     kernel = build(tuned_schedule(ops.cascades.logsumexp(8192, 128256, "bfloat16"), target).mod, target)
 """
@@ -434,7 +434,9 @@ def tune_tir(
     built by ``builder`` (default :func:`candidate_builder`) and measured by ``runner``,
     or with ``rpc_tracker="HOST:PORT"`` and ``rpc_key`` on the RPC servers registered
     under that key (:func:`tvm_cascade.rpc_tuning.rpc_runner`, ``rpc_workers`` at once:
-    default one per server), else on this machine. ``options`` go to ``ms.tune_tir``
+    default one per server), else on this machine
+    (:func:`tvm_cascade.candidate_timing.local_runner`: on a GPU the L2 cache flushed
+    before each run). ``options`` go to ``ms.tune_tir``
     (``num_trials_per_iter``, ...; ``strategy`` default :class:`SpacesFirst`: every
     design space measured once, then the evolutionary search)."""
     runner = resolve_runner(runner, rpc_tracker, rpc_key, rpc_workers)
@@ -489,7 +491,8 @@ def tuned_database(records=None):
     :func:`tvm_cascade.kernels.user_records`: ``tune_tir(..., database=
     tuned_database(user_records("cascades")))`` tunes into it) before those shipped with the package
     (:func:`tvm_cascade.kernels.default_records`: the shapes of ``python -m
-    benchmarks.cascades`` tuned on an H200); None where there are none."""
+    benchmarks.cascades`` and some of ``benchmarks.scaled_gemm`` and ``benchmarks.fp8_gemm``
+    tuned on an H200); None where there are none."""
     if records is not None:
         return _database(records)
     from .kernels import default_records, user_records  # (it imports the attention library)

@@ -20,6 +20,8 @@ import socket
 from tvm import rpc
 from tvm.s_tir import meta_schedule as ms
 
+from .candidate_timing import local_runner, run_evaluator
+
 #: Seconds an RPC session may last (upload, link, measure) before the server ends it.
 SESSION_TIMEOUT_SEC = 60
 #: Seconds to wait for the tracker to accept a connection.
@@ -95,6 +97,13 @@ def create_session(config: ms.runner.RPCConfig):
     return config.connect_server()
 
 
+def remote_run_evaluator(session, rt_mod, device, evaluator_config, repeated_args) -> list:
+    """The RPC runner's ``f_run_evaluator``: the candidate on a server's ``device`` timed
+    as :func:`~tvm_cascade.candidate_timing.run_evaluator` times a local one."""
+    del session  # (the device belongs to it)
+    return run_evaluator(rt_mod, device, evaluator_config, repeated_args)
+
+
 def rpc_runner(
     tracker: str,
     key: str,
@@ -106,8 +115,8 @@ def rpc_runner(
     """MetaSchedule's RPC runner over the servers registered under ``key`` with the
     tracker at ``tracker`` (``"HOST:PORT"``): ``max_workers`` candidates measured at once
     (default: one per server registered now), each in a session of at most
-    ``session_timeout_sec`` seconds, timed as ``evaluator_config`` says (MetaSchedule's
-    default: as its local runner times them). Raises ValueError for a malformed address
+    ``session_timeout_sec`` seconds, timed by :func:`remote_run_evaluator`
+    (``evaluator_config``: its runs). Raises ValueError for a malformed address
     or key or where no server is registered under ``key``, ConnectionError where no
     tracker answers."""
     if max_workers is not None and max_workers < 1:
@@ -122,20 +131,22 @@ def rpc_runner(
         )
     # MetaSchedule's default of one worker would measure on one server at a time.
     return ms.runner.RPCRunner(
-        config, evaluator_config, f_create_session=create_session, max_workers=max_workers or servers
+        config, evaluator_config, f_create_session=create_session, f_run_evaluator=remote_run_evaluator,
+        max_workers=max_workers or servers,
     )
 
 
 def resolve_runner(runner=None, rpc_tracker: str | None = None, rpc_key: str | None = None, rpc_workers: int | None = None):
     """The runner a tuning entry point passes to MetaSchedule: ``runner`` as given, else
     :func:`rpc_runner` of ``rpc_tracker`` and ``rpc_key`` (``rpc_workers``: its
-    ``max_workers``), else MetaSchedule's local runner (``"local"``). ValueError for a
+    ``max_workers``), else MetaSchedule's local runner timing candidates by
+    :func:`~tvm_cascade.candidate_timing.run_evaluator`. ValueError for a
     tracker without a key or a key without a tracker, for both a runner and a tracker, or
     for ``rpc_workers`` without a tracker."""
     if rpc_tracker is None and rpc_key is None:
         if rpc_workers is not None:
             raise ValueError("rpc_workers applies to an RPC tracker; no rpc_tracker was given")
-        return "local" if runner is None else runner
+        return local_runner() if runner is None else runner
     if runner is not None:
         raise ValueError("give either a runner or an RPC tracker (rpc_tracker, rpc_key), not both")
     if rpc_tracker is None or rpc_key is None:
