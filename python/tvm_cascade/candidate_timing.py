@@ -1,10 +1,10 @@
 """How tvm-cascade's tuning times MetaSchedule's candidates: on a GPU each timed run
 starts with the L2 cache flushed, as ``benchmarks`` time kernels and as a model's calls
 meet them (their inputs written by other kernels since). MetaSchedule's own evaluator
-times runs back to back, whose inputs stay in L2 from the run before: on an H200 that
-ranked the RMSNorm + GEMM kernel's row-tile grouping opposite to flushed timing (the
-record it picked ran 3% slower than the default in the benchmark). On a CPU the
-candidates are timed as MetaSchedule times them."""
+times runs back to back, whose inputs stay in L2 from the run before: on an H200 it
+ranks the RMSNorm + GEMM kernel's row-tile groupings opposite to flushed timing (its
+pick runs 3% slower than the default in the benchmark). On a CPU the candidates are
+timed as MetaSchedule times them."""
 from __future__ import annotations
 
 from tvm.s_tir import meta_schedule as ms
