@@ -140,9 +140,6 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
         acc = T.alloc_local((n_acc,), "float32")
         part = T.alloc_local((n_acc,), "float32")  # a tile's products, before they join acc
         scale = T.alloc_local((2,), "float32")
-        sv = T.alloc_local((4,), "float32")
-        four = T.alloc_local((4,), "float32")
-        ov = T.alloc_local((4,), out.dtype)
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
         for t in T.serial(k_tiles):
@@ -164,7 +161,7 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
                 acc[i] = acc[i] + part[i]
         for g in T.unroll(2):
             scale[g] = q_scale[T.min(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, m - 1)]
-        store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)
+        store_tile(acc, scale, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, x_tile, lambda st: st * x_tile, lambda st: w_base + st * w_tile,
                         (x_tile + w_tile) * 2, x_boxes=1)

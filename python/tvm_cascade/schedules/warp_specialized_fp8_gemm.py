@@ -279,15 +279,17 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
 
 
 def tile_store(out, w_scale, m, n, cols):
-    """The consumers' macro ``store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)``:
-    a warp's accumulators ``acc`` of the output tile at ``(r0, c0)`` (consumer ``cw``,
-    warp ``w``), row ``g`` of a lane's two scaled by ``scale[g]`` and each column by its
-    ``w_scale``, stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`;
-    ``sv``, ``four`` and ``ov`` the lane's scratch registers)."""
+    """The consumers' macro ``store_tile(acc, scale, r0, c0, cw, w, lane)``: a warp's
+    accumulators ``acc`` of the output tile at ``(r0, c0)`` (consumer ``cw``, warp
+    ``w``), row ``g`` of a lane's two scaled by ``scale[g]`` and each column by its
+    ``w_scale``, stored four columns at a time (:mod:`~tvm_cascade.cuda.accumulator_stores`)."""
     part_n = n % cols != 0
 
     @T.macro
-    def store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane):
+    def store_tile(acc, scale, r0, c0, cw, w, lane):
+        sv = T.alloc_local((4,), "float32")
+        four = T.alloc_local((4,), "float32")
+        ov = T.alloc_local((4,), out.dtype)
         # sv holds the weight scales of this lane's two columns of groups 2p and 2p + 1
         for p in T.unroll(cols // 16):
             for half in T.unroll(2):
@@ -675,9 +677,6 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
         peak = T.alloc_local((2,), "float32")
         factor = T.alloc_local((4,), "float32")  # a set per register set
         scale = T.alloc_local((2,), "float32")
-        sv = T.alloc_local((4,), "float32")
-        four = T.alloc_local((4,), "float32")
-        ov = T.alloc_local((4,), out_dtype)
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
         for g in T.unroll(2):
@@ -691,7 +690,7 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
                     step(smem, full, empty, acc, part, A, xv, peak, factor, scale, half, pair * 2 + half, cw, w, lane)
         for g in T.unroll(2):
             scale[g] = T.max(peak[g], T.float32(EPS)) / T.float32(FP8_MAX)
-        store_tile(acc, scale, sv, four, ov, r0, c0, cw, w, lane)
+        store_tile(acc, scale, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, box, lambda st: st * x_tile, lambda st: w_base + st * w_tile, (x_tile + w_tile) * 2)
     block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), dtype, produce, consume)
