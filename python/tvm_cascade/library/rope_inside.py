@@ -133,10 +133,11 @@ def _inlined(expr):
     return tvm_ffi.structural_map(expr, (tirx.Let, lambda n: substitute(n.body, {n.var: n.value})))
 
 
-def _per_element(rotation: Rotation) -> Optional[tirx.PrimExpr]:
-    """The rotation's one call of its element index and scalars only, with no other
-    such call around it (TVM's: the angle's frequency, ``pow(rope_theta, 2 (x mod d/2) / d)``),
-    or None where there is none, or more than one."""
+def _per_element(rotation: Rotation, expr) -> Optional[tirx.PrimExpr]:
+    """The one call in ``expr`` (the rotation's, its bindings inlined) of the element
+    index and scalars only, with no other such call around it (TVM's: the angle's
+    frequency, ``pow(rope_theta, 2 (x mod d/2) / d)``), or None where there is none, or
+    more than one."""
     found = []
 
     def varying(node) -> bool:
@@ -149,7 +150,7 @@ def _per_element(rotation: Rotation) -> Optional[tirx.PrimExpr]:
         if isinstance(node, ir_expr.Call) and not node.op.name.endswith("if_then_else") and not varying(node):
             found.append(node)
 
-    tvm_ffi.structural_walk(_inlined(rotation.expr), visit)
+    tvm_ffi.structural_walk(expr, visit)
     outermost = [c for c in found if not any(o is not c and _holds(o, c) for o in found)]
     distinct = []
     for call in outermost:
@@ -176,7 +177,8 @@ class KeyRotation:
 
     def __init__(self, rotation: Rotation, scalars: dict):
         self.rotation, self.scalars = rotation, scalars
-        self.call = _per_element(rotation)
+        self.inlined = _inlined(rotation.expr)
+        self.call = _per_element(rotation, self.inlined)
         self.table_dtype = None if self.call is None else str(self.call.ty.dtype)
         self.period = None if self.call is None else self._period()
 
@@ -202,7 +204,7 @@ class KeyRotation:
         rotation = self.rotation
         if table is not None:
             looked_up = tvm_ffi.structural_map(
-                _inlined(rotation.expr),
+                self.inlined,
                 (ir_expr.Call, lambda n: table[rotation.x % self.period] if tvm_ffi.structural_equal(n, self.call)
                  else n),
             )

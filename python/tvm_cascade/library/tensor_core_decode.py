@@ -168,8 +168,8 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     by_page = paged and spec.layout not in WINDOW_LAYOUTS and spec.page_size % 16 == 0
     spans = 1 if spec.variant.window is None else 2
     entries = groups * spans if by_page else (LANE_KEYS * groups if paged else 1) * row_parts
-    tabled = rotate_keys is not None and rotate_keys.table_dtype is not None
-    table_dtype = rotate_keys.table_dtype if tabled else None
+    table_dtype = None if rotate_keys is None else rotate_keys.table_dtype
+    tabled = table_dtype is not None
 
     @T.macro
     def locate(rows, n, b, j):
@@ -333,9 +333,9 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
                     q_frag[t * 8 + f] = staged[(f // 2) % 2 * k_elems + t * 4 + 2 * (f // 4) + f % 2]
             if tabled:
                 for i in T.serial((rotate_keys.period + WARP * WARPS - 1) // (WARP * WARPS)):
-                    if i * WARP * WARPS + ty * WARP + tx < rotate_keys.period:
-                        per_element[i * WARP * WARPS + ty * WARP + tx] = rotate_keys.per_element(
-                            i * WARP * WARPS + ty * WARP + tx)
+                    entry = T.meta_var(i * WARP * WARPS + ty * WARP + tx)
+                    if entry < rotate_keys.period:
+                        per_element[entry] = rotate_keys.per_element(entry)
                 T.tvm_storage_sync("shared")
             for half in T.unroll(2):
                 m[half] = NEG_INF
