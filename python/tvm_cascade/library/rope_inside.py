@@ -310,15 +310,17 @@ def _reads_elements(body, pages) -> bool:
     return bool(halves) and len(uses) == len(halves) and all(half in (0, 1) for half in halves)
 
 
-#: Threads of a block of the rotation pass on GPUs.
-THREADS = 256
+#: Threads of a block of the rotation pass on GPUs, at most (with few items, as a page
+#: table's, the blocks fill the GPU only with many threads each).
+THREADS = 1024
 
 
 def _launch(items, extents, sequences, gpu, store):
     """``store(item, b, *index)`` for every item (a token or a page of the table) and
-    every index of ``extents``, ``b`` the sequence the item lies in where ``sequences``
-    (its ``indptr`` and the batch) is given: on CPUs items in parallel, on GPUs a
-    thread block an item."""
+    every index of ``extents`` (the heads first), ``b`` the sequence the item lies in
+    where ``sequences`` (its ``indptr`` and the batch) is given: on CPUs items in
+    parallel, on GPUs a thread block an item, its threads over the indices after the
+    heads' and, where those are fewer than :data:`THREADS`, over groups of heads."""
     item = tirx.Var("item", items.ty.dtype)
     index = [tirx.Var(f"i{n}", extent.ty.dtype) for n, extent in enumerate(extents)]
     found = None
@@ -326,24 +328,37 @@ def _launch(items, extents, sequences, gpu, store):
         found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
     inner = store(item, None if found is None else found[0], *index)
     if gpu:
-        # Threads over the indices after the heads', each thread looping over the heads
-        # with the angles' cosines and sines computed once (they depend on the position
-        # and the element, not the head).
+        # Threads over the indices after the heads' (`size` of them), in `groups` groups
+        # that take every `groups`-th head; each thread loops over its heads with the
+        # angles' cosines and sines computed once (they depend on the position and the
+        # element, not the head).
         head, rest = index[0], list(zip(index[1:], extents[1:]))
-        inner, angles = _hoisted(inner, head)
-        inner = seq([tirx.Bind(var, value) for var, value in angles]
-                    + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
+        heads = int(extents[0])
+        size = functools.reduce(lambda a, b: a * b, [int(e) for e in extents[1:]], 1)
+        groups = max(1, min(heads, THREADS // size))
+        lanes = min(size, THREADS // groups)  # threads of a group
+        threads = lanes * groups
         tx = tirx.Var("threadIdx.x", "int32")
-        size = functools.reduce(lambda a, b: a * b, extents[1:], tirx.IntImm(extents[0].ty.dtype, 1))
-        step = tirx.Var("step", size.ty.dtype)
-        flat = step * THREADS + tirx.Cast(size.ty.dtype, tx)
+        group, lane = tirx.floordiv(tx, lanes), tirx.floormod(tx, lanes)
+        turn = tirx.Var("turn", head.ty.dtype)
+        inner = substitute(inner, {head: tirx.Cast(head.ty.dtype, group) + turn * groups})
+        inner, angles = _hoisted(inner, turn)
+        if heads % groups:
+            inner = tirx.IfThenElse(tirx.Cast(head.ty.dtype, group) + turn * groups < heads, inner, None)
+        inner = seq([tirx.Bind(var, value) for var, value in angles]
+                    + [tirx.For(turn, tirx.IntImm(turn.ty.dtype, 0), tirx.IntImm(turn.ty.dtype, -(-heads // groups)),
+                                tirx.ForKind.SERIAL, inner)])
+        dtype = extents[-1].ty.dtype
+        step = tirx.Var("step", dtype)
+        flat = step * lanes + tirx.Cast(dtype, lane)
         where = {}
         for var, extent in reversed(rest):
             where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
-        body = tirx.For(step, tirx.IntImm(step.ty.dtype, 0), tirx.ceildiv(size, THREADS), tirx.ForKind.SERIAL,
-                        tirx.IfThenElse(step * THREADS + tirx.Cast(size.ty.dtype, tx) < size,
-                                        substitute(inner, where), None))
+        inner = substitute(inner, where)
+        if size % lanes:
+            inner = tirx.IfThenElse(step * lanes + tirx.Cast(dtype, lane) < size, inner, None)
+        body = tirx.For(step, tirx.IntImm(dtype, 0), tirx.IntImm(dtype, -(-size // lanes)), tirx.ForKind.SERIAL, inner)
     else:
         body = nest(list(zip(index, extents)), inner)
     if found is not None:
@@ -353,7 +368,7 @@ def _launch(items, extents, sequences, gpu, store):
             indptr[s] <= item, tirx.BufferStore(found, tirx.Cast("int32", s), [0]), None))
         body = tirx.AllocBuffer(found, seq([tirx.BufferStore(found, 0, [0]), scan, body]))
     if gpu:
-        body = tirx.AttrStmt(_thread("threadIdx.x", THREADS, tx), "thread_extent", THREADS, body)
+        body = tirx.AttrStmt(_thread("threadIdx.x", threads, tx), "thread_extent", threads, body)
         block = tirx.Var("blockIdx.x", item.ty.dtype)
         body = tirx.AttrStmt(_thread("blockIdx.x", items, block), "thread_extent", items, substitute(body, {item: block}))
         return tirx.IfThenElse(items > 0, body, None)
