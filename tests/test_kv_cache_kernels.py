@@ -218,15 +218,14 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
 
 
 @pytest.mark.parametrize("kind, head_dim, launched", [
-    ("ragged", 128, {"q": (1024, 4), "k": (1024, 1)}),  # threads, turns over the heads
-    ("ragged", 64, {"q": (1024, 2), "k": (512, 1)}),
-    ("prefill", 128, {"q": (1024, 4), "pages": (1024, 8)}),
+    ("ragged", 128, {"q": (128, 32), "k": (128, 8)}),  # threads, the loop over the heads
+    ("ragged", 64, {"q": (64, 32), "k": (64, 8)}),
+    ("prefill", 128, {"q": (128, 32), "pages": (1024, 8)}),
 ])
-def test_the_rotation_pass_runs_groups_of_heads_in_a_block(kind, head_dim, launched):
-    """On a GPU the rotation pass takes a token (a page) a block, its threads over a
-    row's elements (a page's) and, where those are fewer than ``rope_inside.THREADS``,
-    over groups of heads, each thread looping over its group's heads: 32 query heads of
-    128 elements, 8 groups of 4 turns."""
+def test_the_rotation_pass_runs_a_thread_an_element_looping_over_heads(kind, head_dim, launched):
+    """On a GPU the rotation pass takes a token (a page) a block, its threads (up to
+    ``rope_inside.THREADS``) over a row's elements (a page's: 16 rows of 128), each
+    looping over the heads: 32 query heads, 8 key heads."""
     hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     theirs = tvm_kernel(kind, 32, 8, head_dim, hopper)
     kernel, why = cache_kernel(kind, 32, 8, head_dim, "float16", hopper, fallback=theirs, rotate_inside=True)
@@ -235,11 +234,11 @@ def test_the_rotation_pass_runs_groups_of_heads_in_a_block(kind, head_dim, launc
 
     def visit(node):
         if isinstance(node, tvm.tirx.AttrStmt) and node.attr_key == "thread_extent" and node.node.thread_tag == "threadIdx.x":
-            turns = []
-            tvm_ffi.structural_walk(node.body, lambda n: turns.append(int(n.extent)) if isinstance(n, tvm.tirx.For)
-                                    and n.loop_var.name == "turn" else None)
-            if turns:
-                passes.append((int(node.value), turns[0]))
+            heads = []
+            tvm_ffi.structural_walk(node.body, lambda n: heads.append(int(n.extent)) if isinstance(n, tvm.tirx.For)
+                                    and n.loop_var.name == "i0" else None)
+            if heads:
+                passes.append((int(node.value), heads[0]))
 
     tvm_ffi.structural_walk(kernel.func.body.then_case, visit)
     assert passes == list(launched.values())

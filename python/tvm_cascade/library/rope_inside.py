@@ -310,8 +310,8 @@ def _reads_elements(body, pages) -> bool:
     return bool(halves) and len(uses) == len(halves) and all(half in (0, 1) for half in halves)
 
 
-#: Threads of a block of the rotation pass on GPUs, at most (with few items, as a page
-#: table's, the blocks fill the GPU only with many threads each).
+#: Threads of a block of the rotation pass on GPUs, at most (a page table has few items:
+#: its blocks fill the GPU only with many threads each).
 THREADS = 1024
 
 
@@ -319,8 +319,8 @@ def _launch(items, extents, sequences, gpu, store):
     """``store(item, b, *index)`` for every item (a token or a page of the table) and
     every index of ``extents`` (the heads first), ``b`` the sequence the item lies in
     where ``sequences`` (its ``indptr`` and the batch) is given: on CPUs items in
-    parallel, on GPUs a thread block an item, its threads over the indices after the
-    heads' and, where those are fewer than :data:`THREADS`, over groups of heads."""
+    parallel, on GPUs a thread block an item, its threads (up to :data:`THREADS`) over
+    the indices after the heads', each looping over the heads."""
     item = tirx.Var("item", items.ty.dtype)
     index = [tirx.Var(f"i{n}", extent.ty.dtype) for n, extent in enumerate(extents)]
     found = None
@@ -328,37 +328,27 @@ def _launch(items, extents, sequences, gpu, store):
         found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
     inner = store(item, None if found is None else found[0], *index)
     if gpu:
-        # Threads over the indices after the heads' (`size` of them), in `groups` groups
-        # that take every `groups`-th head; each thread loops over its heads with the
-        # angles' cosines and sines computed once (they depend on the position and the
-        # element, not the head).
+        # Each thread loops over the heads with the angles' cosines and sines computed
+        # once (they depend on the position and the element, not the head); spreading
+        # the heads over more threads recomputes them and measured slower for tokens.
         head, rest = index[0], list(zip(index[1:], extents[1:]))
-        heads = int(extents[0])
-        size = functools.reduce(lambda a, b: a * b, [int(e) for e in extents[1:]], 1)
-        groups = max(1, min(heads, THREADS // size))
-        lanes = min(size, THREADS // groups)  # threads of a group
-        threads = lanes * groups
-        tx = tirx.Var("threadIdx.x", "int32")
-        group, lane = tirx.floordiv(tx, lanes), tirx.floormod(tx, lanes)
-        turn = tirx.Var("turn", head.ty.dtype)
-        inner = substitute(inner, {head: tirx.Cast(head.ty.dtype, group) + turn * groups})
-        inner, angles = _hoisted(inner, turn)
-        if heads % groups:
-            inner = tirx.IfThenElse(tirx.Cast(head.ty.dtype, group) + turn * groups < heads, inner, None)
+        inner, angles = _hoisted(inner, head)
         inner = seq([tirx.Bind(var, value) for var, value in angles]
-                    + [tirx.For(turn, tirx.IntImm(turn.ty.dtype, 0), tirx.IntImm(turn.ty.dtype, -(-heads // groups)),
-                                tirx.ForKind.SERIAL, inner)])
+                    + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
+        size = functools.reduce(lambda a, b: a * b, [int(e) for e in extents[1:]], 1)
+        threads = min(size, THREADS)
+        tx = tirx.Var("threadIdx.x", "int32")
         dtype = extents[-1].ty.dtype
         step = tirx.Var("step", dtype)
-        flat = step * lanes + tirx.Cast(dtype, lane)
+        flat = step * threads + tirx.Cast(dtype, tx)
         where = {}
         for var, extent in reversed(rest):
             where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
         inner = substitute(inner, where)
-        if size % lanes:
-            inner = tirx.IfThenElse(step * lanes + tirx.Cast(dtype, lane) < size, inner, None)
-        body = tirx.For(step, tirx.IntImm(dtype, 0), tirx.IntImm(dtype, -(-size // lanes)), tirx.ForKind.SERIAL, inner)
+        if size % threads:
+            inner = tirx.IfThenElse(step * threads + tirx.Cast(dtype, tx) < size, inner, None)
+        body = tirx.For(step, tirx.IntImm(dtype, 0), tirx.IntImm(dtype, -(-size // threads)), tirx.ForKind.SERIAL, inner)
     else:
         body = nest(list(zip(index, extents)), inner)
     if found is not None:
