@@ -217,6 +217,33 @@ def test_the_fast_families_rotating_functions_are_well_formed(kind):
     assert [name for name in allocated if name.endswith("_rotated")] == copies[kind]
 
 
+@pytest.mark.parametrize("kind, head_dim, launched", [
+    ("ragged", 128, {"q": (128, 32), "k": (128, 8)}),  # threads, the loop over the heads
+    ("ragged", 64, {"q": (64, 32), "k": (64, 8)}),
+    ("prefill", 128, {"q": (128, 32), "pages": (1024, 8)}),
+])
+def test_the_rotation_pass_runs_a_thread_an_element_looping_over_heads(kind, head_dim, launched):
+    """On a GPU the rotation pass takes a token (a page) a block, its threads (up to
+    ``rope_inside.THREADS``) over a row's elements (a page's: 16 rows of 128), each
+    looping over the heads: 32 query heads, 8 key heads."""
+    hopper = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    theirs = tvm_kernel(kind, 32, 8, head_dim, hopper)
+    kernel, why = cache_kernel(kind, 32, 8, head_dim, "float16", hopper, fallback=theirs, rotate_inside=True)
+    assert kernel is not None, why
+    passes = []
+
+    def visit(node):
+        if isinstance(node, tvm.tirx.AttrStmt) and node.attr_key == "thread_extent" and node.node.thread_tag == "threadIdx.x":
+            heads = []
+            tvm_ffi.structural_walk(node.body, lambda n: heads.append(int(n.extent)) if isinstance(n, tvm.tirx.For)
+                                    and n.loop_var.name == "i0" else None)
+            if heads:
+                passes.append((int(node.value), heads[0]))
+
+    tvm_ffi.structural_walk(kernel.func.body.then_case, visit)
+    assert passes == list(launched.values())
+
+
 def _interleaved(rotation):
     """``rotation`` pairing adjacent elements (GPT-J's interleaved RoPE) in place of
     elements half a row apart."""

@@ -310,15 +310,17 @@ def _reads_elements(body, pages) -> bool:
     return bool(halves) and len(uses) == len(halves) and all(half in (0, 1) for half in halves)
 
 
-#: Threads of a block of the rotation pass on GPUs.
-THREADS = 256
+#: Threads of a block of the rotation pass on GPUs, at most (a page table has few items:
+#: its blocks fill the GPU only with many threads each).
+THREADS = 1024
 
 
 def _launch(items, extents, sequences, gpu, store):
     """``store(item, b, *index)`` for every item (a token or a page of the table) and
-    every index of ``extents``, ``b`` the sequence the item lies in where ``sequences``
-    (its ``indptr`` and the batch) is given: on CPUs items in parallel, on GPUs a
-    thread block an item."""
+    every index of ``extents`` (the heads first), ``b`` the sequence the item lies in
+    where ``sequences`` (its ``indptr`` and the batch) is given: on CPUs items in
+    parallel, on GPUs a thread block an item, its threads (up to :data:`THREADS`) over
+    the indices after the heads', each looping over the heads."""
     item = tirx.Var("item", items.ty.dtype)
     index = [tirx.Var(f"i{n}", extent.ty.dtype) for n, extent in enumerate(extents)]
     found = None
@@ -326,24 +328,27 @@ def _launch(items, extents, sequences, gpu, store):
         found = tirx.decl_buffer((1,), "int32", "sequence", scope="local")
     inner = store(item, None if found is None else found[0], *index)
     if gpu:
-        # Threads over the indices after the heads', each thread looping over the heads
-        # with the angles' cosines and sines computed once (they depend on the position
-        # and the element, not the head).
+        # Each thread loops over the heads with the angles' cosines and sines computed
+        # once (they depend on the position and the element, not the head); spreading
+        # the heads over more threads recomputes them and measured slower for tokens.
         head, rest = index[0], list(zip(index[1:], extents[1:]))
         inner, angles = _hoisted(inner, head)
         inner = seq([tirx.Bind(var, value) for var, value in angles]
                     + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
+        size = functools.reduce(lambda a, b: a * b, [int(e) for e in extents[1:]], 1)
+        threads = min(size, THREADS)
         tx = tirx.Var("threadIdx.x", "int32")
-        size = functools.reduce(lambda a, b: a * b, extents[1:], tirx.IntImm(extents[0].ty.dtype, 1))
-        step = tirx.Var("step", size.ty.dtype)
-        flat = step * THREADS + tirx.Cast(size.ty.dtype, tx)
+        dtype = extents[-1].ty.dtype
+        step = tirx.Var("step", dtype)
+        flat = step * threads + tirx.Cast(dtype, tx)
         where = {}
         for var, extent in reversed(rest):
             where[var] = tirx.Cast(var.ty.dtype, tirx.floormod(flat, extent))
             flat = tirx.floordiv(flat, extent)
-        body = tirx.For(step, tirx.IntImm(step.ty.dtype, 0), tirx.ceildiv(size, THREADS), tirx.ForKind.SERIAL,
-                        tirx.IfThenElse(step * THREADS + tirx.Cast(size.ty.dtype, tx) < size,
-                                        substitute(inner, where), None))
+        inner = substitute(inner, where)
+        if size % threads:
+            inner = tirx.IfThenElse(step * threads + tirx.Cast(dtype, tx) < size, inner, None)
+        body = tirx.For(step, tirx.IntImm(dtype, 0), tirx.IntImm(dtype, -(-size // threads)), tirx.ForKind.SERIAL, inner)
     else:
         body = nest(list(zip(index, extents)), inner)
     if found is not None:
@@ -353,7 +358,7 @@ def _launch(items, extents, sequences, gpu, store):
             indptr[s] <= item, tirx.BufferStore(found, tirx.Cast("int32", s), [0]), None))
         body = tirx.AllocBuffer(found, seq([tirx.BufferStore(found, 0, [0]), scan, body]))
     if gpu:
-        body = tirx.AttrStmt(_thread("threadIdx.x", THREADS, tx), "thread_extent", THREADS, body)
+        body = tirx.AttrStmt(_thread("threadIdx.x", threads, tx), "thread_extent", threads, body)
         block = tirx.Var("blockIdx.x", item.ty.dtype)
         body = tirx.AttrStmt(_thread("blockIdx.x", items, block), "thread_extent", items, substitute(body, {item: block}))
         return tirx.IfThenElse(items > 0, body, None)
