@@ -308,6 +308,24 @@ def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig
     return None
 
 
+def params(m, n, k, layout, dtype, out_dtype):
+    """The kernels' parameters ``X[m, k]``, ``gamma[k]``, ``W`` (``[k, n]`` for
+    ``layout`` "kn", else ``[n, k]``), ``out[m, n]``."""
+    return [
+        tvm.tirx.decl_buffer((m, k), dtype, "X"),
+        tvm.tirx.decl_buffer((k,), dtype, "gamma"),
+        tvm.tirx.decl_buffer((k, n) if layout == "kn" else (n, k), dtype, "W"),
+        tvm.tirx.decl_buffer((m, n), out_dtype, "out"),
+    ]
+
+
+def pair_product(dtype):
+    """The name and CUDA source of the function that multiplies pairs of ``dtype``
+    elements in one instruction (as 32-bit words)."""
+    name = _MUL2.format(PTX_TYPE[dtype])
+    return name, _MUL2_SOURCE.format(name=name, ptx=PTX_TYPE[dtype])
+
+
 def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpecializedGemmConfig(), dtype="float16"):
     """The kernel's PrimFunc ``main(X[m, k], gamma[k], W, out[m, n])``, W ``[k, n]``
     (``layout`` "kn") or ``[n, k]`` ("nk"), ``dtype`` inputs (float16 or bfloat16), as
@@ -315,14 +333,10 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     reason = unsupported(n, k, layout, dtype, out_dtype, config)
     if reason is not None:
         raise ValueError(reason)
-    mul2 = _MUL2.format(PTX_TYPE[dtype])
-    mul2_source = _MUL2_SOURCE.format(name=mul2, ptx=PTX_TYPE[dtype])
+    mul2, mul2_source = pair_product(dtype)
     cols, stages = config.cols, config.stages
     kn = layout == "kn"
-    X = tvm.tirx.decl_buffer((m, k), dtype, "X")
-    gamma = tvm.tirx.decl_buffer((k,), dtype, "gamma")
-    W = tvm.tirx.decl_buffer((k, n) if kn else (n, k), dtype, "W")
-    out = tvm.tirx.decl_buffer((m, n), out_dtype, "out")
+    X, gamma, W, out = params(m, n, k, layout, dtype, out_dtype)
     m_tiles = (m + ROWS - 1) // ROWS
     n_tiles = -(-n // cols)
     k_tiles = -(-k // DEPTH)
@@ -505,6 +519,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                             full.ptr_to([st]),
                         )
 
+    init_barriers = stage_barriers(stages)
+
     @T.macro
     def block(x_map, w_map, bx, tx):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
@@ -522,12 +538,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                         smem.vstore([g_base + piece * 8], gamma.vload([piece * 8], f"{dtype}x8"))
                     else:
                         smem.vstore([g_base + piece * 8], T.Broadcast(T.Cast(dtype, 0), 8))
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(256))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        init_barriers(full, empty, tx, 256)
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
@@ -542,6 +553,25 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         w_dims, w_box = (k, n, k * 2), (DEPTH, cols)
     maps = ((X, k, m, k * 2, DEPTH, ROWS, 1, 1, dtype), (W, *w_dims, *w_box, 1, 1, dtype))
     return tma_kernel([X, gamma, W, out], maps, blocks, THREADS, block)
+
+
+def stage_barriers(stages):
+    """The macro ``init(full, empty, tx, consumers)``: thread 0 initialises the
+    ``stages`` stages' mbarriers (``full`` awaited by the producer's one arrival and its
+    TMA bytes, ``empty`` by an arrival of each of ``consumers`` threads: an int, or an
+    expression), then the block meets."""
+
+    @T.macro
+    def init(full, empty, tx, consumers):
+        if tx == 0:
+            for s in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(
+                    empty.ptr_to([s]), T.uint32(consumers) if isinstance(consumers, int) else T.Cast("uint32", consumers))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+
+    return init
 
 
 def tma_kernel(params, maps, blocks, threads, block):
