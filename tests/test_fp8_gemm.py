@@ -254,14 +254,18 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
         fp8.kernel_for(16, 64, 1024, tile=256)
 
 
-def test_ptxas_keeps_the_two_pass_gemm_asynchronous(tmp_path):
+@pytest.mark.parametrize("k", [4096, 4352, 4224])  # k tiles in runs of 8, 2, 1
+def test_ptxas_keeps_the_two_pass_gemm_asynchronous(tmp_path, k):
     """As :func:`test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous`, for the
-    two kernels of the op with one k tile (six stages, partial tiles of M and N)."""
+    two kernels of the op with one k tile (six stages, partial tiles of M and N): the
+    GEMM's runs of k tiles overlap a tile's wgmmas with the tile before's additions."""
     from tvm_cascade.schedules import fp8_two_pass
 
-    kernel = fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, 4096, "bfloat16", "float32",
+    kernel = fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, k, "bfloat16", "float32",
                                           fp8.Fp8GemmConfig(stages=6))
-    report = ptxas_report(_source(kernel), tmp_path / "kernel.cu")
+    source = _source(kernel)
+    assert ("wgmma.wait_group.sync.aligned 1;" in source) == (k != 4224)
+    report = ptxas_report(source, tmp_path / "kernel.cu")
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report

@@ -25,7 +25,7 @@ the rotation's part that no key changes (TVM's frequencies) from a table it fill
 """
 from __future__ import annotations
 
-import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -335,7 +335,7 @@ def _launch(items, extents, sequences, gpu, store):
         inner, angles = _hoisted(inner, head)
         inner = seq([tirx.Bind(var, value) for var, value in angles]
                     + [tirx.For(head, tirx.IntImm(head.ty.dtype, 0), extents[0], tirx.ForKind.SERIAL, inner)])
-        size = functools.reduce(lambda a, b: a * b, [int(e) for e in extents[1:]], 1)
+        size = math.prod(int(e) for e in extents[1:])
         threads = min(size, THREADS)
         tx = tirx.Var("threadIdx.x", "int32")
         dtype = extents[-1].ty.dtype

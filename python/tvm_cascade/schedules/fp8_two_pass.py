@@ -14,8 +14,11 @@ one k tile (the two-pass quantisation: each row's abs-max over all of k first):
   one-kernel form's (:func:`~.warp_specialized_fp8_gemm.tiled_block`: a TMA producer
   thread, two consumer warpgroups of 64 rows), each k tile's ``q`` box and W box read by
   ``wgmma`` m64n{cols}k32 e4m3 from shared memory (both K-major) into a tile's
-  accumulators, added to the running ones in float32 (as the one-kernel form does);
-  the epilogue scales row ``i`` by ``q_scale[i]`` and column ``c`` by ``w_scale[c]``.
+  accumulators, added to the running ones in float32 (as the one-kernel form does); the
+  tiles go in unrolled runs (up to 8), each tile's products in one of two sets of
+  accumulators while the tile before's are added, so the additions run under the
+  wgmmas; the epilogue scales row ``i`` by ``q_scale[i]`` and column ``c`` by
+  ``w_scale[c]``.
 """
 from __future__ import annotations
 
@@ -121,6 +124,7 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
     m_tiles = (m + ROWS - 1) // ROWS
     n_tiles = -(-n // cols)
     k_tiles = -(-k // DEPTH)
+    run = next(r for r in (8, 4, 2, 1) if k_tiles % r == 0)
     # shared memory in 16-bit elements: per stage q's tile, then W's
     x_tile, w_tile = ROWS * DEPTH // 2, cols * DEPTH // 2
     w_base = stages * x_tile
@@ -134,31 +138,46 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
 
     @T.macro
+    def join(acc, part, empty, t, which):
+        """k tile ``t``'s products, done in set ``which`` of ``part``: its stage released
+        and the products added to ``acc``."""
+        fence_accumulators(part, which * n_acc)
+        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
+        for i in T.unroll(n_acc):
+            acc[i] = acc[i] + part[which * n_acc + i]
+
+    @T.macro
     def consume(smem, full, empty, r0, c0, tx, cw):
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
-        part = T.alloc_local((n_acc,), "float32")  # a tile's products, before they join acc
+        part = T.alloc_local((2 * n_acc,), "float32")  # two tiles' products, before they join acc
         scale = T.alloc_local((2,), "float32")
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
-        for t in T.serial(k_tiles):
-            wait(full, t)
-            fence_accumulators(part, 0)
-            T.ptx.wgmma.fence.sync.aligned()
-            for ks in T.unroll(DEPTH // 32):
-                T.evaluate(mma(
-                    *[part[i] for i in range(n_acc)],
-                    # (consumer cw's 64 rows: eight 1024-byte atoms into the tile)
-                    _k_major(smem, t % stages * x_tile + cw * 64 * DEPTH // 2, ks),
-                    _k_major(smem, w_base + t % stages * w_tile, ks), ks > 0, 1, 1,
-                ))
-            T.ptx.wgmma.commit_group.sync.aligned()
+        # Over `run` k tiles at a time, unrolled, a tile's products go to one of two sets
+        # while the other's, the tile before's, join acc: the wgmmas run under the
+        # additions. (No group stays in flight across the loop's back edge: there ptxas
+        # serialises every wgmma.)
+        for u in T.serial(k_tiles // run):
+            for v in T.unroll(run):
+                t = T.meta_var(u * run + v)
+                wait(full, t)
+                fence_accumulators(part, v % 2 * n_acc)
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(DEPTH // 32):
+                    T.evaluate(mma(
+                        *[part[v % 2 * n_acc + i] for i in range(n_acc)],
+                        # (consumer cw's 64 rows: eight 1024-byte atoms into the tile)
+                        _k_major(smem, t % stages * x_tile + cw * 64 * DEPTH // 2, ks),
+                        _k_major(smem, w_base + t % stages * w_tile, ks), ks > 0, 1, 1,
+                    ))
+                T.ptx.wgmma.commit_group.sync.aligned()
+                if v > 0:
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    join(acc, part, empty, t - 1, (v - 1) % 2)
             T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_accumulators(part, 0)
-            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
-            for i in T.unroll(n_acc):
-                acc[i] = acc[i] + part[i]
+            join(acc, part, empty, u * run + run - 1, (run - 1) % 2)
         for g in T.unroll(2):
             scale[g] = q_scale[T.min(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, m - 1)]
         store_tile(acc, scale, r0, c0, cw, w, lane)
