@@ -6,6 +6,7 @@ import tvm
 
 from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 from launches import grid as launched
+from launches import grids
 from ptxas import ptxas_report
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -32,15 +33,32 @@ def test_build_makes_one_tma_and_wgmma_kernel_of_w_by_the_scaled_rows(layout, tr
     tvm.ir.assert_structural_equal(launched(func), (m + tokens - 1) // tokens * 16)
 
 
+def test_splits_of_k_run_a_block_a_split_then_a_kernel_that_adds_them_up():
+    """With ``splits``, each output tile's k tiles are shared among that many blocks,
+    which store unscaled float32 products and partial sums of squares; a second kernel,
+    a block per row and 256 columns, adds them up, scales and stores."""
+    m = tvm.tirx.Var("m", "int64")
+    func = skinny.skinny_kernel(m, 1000, 4096, tokens=16, splits=3)
+    source = _source(func)
+    assert source.count("__global__") == 4  # two kernels, each declared and defined
+    assert "float* __restrict__ parts" in source and "float* __restrict__ squares" in source
+    tile_blocks, combine_blocks = grids(func)
+    tvm.ir.assert_structural_equal(tile_blocks, (m + 16 - 1) // 16 * 16 * 3)
+    tvm.ir.assert_structural_equal(combine_blocks, m * 4)
+
+
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("m, n, k, tokens, dtype, out_dtype", [
-    (tvm.tirx.Var("m", "int64"), 14336, 4096, 16, "float16", "float16"),
-    (20, 328, 4104, 32, "bfloat16", "float32"),  # no whole tiles along M, N or K
+@pytest.mark.parametrize("m, n, k, tokens, dtype, out_dtype, splits", [
+    (tvm.tirx.Var("m", "int64"), 14336, 4096, 16, "float16", "float16", 1),
+    (20, 328, 4104, 32, "bfloat16", "float32", 1),  # no whole tiles along M, N or K
+    (16, 4096, 14336, 16, "float16", "float16", 4),
 ])
-def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(tmp_path, layout, m, n, k, tokens, dtype, out_dtype):
-    func = skinny.skinny_kernel(m, n, k, layout=layout, tokens=tokens, dtype=dtype, out_dtype=out_dtype)
+def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(tmp_path, layout, m, n, k, tokens, dtype, out_dtype,
+                                                           splits):
+    func = skinny.skinny_kernel(m, n, k, layout=layout, tokens=tokens, dtype=dtype, out_dtype=out_dtype,
+                                splits=splits)
     report = ptxas_report(_source(func), tmp_path / "kernel.cu")
-    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 1
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == (1 if splits == 1 else 2)
     # C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
@@ -53,6 +71,8 @@ def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(tmp_path, layout, m,
     (dict(k=4100), "TMA needs rows of a multiple of 16 bytes: K = 4100"),
     (dict(tokens=64), "64 rows of X a block: one of"),
     (dict(stages=12), "12 stages of 16 rows: 2 or more, in a third of the shared memory"),
+    (dict(k=320, splits=4), "4 splits of K = 320's 5 tiles of 64: each split needs a tile"),
+    (dict(splits=0), "0 splits of K = 4096's 64 tiles"),
 ])
 def test_refusals(args, message):
     shape = dict(m=16, n=1024, k=4096)
