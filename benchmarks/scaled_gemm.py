@@ -38,7 +38,11 @@ from .tuned_peer import TUNED
 PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N[, dtype]) (float16 unless named)
 SHAPES = (
-    ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),
+    ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),  # a decode step's rows
+    ("rmsnorm+gemm 16 x 4096 x 6144", 16, 4096, 6144),
+    ("rmsnorm+gemm 16 x 4096 x 4096", 16, 4096, 4096),
+    ("rmsnorm+gemm 16 x 14336 x 4096", 16, 14336, 4096),  # the down projection
+    ("rmsnorm+gemm 16 x 4096 x 14336 bf16", 16, 4096, 14336, "bfloat16"),
     ("rmsnorm+gemm 2048 x 4096 x 14336", 2048, 4096, 14336),
     ("rmsnorm+gemm 8192 x 4096 x 14336", 8192, 4096, 14336),
     ("rmsnorm+gemm 2048 x 4096 x 4096", 2048, 4096, 4096),

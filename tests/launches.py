@@ -3,8 +3,9 @@ import tvm
 import tvm_ffi
 
 
-def grid(func):
-    """The extent of ``func``'s ``blockIdx.x``: an int, or an expression of its shapes."""
+def grids(func):
+    """The extents of ``func``'s ``blockIdx.x``, a kernel's each in launch order: ints,
+    or expressions of its shapes."""
     extents = []
 
     def visit(node):
@@ -12,5 +13,10 @@ def grid(func):
             extents.append(node.value)
 
     tvm_ffi.structural_walk(func.body, visit)
-    (extent,) = extents
-    return int(extent) if isinstance(extent, tvm.tirx.IntImm) else extent
+    return [int(extent) if isinstance(extent, tvm.tirx.IntImm) else extent for extent in extents]
+
+
+def grid(func):
+    """The extent of ``func``'s ``blockIdx.x``, where it launches one kernel."""
+    (extent,) = grids(func)
+    return extent

@@ -83,7 +83,7 @@ def test_bfloat16_takes_the_warp_specialised_kernel():
 
 
 @pytest.mark.parametrize("model, target", [
-    (norm_then_linear(16, 256, 128, False), SM90A),  # a decode step's few rows: a GEMV's work
+    (norm_then_linear(16, 256, 128, False), SM80),  # a decode step's few rows: a GEMV's work for mma.sync
     (norm_then_linear(64, 256, 128, False, "float32"), SM90A),
     (norm_then_linear(64, 256, 100, False), SM90A),  # rows of W of 200 bytes: no TMA copy
     (norm_then_linear(64, 256, 96, False), SM80),  # N not whole 128-column tiles
@@ -97,16 +97,28 @@ def test_what_the_kernel_does_not_serve_is_left(model, target):
 @pytest.mark.parametrize("target", [SM90A, SM80])
 def test_any_number_of_rows_is_one_kernel(target):
     """A symbolic token count (a prompt) and a static count that is no whole tile both
-    get one kernel: sm_80's pads the rows to whole tiles in its copy of X, sm_90's TMA
-    copies read zeros past the last row."""
+    get one function: sm_80's kernel pads the rows to whole tiles in its copy of X,
+    sm_90's TMA copies read zeros past the last row; for a symbolic count sm_90's
+    function holds the kernel for few rows beside it, launched up to 16 rows."""
     tokens = tvm.tirx.Var("tokens", "int64")
     for rows, symbol in (((1, tokens), "tvm_cascade_rmsnorm_gemm_m_128_256_nk"), (48, "tvm_cascade_rmsnorm_gemm_48_128_256_nk")):
         out = _dispatch(norm_then_linear(rows, 256, 128, True), target)
         (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
         assert packed.args[0].global_symbol == symbol
         (library,) = out.attrs["external_mods"]
-        # One kernel (declared and defined), not a padding pass of its own.
-        assert _kernel_source(library, target).count("__global__") == 2
+        # Kernels declared and defined, none a padding pass of its own.
+        kernels = 2 if target == SM90A and rows != 48 else 1
+        assert _kernel_source(library, target).count("__global__") == 2 * kernels
+
+
+def test_a_decode_steps_few_rows_take_the_kernel_for_few_rows():
+    """16 rows on sm_90: the kernel for few rows (W's columns as wgmma's M, the rows its
+    N of 16)."""
+    out = _dispatch(norm_then_linear(16, 256, 128, False))
+    (packed,) = [c for c in _calls(out) if c.op.name == "relax.call_dps_packed"]
+    assert packed.args[0].global_symbol == "tvm_cascade_rmsnorm_gemm_16_128_256_kn"
+    (library,) = out.attrs["external_mods"]
+    assert "m64n16k16_f32_f16_f16" in _kernel_source(library, SM90A)
 
 
 def test_the_cascade_pipeline_builds_it():

@@ -59,21 +59,63 @@ def test_warp_specialized_rmsnorm_gemm(m, n, k, layout, out_dtype, config, dtype
     target = tvm.target.Target.from_device(tvm.cuda(0))
     if not warp_specialized.serves_target(target):
         pytest.skip("the warp-specialised kernel needs an H100 or H200 (sm_90)")
-    torch = pytest.importorskip("torch")  # bfloat16 tensors (numpy has none)
+    rows = tvm.tirx.Var("m", "int32") if symbolic else m
+    func = cascades.rmsnorm_gemm(rows, n, k, dtype=dtype, weight_layout=layout, out_dtype=out_dtype)
+    _check_rmsnorm_gemm(scaled_gemm.build(schedule_scaled_gemm(func, config).mod, target)["main"],
+                        m, n, k, layout, out_dtype, dtype)
 
+
+def _check_rmsnorm_gemm(kernel, m, n, k, layout, out_dtype, dtype):
+    """``kernel(X, gamma, W, out)`` against float64 numpy, on rows of X of magnitudes 0.1
+    to 10 (W as [k, n] for ``layout`` "kn", else [n, k])."""
+    torch = pytest.importorskip("torch")  # bfloat16 tensors (numpy has none)
     rng = np.random.default_rng(m + n + k)
     on_gpu = lambda a: torch.from_numpy(a).to(getattr(torch, dtype)).cuda()  # noqa: E731
     x = on_gpu(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)))
     gamma = on_gpu(1 + 0.1 * rng.standard_normal(k))
     w = on_gpu(rng.standard_normal((k, n)) / np.sqrt(k))
-    rows = tvm.tirx.Var("m", "int32") if symbolic else m
-    func = cascades.rmsnorm_gemm(rows, n, k, dtype=dtype, weight_layout=layout, out_dtype=out_dtype)
-    kernel = scaled_gemm.build(schedule_scaled_gemm(func, config).mod, target)["main"]
     out = torch.zeros((m, n), dtype=getattr(torch, out_dtype), device="cuda")
     kernel(*(tvm.runtime.from_dlpack(a) for a in (x, gamma, w if layout == "kn" else w.T.contiguous(), out)))
     ref = R.rmsnorm_gemm_ref(*(a.double().cpu().numpy() for a in (x, gamma, w)))
     out = out.double().cpu().numpy()
     assert _relative_error(out, ref) < (5e-3 if dtype == "float16" else 2e-2)
+
+
+@pytest.mark.parametrize("m, n, k, layout, out_dtype, tokens, dtype, splits", [
+    (16, 1024, 4096, "kn", "float16", 16, "float16", 1),
+    (16, 1024, 4096, "nk", "float16", 16, "float16", 3),
+    (1, 512, 1024, "kn", "float16", 16, "float16", 1),
+    (20, 328, 4104, "kn", "float32", 16, "float16", 1),  # no whole tiles along M, N or K
+    (20, 328, 4104, "kn", "float32", 16, "float16", 5),  # ... and five splits of 13 k tiles
+    (32, 704, 2048, "nk", "bfloat16", 32, "bfloat16", 4),
+    (45, 200, 520, "nk", "float16", 32, "float16", 1),
+    (45, 200, 520, "nk", "float16", 32, "float16", 3),
+])
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_skinny_rmsnorm_gemm(m, n, k, layout, out_dtype, tokens, dtype, splits, symbolic):
+    """The kernel for few rows (:mod:`tvm_cascade.schedules.rmsnorm_gemm_skinny`), its
+    k tiles in one block or split among several."""
+    from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
+
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    if not warp_specialized.serves_target(target):
+        pytest.skip("the kernel needs an H100 or H200 (sm_90)")
+    rows = tvm.tirx.Var("m", "int32") if symbolic else m
+    func = skinny.skinny_kernel(rows, n, k, layout=layout, out_dtype=out_dtype, tokens=tokens, dtype=dtype,
+                                splits=splits)
+    _check_rmsnorm_gemm(skinny.build(func, target)["main"], m, n, k, layout, out_dtype, dtype)
+
+
+def test_a_variable_row_count_launches_the_kernel_its_rows_need():
+    """One function for any rows (what ``DispatchScaledGemm`` builds for a symbolic
+    token count): the kernel for few rows (K split) up to 16, the 128-row one past."""
+    target = tvm.target.Target.from_device(tvm.cuda(0))
+    if not warp_specialized.serves_target(target):
+        pytest.skip("the warp-specialised kernel needs an H100 or H200 (sm_90)")
+    func = cascades.rmsnorm_gemm(tvm.tirx.Var("m", "int32"), 1024, 4096, dtype="float16", weight_layout="nk")
+    kernel = scaled_gemm.build(scaled_gemm.schedule_for_target(func, target).mod, target)["main"]
+    for m in (1, 16, 17, 200):
+        _check_rmsnorm_gemm(kernel, m, 1024, 4096, "nk", "float16", "float16")
 
 
 @pytest.mark.parametrize("m, pad", [(48, 32), (200, 128)])

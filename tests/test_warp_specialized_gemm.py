@@ -58,16 +58,40 @@ def test_build_makes_one_tma_and_wgmma_kernel(layout):
     """One kernel: TMA copies, setmaxnreg, wgmma with the A operand in registers (made
     by fp16 pair products), W read MN-major as [K, N] (transpose flag 1), K-major as
     [N, K] (0); eps and K in the epilogue, which stores four columns a thread at a time
-    (N a multiple of the tile's columns); rows checked against M, a variable."""
+    (N a multiple of the tile's columns); rows checked against M, a variable (the
+    function also holds the kernel for few rows: below)."""
     rows = tvm.tirx.Var("m", "int32")
-    source = _source(ws.schedule(cascades.rmsnorm_gemm(rows, 1024, 4096, eps=1e-5, dtype="float16", weight_layout=layout)))
-    assert source.count("__global__") == 2  # declared and defined
+    both = _source(ws.schedule(cascades.rmsnorm_gemm(rows, 1024, 4096, eps=1e-5, dtype="float16", weight_layout=layout)))
+    # three kernels, each declared and defined: this one, the few rows' and its splits' sum
+    assert both.count("__global__") == 6
+    (source,) = [kernel for kernel in both.split('extern "C" __global__')[1:] if "setmaxnreg" in kernel]
     for mark in ("cp.async.bulk.tensor.2d", "setmaxnreg.inc", "setmaxnreg.dec", "mul.rn.f16x2", "/*1.000000e-05*/", "/*4.096000e+03*/"):
-        assert mark in source, mark
+        assert mark in both, mark
     flag = "1" if layout == "kn" else "0"
     assert f"wgmma_f16_rs_mma_async_sync_aligned_m64n256k16_f32_f16_f16_1_1_{flag}(" in source
     assert re.search(r"< \(?m\b", source)
     assert "*(half4*)(out_ptr" in source and "out_ptr[" not in source
+
+
+def test_few_rows_take_the_kernel_for_few_rows_and_a_variable_count_picks_at_run_time():
+    """Up to 16 rows :func:`build` makes the kernel for few rows (wgmma m64n16k16, W as
+    A; 4096 x 14336 in two splits of K: two kernels), from 17 the 128-row kernel; for a
+    variable row count one function holding both, the rows choosing at run time."""
+    from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
+
+    def built(rows):
+        return _source(ws.schedule(cascades.rmsnorm_gemm(rows, 14336, 4096, dtype="float16")))
+
+    few, many = built(16), built(17)
+    assert "m64n16k16_f32_f16_f16" in few and "setmaxnreg" not in few
+    assert few.count("__global__") == 4 and skinny.default_splits(14336, 4096, sms=132) == 2
+    assert "m64n256k16_f32_f16_f16" in many and many.count("__global__") == 2
+    rows = tvm.tirx.Var("m", "int32")
+    func = ws.kernel_for(ws.RmsNormGemm(rows, 14336, 4096, 1e-6, "kn", "float16"))
+    assert isinstance(func.body, tvm.tirx.IfThenElse)
+    tvm.ir.assert_structural_equal(func.body.condition, rows <= ws.SKINNY_ROWS, map_free_vars=True)
+    both = built(rows)
+    assert "m64n16k16_f32_f16_f16" in both and "m64n256k16_f32_f16_f16" in both and both.count("__global__") == 6
 
 
 @pytest.mark.parametrize("layout, dtype, rows, k", [("kn", "float16", 2048, 4096), ("nk", "bfloat16", None, 520)])

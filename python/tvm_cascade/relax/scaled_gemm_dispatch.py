@@ -8,14 +8,15 @@ the norm also as the ops TVM's torch frontend gives a hand-written or ``torch.nn
 RMSNorm (float32 square-mean and ``rsqrt``, gamma before or after the cast back) and
 the norm's output reshaped to rows, float16 inputs (or bfloat16 on sm_90), an output of
 the inputs' dtype or float32 (a ``torch.export``ed linear layer's ``out_dtype``), ``x``
-of any rank whose rows (all
-axes but the last) number 32 or more, or a symbolic number (a prompt's tokens): one
-kernel serves every length. On an H100 or H200 (sm_90) the kernel is the
-warp-specialised one (:mod:`tvm_cascade.schedules.warp_specialized_gemm`: K and N
-multiples of 8, its TMA copies read zeros past the last row); elsewhere the mma.sync
-(or MFMA) one, N a multiple of 128 and K of 64, rows that do not fill its tiles padded
-inside the kernel. Fewer than 32 static rows (decode) are left: a GEMV's work, not a
-tensor-core tile's. The call becomes ``call_dps_packed`` of the kernel, built when the
+of any rank and any number of rows (all axes but the last), static or symbolic (a
+prompt's tokens, a decode batch): one kernel serves every length. On an H100 or H200
+(sm_90) the kernel is the warp-specialised one
+(:mod:`tvm_cascade.schedules.warp_specialized_gemm`: K and N multiples of 8, its TMA
+copies read zeros past the last row), up to 16 rows the kernel for few rows
+(:mod:`tvm_cascade.schedules.rmsnorm_gemm_skinny`; a symbolic row count gets both,
+picked at run time); elsewhere the mma.sync (or MFMA) one, N a multiple of 128 and K
+of 64, rows that do not fill its tiles padded inside the kernel, and fewer than 32
+static rows are left (a GEMV's work, not a tensor-core tile's). The call becomes ``call_dps_packed`` of the kernel, built when the
 pass runs (its warp fragments and templates need tvm-cascade's lowering, not the
 default TIR pipeline's) and attached to the module as an external library, as TVM's
 BYOC backends attach theirs; the norm itself goes where nothing else reads it. What
@@ -225,10 +226,10 @@ def _refusal(x, gamma, w, transposed, out_dtype, target):
     n, wk = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     if wk != k or gs[0] != k:
         return "the weight's and gamma's K differ from x's"
-    if isinstance(m, int) and m < lanes:
-        return f"{m} rows: fewer than a warp's tile of {lanes}"
     if serves_target(target):
         return warp_specialized_gemm.unsupported(n, k, "nk" if transposed else "kn", dtype, out_dtype)
+    if isinstance(m, int) and m < lanes:
+        return f"{m} rows: fewer than a warp's tile of {lanes}"
     config = ScaledGemmConfig()
     for what, extent, tile in (("N", n, config.cols), ("K", k, config.depth)):
         if extent % tile:

@@ -74,7 +74,7 @@ from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
-from .warp_specialized_gemm import tma_kernel
+from .warp_specialized_gemm import stage_barriers, tma_kernel
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -245,6 +245,7 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
     all lie past ``m`` does nothing: a few tokens' tile)."""
     stages, group, cols = config.stages, config.group, config.cols
     m_tiles = (m + ROWS - 1) // ROWS
+    init_barriers = stage_barriers(stages)
 
     @T.macro
     def block(x_map, w_map, bx, tx):
@@ -260,12 +261,7 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
         c0 = within // rows_here * cols
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.Cast("uint32", 128 * consumers))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        init_barriers(full, empty, tx, 128 * consumers)
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
@@ -872,6 +868,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                         out[t0 + token, row] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * last[token] * w_scale[row])
 
     produce = _producer(k_tiles, stages, box, lambda st: st * stage, lambda st: st * stage + x_tile, stage * 2)
+    init_barriers = stage_barriers(stages)
 
     @T.macro
     def block(x_map, w_map, bx, tx):
@@ -883,12 +880,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         # token tiles fastest: the blocks that read a tile of W run together
         t0 = bx % t_tiles * tokens
         n0 = bx // t_tiles * W_ROWS
-        if tx == 0:
-            for s in T.unroll(stages):
-                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
-                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(128))
-            T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        init_barriers(full, empty, tx, 128)
         if tx < 128:
             consume(smem, full, empty, factors, last, t0, n0, tx)
         elif tx == 128:
