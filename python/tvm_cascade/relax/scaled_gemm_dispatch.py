@@ -16,11 +16,12 @@ copies read zeros past the last row), up to 16 rows the kernel for few rows
 (:mod:`tvm_cascade.schedules.rmsnorm_gemm_skinny`; a symbolic row count gets both,
 picked at run time); elsewhere the mma.sync (or MFMA) one, N a multiple of 128 and K
 of 64, rows that do not fill its tiles padded inside the kernel, and fewer than 32
-static rows are left (a GEMV's work, not a tensor-core tile's). The call becomes ``call_dps_packed`` of the kernel, built when the
-pass runs (its warp fragments and templates need tvm-cascade's lowering, not the
-default TIR pipeline's) and attached to the module as an external library, as TVM's
-BYOC backends attach theirs; the norm itself goes where nothing else reads it. What
-does not fit is left to the default lowering and logged.
+static rows are left (a GEMV's work, not a tensor-core tile's). The call becomes
+``call_dps_packed`` of the kernel, built when the pass runs (its warp fragments and
+templates need tvm-cascade's lowering, not the default TIR pipeline's) and attached to
+the module as an external library, as TVM's BYOC backends attach theirs; the norm
+itself goes where nothing else reads it. What does not fit is left to the default
+lowering and logged.
 """
 from __future__ import annotations
 

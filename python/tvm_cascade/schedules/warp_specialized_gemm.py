@@ -240,8 +240,8 @@ def build(mod, target):
     :class:`~tvm_cascade.meta_schedule.CascadeFusion` after the target's postprocessors),
     to this kernel for ``target`` (an H100 or H200: sm_90a is named for it), under the
     function's name (up to :data:`SKINNY_ROWS` rows the kernel for few rows, the choices
-    unused: :func:`kernel_for`): the kernel computes ``ops.rmsnorm_gemm`` of the function's
-    parameters with the annotated eps and layout. ``ValueError`` where the parameters
+    unused: :func:`kernel_for`): the kernel computes ``ops.rmsnorm_gemm`` of the
+    function's parameters with the annotated eps and layout. ``ValueError`` where the parameters
     are not that function's or the kernel cannot serve them."""
     sites = ir.annotated_blocks(mod, PROBLEM)
     # (a decomposed reduction's init block keeps the GEMM block's annotations)
@@ -283,11 +283,13 @@ def kernel_for(problem: RmsNormGemm, config=WarpSpecializedGemmConfig()) -> tvm.
     from . import rmsnorm_gemm_skinny as skinny
 
     m, n, k, layout, out_dtype, dtype = problem.m, problem.n, problem.k, problem.layout, problem.out_dtype, problem.dtype
+    if isinstance(m, int) and m > SKINNY_ROWS:
+        return kernel(m, n, k, problem.eps, layout, out_dtype, config, dtype)
     buffers = params(m, n, k, layout, dtype, out_dtype)
     few = skinny.skinny_kernel(m, n, k, problem.eps, layout, out_dtype, dtype=dtype, splits=skinny.default_splits(n, k),
                                buffers=buffers)
     if isinstance(m, int):
-        return few if m <= SKINNY_ROWS else kernel(m, n, k, problem.eps, layout, out_dtype, config, dtype)
+        return few
     many = kernel(m, n, k, problem.eps, layout, out_dtype, config, dtype, buffers=buffers)
     body = tvm.tirx.IfThenElse(m <= SKINNY_ROWS, few.body, many.body)
     return tvm.tirx.PrimFunc(buffers, body).with_attr("global_symbol", "main")
