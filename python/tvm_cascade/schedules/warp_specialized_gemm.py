@@ -241,8 +241,8 @@ def build(mod, target):
     to this kernel for ``target`` (an H100 or H200: sm_90a is named for it), under the
     function's name (up to :data:`SKINNY_ROWS` rows the kernel for few rows, the choices
     unused: :func:`kernel_for`): the kernel computes ``ops.rmsnorm_gemm`` of the
-    function's parameters with the annotated eps and layout. ``ValueError`` where the parameters
-    are not that function's or the kernel cannot serve them."""
+    function's parameters with the annotated eps and layout. ``ValueError`` where the
+    parameters are not that function's or the kernel cannot serve them."""
     sites = ir.annotated_blocks(mod, PROBLEM)
     # (a decomposed reduction's init block keeps the GEMM block's annotations)
     notes = {tvm_ffi.structural_hash(_choices(block)): _choices(block) for _, _, block in sites}
@@ -566,9 +566,6 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                         smem.vstore([g_base + piece * 8], gamma.vload([piece * 8], f"{dtype}x8"))
                     else:
                         smem.vstore([g_base + piece * 8], T.Broadcast(T.Cast(dtype, 0), 8))
-            # a barrier TVM's sync planner knows (it would insert its own, which it
-            # cannot where the kernel is a branch of a function: kernel_for)
-            T.tvm_storage_sync("shared")
         init_barriers(full, empty, tx, 256)
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
@@ -590,7 +587,9 @@ def stage_barriers(stages):
     """The macro ``init(full, empty, tx, consumers)``: thread 0 initialises the
     ``stages`` stages' mbarriers (``full`` awaited by the producer's one arrival and its
     TMA bytes, ``empty`` by an arrival of each of ``consumers`` threads: an int, or an
-    expression), then the block meets."""
+    expression), then the block meets, at a barrier TVM's sync planner knows: it orders
+    the shared memory written before it too (the planner would insert a barrier of its
+    own, which it cannot where the kernel is a branch of a function)."""
 
     @T.macro
     def init(full, empty, tx, consumers):
@@ -600,7 +599,7 @@ def stage_barriers(stages):
                 T.ptx.mbarrier.init.shared.b64(
                     empty.ptr_to([s]), T.uint32(consumers) if isinstance(consumers, int) else T.Cast("uint32", consumers))
             T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        T.tvm_storage_sync("shared")
 
     return init
 
