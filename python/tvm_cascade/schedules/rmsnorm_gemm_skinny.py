@@ -165,7 +165,7 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
             ) for p in range(4)]))
 
     @T.macro
-    def consume(smem, full, empty, scales, t0, n0, s, tx):
+    def consume(smem, full, empty, scales, t0, n0, s, first, count, tx):
         w = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
@@ -175,10 +175,8 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
         ss[0] = T.float32(0)
-        kt0 = T.meta_var(s * split_tiles)
-        count = T.meta_var(T.min(split_tiles, k_tiles - kt0))
         wait(full, 0)
-        scaled(smem, ss, xv, gv, 0, kt0, tx)
+        scaled(smem, ss, xv, gv, 0, first, tx)
         T.ptx.fence.proxy.async_.shared__cta()  # X̃, written here, read by wgmma
         T.ptx.bar.sync(T.uint32(1), T.uint32(128))
         for i in T.serial(count):
@@ -193,7 +191,7 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
             # the next tile's X̃ is written while this one's instructions run
             if i + 1 < count:
                 wait(full, i + 1)
-                scaled(smem, ss, xv, gv, i + 1, kt0 + i + 1, tx)
+                scaled(smem, ss, xv, gv, i + 1, first + i + 1, tx)
                 T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.wgmma.wait_group.sync.aligned(0)
             fence_accumulators(acc, 0)
@@ -222,11 +220,10 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
                             parts[s, t0 + row, col] = acc[4 * j + 2 * g + e]
 
     @T.macro
-    def produce(x_map, w_map, smem, full, empty, t0, n0, s):
-        kt0 = T.meta_var(s * split_tiles)
-        for i in T.serial(T.min(split_tiles, k_tiles - kt0)):
+    def produce(x_map, w_map, smem, full, empty, t0, n0, first, count):
+        for i in T.serial(count):
             st = T.meta_var(i % stages)
-            t = T.meta_var(kt0 + i)
+            t = T.meta_var(first + i)
             T.cuda.mbarrier_wait(empty.ptr_to([st]), ((i // stages) & 1) ^ 1)
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(stage * 2))
             T.ptx[_TMA](smem.ptr_to([st * stage]), T.address_of(x_map), T.int32(t * DEPTH), T.Cast("int32", t0),
@@ -250,11 +247,13 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
         t0 = bx % t_tiles * tokens
         n0 = bx // t_tiles % n_tiles * W_COLS if splits > 1 else bx // t_tiles * W_COLS
         s = T.meta_var(bx // (t_tiles * n_tiles) if splits > 1 else 0)
+        first = T.meta_var(s * split_tiles)  # the split's k tiles
+        count = T.meta_var(T.min(split_tiles, k_tiles - first))
         init_barriers(full, empty, tx, 128)
         if tx < 128:
-            consume(smem, full, empty, scales, t0, n0, s, tx)
+            consume(smem, full, empty, scales, t0, n0, s, first, count, tx)
         elif tx == 128:
-            produce(x_map, w_map, smem, full, empty, t0, n0, s)
+            produce(x_map, w_map, smem, full, empty, t0, n0, first, count)
 
     w_dims, w_box = ((n, k, n * 2), (W_COLS, DEPTH)) if kn else ((k, n, k * 2), (DEPTH, W_COLS))
     maps = ((X, k, m, k * 2, DEPTH, tokens, 1, 1, dtype), (W, *w_dims, *w_box, 1, 1, dtype))
