@@ -790,6 +790,22 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
 
     @T.macro
+    def fold(pairs, xv, lo, hi):
+        """The largest magnitudes of ``pairs`` and of ``xv``'s pairs ``lo`` to ``hi``."""
+        for e in T.unroll(lo, hi):
+            pairs[0] = T.cuda.func_call(
+                abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
+                source_code=abs_max_source, return_type="uint32",
+            )
+
+    @T.macro
+    def token_max(result, pairs):
+        """The largest magnitude of this token's threads' ``pairs``, by a shuffle."""
+        result[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
+        for d in T.unroll(per.bit_length() - 1):
+            result[0] = T.max(result[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), result[0], 1 << d, 32))
+
+    @T.macro
     def quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t, tx):
         """Tile ``t`` of this thread's token: the token's running abs-max ``peak``, the
         repair of its accumulators into ``factors``, its elements in e4m3 into the
@@ -803,14 +819,8 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 smem.vload([(t % stages) * stage + first // 64 * box + token * 64 + (c ^ (token % 8)) * 8], f"{dtype}x8"),
             )
         pairs[0] = T.reinterpret("uint32", xv.vload([0], f"{dtype}x2"))
-        for e in T.unroll(1, each // 2):
-            pairs[0] = T.cuda.func_call(
-                abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
-                source_code=abs_max_source, return_type="uint32",
-            )
-        tile_peak[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
-        for d in T.unroll(per.bit_length() - 1):
-            tile_peak[0] = T.max(tile_peak[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[0], 1 << d, 32))
+        fold(pairs, xv, 1, each // 2)
+        token_max(tile_peak, pairs)
         new_peak = T.meta_var(T.max(peak[0], tile_peak[0]))
         if tx % per == 0:
             T.evaluate(_store("f32", factors.ptr_to([t % 2 * tokens + token]), repair_factor(peak[0], new_peak)))
@@ -827,21 +837,15 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     @T.macro
     def prefix_peak(peak, xv, pairs, first, t0, tx):
         """This thread's token's abs-max over the k tiles before tile ``first``, read
-        from X in 16-byte pieces, completed by a shuffle."""
+        from X in 16-byte pieces."""
         token = T.meta_var(tx // per)
         pairs[0] = T.uint32(0)
         for c in T.serial((first * DEPTH // 8 + per - 1) // per):
             at = T.meta_var((c * per + tx % per) * 8)
             if at < first * DEPTH and t0 + token < m:
                 xv.vstore([0], X.vload([t0 + token, at], f"{dtype}x8"))
-                for e in T.unroll(4):
-                    pairs[0] = T.cuda.func_call(
-                        abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
-                        source_code=abs_max_source, return_type="uint32",
-                    )
-        peak[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
-        for d in T.unroll(per.bit_length() - 1):
-            peak[0] = T.max(peak[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), peak[0], 1 << d, 32))
+                fold(pairs, xv, 0, 4)
+        token_max(peak, pairs)
 
     @T.macro
     def consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx):
