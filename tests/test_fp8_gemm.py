@@ -114,7 +114,7 @@ def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it
     """With ``splits``, blocks share an output tile's k tiles: each first reads its
     tokens' abs-max over the tiles before its own from X (16-byte loads), quantises as
     the whole loop would from there, and stores float32 parts that a second kernel adds
-    (a block per token and 256 columns). By default the splits are ``split_count``'s."""
+    (a block per token and 256 columns). By default the splits are ``skinny_splits``'s."""
     m = tvm.tirx.Var("m", "int64")
     func = fp8.skinny_kernel(m, 1024, 4096, splits=4)
     source = _source(func)
@@ -125,6 +125,7 @@ def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it
     tvm.ir.assert_structural_equal(sum_blocks, m * 4)
     tvm.ir.assert_structural_equal(fp8.skinny_kernel(m, 1024, 4096), fp8.skinny_kernel(m, 1024, 4096, splits=8))
     assert fp8.split_count(1024 // fp8.W_ROWS, 4096 // fp8.DEPTH, sms=132) == 8
+    assert fp8.skinny_splits(14336 // fp8.W_ROWS, 4096 // fp8.DEPTH, sms=132) == 1  # no SM idle
     with pytest.raises(ValueError, match="4 splits of K = 640's 5 tiles of 128: each split needs a tile"):
         fp8.skinny_kernel(16, 256, 640, splits=4)
 
