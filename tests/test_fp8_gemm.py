@@ -18,6 +18,7 @@ from tvm_cascade.ops import reference as R
 from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
 from ptxas import ptxas_report
+from launches import grids
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -106,6 +107,35 @@ def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(rows, n, k, dtype
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
+        assert remark not in report, report
+
+
+def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it():
+    """With ``splits``, blocks share an output tile's k tiles: each first reads its
+    tokens' abs-max over the tiles before its own from X (16-byte loads), quantises as
+    the whole loop would from there, and stores float32 parts that a second kernel adds
+    (a block per token and 256 columns). By default the splits are ``skinny_splits``'s."""
+    m = tvm.tirx.Var("m", "int64")
+    func = fp8.skinny_kernel(m, 1024, 4096, splits=4)
+    source = _source(func)
+    assert source.count("__global__") == 4  # two kernels, each declared and defined
+    assert "*(uint4*)(X_ptr" in source and "float* __restrict__ parts" in source
+    tile_blocks, sum_blocks = grids(func)
+    tvm.ir.assert_structural_equal(tile_blocks, (m + 16 - 1) // 16 * 16 * 4)
+    tvm.ir.assert_structural_equal(sum_blocks, m * 4)
+    tvm.ir.assert_structural_equal(fp8.skinny_kernel(m, 1024, 4096), fp8.skinny_kernel(m, 1024, 4096, splits=8))
+    assert fp8.split_count(1024 // fp8.W_ROWS, 4096 // fp8.DEPTH, sms=132) == 8
+    assert fp8.skinny_splits(14336 // fp8.W_ROWS, 4096 // fp8.DEPTH, sms=132) == 1  # no SM idle
+    with pytest.raises(ValueError, match="4 splits of K = 640's 5 tiles of 128: each split needs a tile"):
+        fp8.skinny_kernel(16, 256, 640, splits=4)
+
+
+@pytest.mark.parametrize("tokens", [16, 32])
+def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, tmp_path):
+    func = fp8.skinny_kernel(tvm.tirx.Var("m", "int64"), 14336, 4096, tokens=tokens, splits=2)
+    report = ptxas_report(_source(func), tmp_path / "kernel.cu")
+    assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2
+    for remark in ("C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
 
 
@@ -319,7 +349,8 @@ def test_metaschedule_proposes_the_two_kernels_for_the_op_with_one_k_tile():
 def test_metaschedule_proposes_the_run_time_choice_for_a_variable_token_count():
     """For a variable token count ``CascadeFusion`` proposes the 128-row kernel and the
     function that picks its kernel at run time, which the candidate builder lowers to
-    three kernels."""
+    five kernels (the 16- and 32-token ones, each with its splits' sum, and the
+    128-row one)."""
     from tvm.s_tir import meta_schedule as ms
 
     from tvm_cascade.meta_schedule import BUILD_FUNC, CascadeFusion
@@ -332,4 +363,4 @@ def test_metaschedule_proposes_the_run_time_choice_for_a_variable_token_count():
                for _, _, b in annotated_blocks(s.mod, fp8.FORM)}
     assert sorted(samples) == ["by_tokens", "tiles"]
     source = tvm.get_global_func(BUILD_FUNC)(samples["by_tokens"].mod, target, None).imports[0].inspect_source()
-    assert source.count("__global__") == 6
+    assert source.count("__global__") == 10

@@ -32,13 +32,15 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from ..cuda import ALL_LANES, sm_count
+from ..cuda import ALL_LANES
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, serves_target, sm90a
 from .warp_specialized_fp8_gemm import _store
-from .warp_specialized_gemm import _TMA, DEPTH, pair_product, params, stage_barriers, tma_kernel
+from .warp_specialized_gemm import (
+    _TMA, DEPTH, pair_product, params, split_count, split_sum, stage_barriers, tma_kernel,
+)
 from .warp_specialized_gemm import unsupported as _unsupported
 
 #: Columns of W (output columns) a block: the wgmma's M.
@@ -46,13 +48,6 @@ W_COLS = 64
 #: Rows of X a block: the wgmma's N.
 TOKEN_CHOICES = (16, 32)
 _THREADS = 160  # a consumer warpgroup and a producer warp
-_COMBINE_THREADS = 256  # a block of the kernel that adds the splits up: a row's columns
-#: Blocks an SM that :func:`default_splits` aims at (H200, 16 rows, 4 stages, ms: 4096 x
-#: 14336 1 split 0.050, 2 0.036, 4 0.040; 4096 x 4096 2 0.026, 4 0.018; 14336 x 4096 4
-#: 0.046, 6 (6 stages) 0.040).
-BLOCKS_PER_SM = 3
-#: The fewest k tiles a split (the shortest splits measured had 11).
-MIN_SPLIT_TILES = 4
 
 
 def skinny_unsupported(n, k, layout, dtype, out_dtype, tokens=16, stages=4, splits=1):
@@ -76,15 +71,9 @@ def _shared_bytes(tokens, stages):
 
 
 def default_splits(n, k, sms=None):
-    """The splits of K for 16 rows: blocks for about :data:`BLOCKS_PER_SM` to each of
-    ``sms`` SMs (the GPU's, by default), each split at least :data:`MIN_SPLIT_TILES` k
-    tiles."""
-    sms = sms or sm_count(tvm.cuda(0))
-    n_tiles, k_tiles = -(-n // W_COLS), -(-k // DEPTH)
-    splits = max(1, min(round(BLOCKS_PER_SM * sms / n_tiles), k_tiles // MIN_SPLIT_TILES))
-    while (splits - 1) * -(-k_tiles // splits) >= k_tiles:  # every split a tile
-        splits -= 1
-    return splits
+    """The splits of K for 16 rows (:func:`.warp_specialized_gemm.split_count` of a
+    block's 64 columns)."""
+    return split_count(-(-n // W_COLS), -(-k // DEPTH), sms)
 
 
 def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16, stages=4, dtype="float16",
@@ -117,7 +106,6 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
     # with splits: each split's unscaled products and its rows' partial sums of squares
     parts = tvm.tirx.decl_buffer((splits, m, n), "float32", "parts")
     squares = tvm.tirx.decl_buffer((splits, m), "float32", "squares")
-    n_chunks = -(-n // _COMBINE_THREADS)
 
     def row_scale(ss):
         return T.float32(1) / T.sqrt(ss / T.float32(k) + T.float32(eps))
@@ -261,24 +249,8 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
     if splits == 1:
         return func
 
-    @T.prim_func(private=True, check_well_formed=False)
-    def combine():
-        with T.launch_thread("blockIdx.x", m * n_chunks) as b:
-            tx = T.launch_thread("threadIdx.x", _COMBINE_THREADS)
-            row = T.meta_var(b // n_chunks)
-            col = T.meta_var(b % n_chunks * _COMBINE_THREADS + tx)
-            ss = T.alloc_local((1,), "float32")
-            total = T.alloc_local((1,), "float32")
-            ss[0] = T.float32(0)
-            total[0] = T.float32(0)
-            for p in T.unroll(splits):
-                ss[0] = ss[0] + squares[p, row]
-            if col < n:
-                for p in T.unroll(splits):
-                    total[0] = total[0] + parts[p, row, col]
-                out[row, col] = T.Cast(out_dtype, total[0] * row_scale(ss[0]))
-
-    body = prepend_in_root(combine.body, [func.body], [parts, squares])
+    adds = split_sum(parts, out, lambda row: row_scale(sum(squares[p, row] for p in range(splits))))
+    body = prepend_in_root(adds, [func.body], [parts, squares])
     return tvm.tirx.PrimFunc([X, gamma, W, out], body).with_attr("global_symbol", "main")
 
 

@@ -64,7 +64,7 @@ from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
 from ..analysis.scope import buffer_params
-from ..cuda import ALL_LANES
+from ..cuda import ALL_LANES, sm_count
 from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
@@ -74,7 +74,7 @@ from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
-from .warp_specialized_gemm import stage_barriers, tma_kernel
+from .warp_specialized_gemm import split_count, split_sum, stage_barriers, tma_kernel
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -212,24 +212,26 @@ def _params(m, n, k, dtype, out_dtype):
 
 
 def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2):
-    """The producer thread's macro ``produce(x_map, w_map, smem, full, empty, r0, c0)``:
-    each k tile's ``x_boxes`` X boxes (from row ``r0``: two of 16-bit X, one of e4m3)
-    and W box (from row ``c0``) into stage ``st``'s places in ``smem``, ``x_at(st)`` and
-    ``w_at(st)`` (16-bit elements), ``expect`` bytes a stage."""
+    """The producer thread's macro ``produce(x_map, w_map, smem, full, empty, r0, c0,
+    first=0, count=k_tiles)``: each of ``count`` k tiles from tile ``first``, its
+    ``x_boxes`` X boxes (from row ``r0``: two of 16-bit X, one of e4m3) and W box (from
+    row ``c0``) into stage ``st``'s places in ``smem``, ``x_at(st)`` and ``w_at(st)``
+    (16-bit elements), ``expect`` bytes a stage."""
 
     @T.macro
-    def produce(x_map, w_map, smem, full, empty, r0, c0):
-        for t in T.serial(k_tiles):
+    def produce(x_map, w_map, smem, full, empty, r0, c0, first=0, count=k_tiles):
+        for t in T.serial(count):
             st = T.meta_var(t % stages)
+            kt = T.meta_var(first + t)
             T.cuda.mbarrier_wait(empty.ptr_to([st]), ((t // stages) & 1) ^ 1)
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(expect))
             for h in T.unroll(x_boxes):
                 T.ptx[_TMA](
-                    smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(t * DEPTH + h * DEPTH // x_boxes),
+                    smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(kt * DEPTH + h * DEPTH // x_boxes),
                     T.Cast("int32", r0), full.ptr_to([st]),
                 )
             T.ptx[_TMA](
-                smem.ptr_to([w_at(st)]), T.address_of(w_map), T.int32(t * DEPTH), T.Cast("int32", c0), full.ptr_to([st])
+                smem.ptr_to([w_at(st)]), T.address_of(w_map), T.int32(kt * DEPTH), T.Cast("int32", c0), full.ptr_to([st])
             )
 
     return produce
@@ -725,7 +727,7 @@ def _store(kind, pointer, *values):
     )
 
 
-def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages):
+def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1):
     """Why :func:`skinny_kernel` cannot serve this GEMM (M is free), or None."""
     reason = unsupported(n, k, dtype, out_dtype)
     if reason is not None:
@@ -734,10 +736,22 @@ def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages):
         return f"{tokens} tokens a block: one of {TOKEN_CHOICES}"
     if stages < 2 or stages * (tokens * DEPTH * 2 + W_ROWS * DEPTH) > SHARED_BYTES // 3:
         return f"{stages} stages of {tokens} tokens: 2 or more, in a third of the shared memory"
+    k_tiles = -(-k // DEPTH)
+    if splits < 1 or (splits - 1) * -(-k_tiles // splits) >= k_tiles:
+        return f"{splits} splits of K = {k}'s {k_tiles} tiles of {DEPTH}: each split needs a tile"
     return None
 
 
-def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None):
+def skinny_splits(n_tiles, k_tiles, sms=None):
+    """The skinny kernel's default splits of K: :func:`.warp_specialized_gemm.split_count`'s
+    where a token tile's ``n_tiles`` output tiles leave some of ``sms`` SMs idle, else one
+    (measured on an H200's 132 SMs at 16 tokens: with 224 tiles one split was faster than
+    two, with 64 tiles six were 1.4x faster than one)."""
+    sms = sms or sm_count(tvm.cuda(0))
+    return split_count(n_tiles, k_tiles, sms) if n_tiles < sms else 1
+
+
+def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None, splits=None):
     """:func:`kernel`'s function for few tokens (decode, small batches): the same
     ``main(X[m, k], W[n, k], w_scale[n], out[m, n])`` and definition, computed as
     ``outᵀ = W · qᵀ`` so that the tokens are the wgmma's N (``tokens`` a block) and W's
@@ -747,14 +761,24 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     quantised by ``128 / tokens`` threads (a shuffle completes the token's running
     abs-max) into an e4m3 tile in shared memory, both operands of ``wgmma`` m64n{tokens}k32
     are read from shared memory into a tile's accumulators, and those are added to the
-    running ones in float32 after the running ones' repair (per column here: a token)."""
-    reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages)
-    if reason is not None:
-        raise ValueError(reason)
-    X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
+    running ones in float32 after the running ones' repair (per column here: a token).
+
+    ``splits`` blocks (default :func:`skinny_splits`'s) share each
+    output tile's k tiles: a block starts from its tokens' abs-max over the k tiles
+    before its own (read from X), so it quantises as the whole loop would, and stores
+    its accumulators times its last scale and ``w_scale`` in float32; a second kernel
+    adds the splits up (``split_k_update``: each split's running sum is in units of its
+    own last scale, so the repair of a split's sum is that scale)."""
     t_tiles = (m + tokens - 1) // tokens
     n_tiles = -(-n // W_ROWS)
     k_tiles = -(-k // DEPTH)
+    splits = skinny_splits(n_tiles, k_tiles) if splits is None else splits
+    reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits)
+    if reason is not None:
+        raise ValueError(reason)
+    X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
+    split_tiles = -(-k_tiles // splits)  # k tiles a split; the last may have fewer
+    parts = tvm.tirx.decl_buffer((splits, m, n), "float32", "parts")
     # shared memory in 16-bit elements: per stage X's two boxes and W's bytes, then two
     # e4m3 tiles of the quantised tokens (all 1024-byte aligned for the 128-byte swizzle)
     box = tokens * DEPTH // 2
@@ -775,6 +799,22 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
 
     @T.macro
+    def fold(pairs, xv, lo, hi):
+        """The largest magnitudes of ``pairs`` and of ``xv``'s pairs ``lo`` to ``hi``."""
+        for e in T.unroll(lo, hi):
+            pairs[0] = T.cuda.func_call(
+                abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
+                source_code=abs_max_source, return_type="uint32",
+            )
+
+    @T.macro
+    def token_max(result, pairs):
+        """The largest magnitude of this token's threads' ``pairs``, by a shuffle."""
+        result[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
+        for d in T.unroll(per.bit_length() - 1):
+            result[0] = T.max(result[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), result[0], 1 << d, 32))
+
+    @T.macro
     def quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t, tx):
         """Tile ``t`` of this thread's token: the token's running abs-max ``peak``, the
         repair of its accumulators into ``factors``, its elements in e4m3 into the
@@ -788,14 +828,8 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 smem.vload([(t % stages) * stage + first // 64 * box + token * 64 + (c ^ (token % 8)) * 8], f"{dtype}x8"),
             )
         pairs[0] = T.reinterpret("uint32", xv.vload([0], f"{dtype}x2"))
-        for e in T.unroll(1, each // 2):
-            pairs[0] = T.cuda.func_call(
-                abs_max, pairs[0], T.reinterpret("uint32", xv.vload([2 * e], f"{dtype}x2")),
-                source_code=abs_max_source, return_type="uint32",
-            )
-        tile_peak[0] = T.cuda.func_call(pair_max, pairs[0], source_code=pair_max_source, return_type="float32")
-        for d in T.unroll(per.bit_length() - 1):
-            tile_peak[0] = T.max(tile_peak[0], T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), tile_peak[0], 1 << d, 32))
+        fold(pairs, xv, 1, each // 2)
+        token_max(tile_peak, pairs)
         new_peak = T.meta_var(T.max(peak[0], tile_peak[0]))
         if tx % per == 0:
             T.evaluate(_store("f32", factors.ptr_to([t % 2 * tokens + token]), repair_factor(peak[0], new_peak)))
@@ -810,7 +844,20 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
             T.evaluate(_store("v4", smem.ptr_to([at]), *[qv[4 * j + i] for i in range(4)]))
 
     @T.macro
-    def consume(smem, full, empty, factors, last, t0, n0, tx):
+    def prefix_peak(peak, xv, pairs, first, t0, tx):
+        """This thread's token's abs-max over the k tiles before tile ``first``, read
+        from X in 16-byte pieces."""
+        token = T.meta_var(tx // per)
+        pairs[0] = T.uint32(0)
+        for c in T.serial((first * DEPTH // 8 + per - 1) // per):
+            at = T.meta_var((c * per + tx % per) * 8)
+            if at < first * DEPTH and t0 + token < m:
+                xv.vstore([0], X.vload([t0 + token, at], f"{dtype}x8"))
+                fold(pairs, xv, 0, 4)
+        token_max(peak, pairs)
+
+    @T.macro
+    def consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx):
         w = T.meta_var(tx // 32)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
@@ -823,12 +870,15 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         scale = T.alloc_local((1,), "float32")
         for i in T.unroll(n_acc):
             acc[i] = T.float32(0)
-        peak[0] = T.float32(0)
+        if splits == 1:
+            peak[0] = T.float32(0)
+        else:
+            prefix_peak(peak, xv, pairs, first, t0, tx)
         wait(full, 0)
         quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, 0, tx)
         T.ptx.fence.proxy.async_.shared__cta()  # the e4m3 tile, written here, read by wgmma
         T.ptx.bar.sync(T.uint32(1), T.uint32(128))
-        for t in T.serial(k_tiles):
+        for t in T.serial(count):
             fence_part(part, 0)
             T.ptx.wgmma.fence.sync.aligned()
             for ks in T.unroll(DEPTH // 32):
@@ -841,7 +891,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 )
             T.ptx.wgmma.commit_group.sync.aligned()
             # the next tile is quantised while this one's instructions run
-            if t + 1 < k_tiles:
+            if t + 1 < count:
                 wait(full, t + 1)
                 quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, t + 1, tx)
                 T.ptx.fence.proxy.async_.shared__cta()
@@ -865,7 +915,10 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 for e in T.unroll(2):
                     token = T.meta_var(8 * j + 2 * (lane % 4) + e)
                     if t0 + token < m and row < n:
-                        out[t0 + token, row] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * last[token] * w_scale[row])
+                        if splits == 1:
+                            out[t0 + token, row] = T.Cast(out_dtype, acc[4 * j + 2 * g + e] * last[token] * w_scale[row])
+                        else:
+                            parts[s, t0 + token, row] = acc[4 * j + 2 * g + e] * last[token] * w_scale[row]
 
     produce = _producer(k_tiles, stages, box, lambda st: st * stage, lambda st: st * stage + x_tile, stage * 2)
     init_barriers = stage_barriers(stages)
@@ -879,12 +932,19 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         last = T.alloc_shared((tokens,), "float32")
         # token tiles fastest: the blocks that read a tile of W run together
         t0 = bx % t_tiles * tokens
-        n0 = bx // t_tiles * W_ROWS
+        n0 = bx // t_tiles % n_tiles * W_ROWS if splits > 1 else bx // t_tiles * W_ROWS
+        s = T.meta_var(bx // (t_tiles * n_tiles) if splits > 1 else 0)
+        first = T.meta_var(s * split_tiles)
+        count = T.meta_var(T.min(split_tiles, k_tiles - first) if splits > 1 else k_tiles)
         init_barriers(full, empty, tx, 128)
         if tx < 128:
-            consume(smem, full, empty, factors, last, t0, n0, tx)
+            consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx)
         elif tx == 128:
-            produce(x_map, w_map, smem, full, empty, t0, n0)
+            produce(x_map, w_map, smem, full, empty, t0, n0, first, count)
 
     maps = ((X, k, m, k * 2, DEPTH // 2, tokens, 1, 1, dtype), (W, k, n, k, DEPTH, W_ROWS, 1, 1, "float8_e4m3fn"))
-    return tma_kernel(params, maps, t_tiles * n_tiles, _SKINNY_THREADS, block)
+    func = tma_kernel(params, maps, t_tiles * n_tiles * splits, _SKINNY_THREADS, block)
+    if splits == 1:
+        return func
+    body = ir.prepend_in_root(split_sum(parts, out), [func.body], [parts])
+    return tvm.tirx.PrimFunc(params, body).with_attr("global_symbol", "main")
