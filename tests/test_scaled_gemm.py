@@ -78,10 +78,28 @@ def test_output_runs_over_the_padded_rows_and_stores_its_own():
     sch.over_padded_rows(sch.get_sblock("out"))
     out = sch.get(sch.get_sblock("out"))
     assert int(out.iter_vars[0].dom.extent) == 64
-    realize = next(r for r in ir.nodes(sch.mod["main"].body, tvm.s_tir.stmt.SBlockRealize) if r.block.same_as(out))
-    assert str(realize.predicate) == "i < 48"
+    assert isinstance(out.body, tvm.tirx.IfThenElse) and str(out.body.condition) == "v_i < 48"
     inputs = _rmsnorm_inputs(48, 16, 32, seed=4)
     np.testing.assert_allclose(_run(sch.mod["main"], inputs, (48, 16)), R.rmsnorm_gemm_ref(*inputs), rtol=1e-4, atol=1e-4)
+
+
+def test_the_padded_output_stores_its_own_rows_only_after_reverse_compute_at():
+    """Under its producer's 32-row tiles (where reverse-compute-at rebuilds the block's
+    predicate from its domain), rows past the output's 40 are still not stored: the
+    output is a view of a larger array whose rows after it must keep their values."""
+    a = te.placeholder((64, 16), name="A")
+    padded = te.compute((64, 16), lambda i, j: a[i, j] + 1, name="padded")
+    c = te.compute((40, 16), lambda i, j: padded[i, j] * 2, name="C")
+    sch = tvm.s_tir.Schedule(te.create_prim_func([a, c]))
+    sch.over_padded_rows(sch.get_sblock("C"))
+    tile, _ = sch.split(sch.get_loops(sch.get_sblock("padded"))[0], [None, 32])
+    sch.reverse_compute_at(sch.get_sblock("C"), tile)
+    lib = tvm.compile(sch.mod, target="llvm")
+    x = np.random.default_rng(5).standard_normal((64, 16)).astype("float32")
+    whole = tvm.runtime.tensor(np.full((64, 16), 7.0, "float32"))
+    lib(tvm.runtime.tensor(x), whole._create_view((40, 16)))
+    np.testing.assert_allclose(whole.numpy()[:40], (x[:40] + 1) * 2)
+    np.testing.assert_array_equal(whole.numpy()[40:], 7.0)
 
 
 def test_over_padded_rows_needs_one_row_count_among_what_the_block_reads():

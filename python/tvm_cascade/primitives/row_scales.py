@@ -183,9 +183,10 @@ def fold_from_copy(self: Schedule, stat, copy, row_loop=None, slice_rows: int = 
 def over_padded_rows(self: Schedule, block) -> None:
     """Make ``block`` (a root nest over its rows, then columns) run over the rows of the
     buffers it reads at its row (a GEMM's result and row statistics over rows padded to
-    whole tiles), under a predicate that keeps its own rows: from reverse-compute-at, a
-    block over fewer rows than the GEMM's tiles would get a predicate that bounds the
-    thread-block loop by itself, which TVM's affine-binding checks do not see through.
+    whole tiles), its body under a condition that keeps its own rows: from
+    reverse-compute-at, a block over fewer rows than the GEMM's tiles would get a
+    predicate that bounds the thread-block loop by itself, which TVM's affine-binding
+    checks do not see through.
 
     Parameters
     ----------
@@ -215,10 +216,9 @@ def over_padded_rows(self: Schedule, block) -> None:
 
         for i, j in T.grid(64, 128):
             with T.sblock("out"):
-                vi = T.axis.spatial(64, i)
-                vj = T.axis.spatial(128, j)
-                T.where(i < 48)
-                out[vi, vj] = T.Cast("float16", gemm[vi, vj] * rstd[vi])
+                vi, vj = T.axis.remap("SS", [i, j])
+                if vi < 48:
+                    out[vi, vj] = T.Cast("float16", gemm[vi, vj] * rstd[vi])
 
     Raises :class:`tvm_cascade.FusionError` naming the block if it is not such a nest,
     or the buffers it reads at its row differ in rows.
@@ -428,9 +428,11 @@ def _pad(sch, block_rv, rows) -> None:
     if not (len(sch.get_loops(block_rv)) == 2 and top.loop_var.same_as(realize.iter_values[0])):
         raise FusionError(f"over_padded_rows: block '{block.name_hint}' must be a nest over its rows, then columns")
     padded = tvm.tirx.IterVar(tvm.ir.Range.from_min_extent(0, rows), row.var, row.iter_type)
-    new_block = ir.copy_block(block, iter_vars=[padded] + list(block.iter_vars[1:]))
-    inside = realize.iter_values[0] < row.dom.extent
-    inner = ir.copy_loop(top.body, body=ir.realize(realize.iter_values, inside, new_block))
+    # The guard is in the body, not the realize's predicate: compute-at and
+    # reverse-compute-at rebuild that predicate from the iteration domain alone.
+    guarded = tvm.tirx.IfThenElse(row.var < row.dom.extent, block.body, None)
+    new_block = ir.copy_block(block, iter_vars=[padded] + list(block.iter_vars[1:]), body=guarded)
+    inner = ir.copy_loop(top.body, body=ir.realize(realize.iter_values, realize.predicate, new_block))
     new_top = ir.copy_loop(top, extent=rows, body=inner)
     sch.state.replace(sch.get_sref(sch.get_loops(block_rv)[0]), new_top, {block: new_block})
 
