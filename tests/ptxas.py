@@ -1,6 +1,18 @@
 """ptxas's verbose report of generated CUDA assembled for sm_90a, for the tests that check
-what ptxas makes of a kernel (spills, ignored ``setmaxnreg``, serialised wgmma)."""
+what ptxas makes of a kernel (spills, ignored ``setmaxnreg``, serialised wgmma).
+
+A test marked :func:`assembled` has its kernel built and assembled in a subprocess that
+the session starts ahead of it (``runs_ahead.py``), on the core the pytest process leaves
+idle; run as a script, this module is that subprocess."""
+import importlib
+import os
+import pickle
+import shutil
 import subprocess
+import sys
+from pathlib import Path
+
+from runs_ahead import runs
 
 
 def ptxas_report(source, path):
@@ -8,4 +20,38 @@ def ptxas_report(source, path):
     with ``nvcc -cubin -arch=sm_90a -Xptxas -v``."""
     path.write_text(source)
     command = ["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
-    return subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"nvcc failed on {path}:\n{proc.stderr}")
+    return proc.stderr
+
+
+def assembled(source_of):
+    """Marks a test whose CUDA source is ``source_of(**the test's parameters)`` (a function
+    at the top of the test's module, which may also check what it builds): built and
+    assembled ahead of the test, which reads both with :func:`assembly`. Without nvcc
+    nothing is started (such tests skip or fail on their own)."""
+
+    def make(tmp_path_factory, **params):
+        if shutil.which("nvcc") is None:
+            return None
+        folder = tmp_path_factory.mktemp("ptxas")
+        blob = pickle.dumps(params).hex()
+        args = [sys.executable, __file__, source_of.__module__, source_of.__name__, str(folder / "kernel.cu"), blob]
+        # kernels the library builds are cached in the run's folder, not the user's cache
+        return {"args": args, "env": {**os.environ, "TVM_CASCADE_CACHE": str(folder / "cache")}}
+
+    return runs(make)
+
+
+def assembly(runs_ahead, request):
+    """The CUDA source and ptxas report of the test :func:`assembled` marks."""
+    run = runs_ahead.result(request.node)
+    assert run.returncode == 0, run.stderr
+    return Path(run.args[4]).read_text(), run.stdout
+
+
+if __name__ == "__main__":
+    module, name, path, blob = sys.argv[1:]
+    source = getattr(importlib.import_module(module), name)(**pickle.loads(bytes.fromhex(blob)))
+    sys.stdout.write(ptxas_report(source, Path(path)))

@@ -2,10 +2,11 @@
 
 The pytest process keeps one core busy, which leaves the second core of the two-core CI
 machine idle. A test that only waits on a subprocess of its own (an example script, a
-command-line entry point, ``pip install``) is marked by :func:`runs`. The session's
-``runs_ahead`` fixture (``conftest.py``) starts the runs of all its selected tests when
-it starts, one at a time in the tests' order, and such a test checks the result of its
-own run (:meth:`RunsAhead.result`)."""
+command-line entry point, ``pip install``, a kernel's build and assembly: see
+``ptxas.assembled``) is marked by :func:`runs`. The session's ``runs_ahead`` fixture
+(``conftest.py``) starts the runs of all its selected tests when it starts, one at a
+time in the tests' order and at the lowest priority, and such a test checks the result
+of its own run (:meth:`RunsAhead.result`)."""
 import os
 import subprocess
 import threading
@@ -56,7 +57,11 @@ class RunsAhead:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the session's runs ahead are closed")
-            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+            # At the lowest priority: a run takes the core the tests leave idle, not the
+            # one a test's own builders or servers use meanwhile.
+            process = subprocess.Popen(
+                ["nice", "-n", "19", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+            )
             self._running.add(process)
         with process:
             try:

@@ -17,7 +17,7 @@ from tvm_cascade.ops import cascades
 from tvm_cascade.ops import reference as R
 from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
-from ptxas import ptxas_report
+from ptxas import assembled, assembly
 from launches import grids
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -96,14 +96,18 @@ def test_a_variable_token_count_chooses_its_kernel_at_run_time():
     assert "uint64_t" not in "".join(re.findall(r"__global__ void[^{;]*\)", source))
 
 
+def _kernel_source(rows, n, k, dtype, out_dtype):
+    return _source(fp8.kernel(tvm.tirx.Var("m", "int64") if rows is None else rows, n, k, dtype, out_dtype))
+
+
 @pytest.mark.parametrize("rows, n, k, dtype, out_dtype", [
     (2048, 14336, 4096, "float16", "float16"), (None, 328, 528, "bfloat16", "float32"),
 ])
-def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(rows, n, k, dtype, out_dtype, tmp_path):
+@assembled(_kernel_source)
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(rows, n, k, dtype, out_dtype, runs_ahead, request):
     """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
     instructions asynchronous (not serialised, no warpgroup waits injected)."""
-    rows = tvm.tirx.Var("m", "int64") if rows is None else rows
-    report = ptxas_report(_source(fp8.kernel(rows, n, k, dtype, out_dtype)), tmp_path / "kernel.cu")
+    _, report = assembly(runs_ahead, request)
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
@@ -130,10 +134,14 @@ def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it
         fp8.skinny_kernel(16, 256, 640, splits=4)
 
 
+def _split_skinny_source(tokens):
+    return _source(fp8.skinny_kernel(tvm.tirx.Var("m", "int64"), 14336, 4096, tokens=tokens, splits=2))
+
+
 @pytest.mark.parametrize("tokens", [16, 32])
-def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, tmp_path):
-    func = fp8.skinny_kernel(tvm.tirx.Var("m", "int64"), 14336, 4096, tokens=tokens, splits=2)
-    report = ptxas_report(_source(func), tmp_path / "kernel.cu")
+@assembled(_split_skinny_source)
+def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, runs_ahead, request):
+    _, report = assembly(runs_ahead, request)
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2
     for remark in ("C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
@@ -284,18 +292,21 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
         fp8.kernel_for(16, 64, 1024, tile=256)
 
 
+def _two_pass_source(k):
+    from tvm_cascade.schedules import fp8_two_pass
+
+    return _source(fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, k, "bfloat16", "float32",
+                                                fp8.Fp8GemmConfig(stages=6)))
+
+
 @pytest.mark.parametrize("k", [4096, 4352, 4224])  # k tiles in runs of 8, 2, 1
-def test_ptxas_keeps_the_two_pass_gemm_asynchronous(tmp_path, k):
+@assembled(_two_pass_source)
+def test_ptxas_keeps_the_two_pass_gemm_asynchronous(k, runs_ahead, request):
     """As :func:`test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous`, for the
     two kernels of the op with one k tile (six stages, partial tiles of M and N): the
     GEMM's runs of k tiles overlap a tile's wgmmas with the tile before's additions."""
-    from tvm_cascade.schedules import fp8_two_pass
-
-    kernel = fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, k, "bfloat16", "float32",
-                                          fp8.Fp8GemmConfig(stages=6))
-    source = _source(kernel)
+    source, report = assembly(runs_ahead, request)
     assert ("wgmma.wait_group.sync.aligned 1;" in source) == (k != 4224)
-    report = ptxas_report(source, tmp_path / "kernel.cu")
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report

@@ -8,7 +8,7 @@ import tvm
 
 import tvm_cascade  # noqa: F401
 from library_cases import LAYOUTS, MASKS, VARIANTS, check, check_lengths, masked_case, pack, reference, run
-from ptxas import ptxas_report
+from ptxas import assembled, assembly, ptxas_report
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import AttentionSpec, KernelArgumentError, MaskTensor
 from tvm_cascade.library.spec import UNIFORM_LAYOUTS
@@ -216,19 +216,34 @@ def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
         kernel(*args)
 
 
-@pytest.mark.parametrize("heads, head_dim, dtype", [((32, 4), 128, "float16"), ((16, 1), 256, "bfloat16"), ((28, 4), 128, "bfloat16")])
-def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_path):
-    """The split-k decode's chunk kernel for GQA groups of 8 and 16 and of 7 (rows padded),
-    head dims 128 and 256, through nvcc: no register spills."""
+def _split_k_decode_source(heads, head_dim, dtype):
     from tvm_cascade.library.split_k_decode import SplitKDecode, decode_kernel
 
     spec = AttentionSpec.make(*heads, head_dim, variant="causal", dtype=dtype, layout="paged",
                               target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
     assert SplitKDecode().supports(spec) is None
     executable = tvm.compile(tvm.IRModule({"split_k_decode": decode_kernel(spec)}), target=spec.target)
-    report = ptxas_report(executable.mod.imports[0].inspect_source(), tmp_path / "decode.cu")
+    return executable.mod.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("heads, head_dim, dtype", [((32, 4), 128, "float16"), ((16, 1), 256, "bfloat16"), ((28, 4), 128, "bfloat16")])
+@assembled(_split_k_decode_source)
+def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, runs_ahead, request):
+    """The split-k decode's chunk kernel for GQA groups of 8 and 16 and of 7 (rows padded),
+    head dims 128 and 256, through nvcc: no register spills."""
+    _, report = assembly(runs_ahead, request)
     (chunks,) = [part for part in report.split("Compiling entry function ") if part.startswith("'split_k_decode_kernel'")]
     assert " 0 bytes spill stores" in chunks
+
+
+def _tensor_core_decode_source(heads, head_dim, dtype, layout, variant):
+    from tvm_cascade.library.tensor_core_decode import TensorCoreDecode, decode_kernel
+
+    spec = AttentionSpec.make(*heads, head_dim, variant=variant, dtype=dtype, layout=layout,
+                              target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert TensorCoreDecode().supports(spec) is None
+    executable = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target)
+    return executable.mod.imports[0].inspect_source()
 
 
 @pytest.mark.parametrize(
@@ -239,19 +254,15 @@ def test_split_k_decode_assembles_without_spills(heads, head_dim, dtype, tmp_pat
         ((16, 16), 64, "bfloat16", "paged", "causal"),
     ]
 )
-def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, variant, tmp_path):
+@assembled(_tensor_core_decode_source)
+def test_tensor_core_decode_assembles_without_spills(heads, head_dim, dtype, layout, variant, runs_ahead, request):
     """The tensor-core decode's chunk kernel through nvcc: no register spills (its
     operands and accumulators stay in registers), its products on ``mma.sync``."""
-    from tvm_cascade.library.tensor_core_decode import STEPS, TensorCoreDecode, decode_kernel
+    from tvm_cascade.library.tensor_core_decode import STEPS
 
-    spec = AttentionSpec.make(*heads, head_dim, variant=variant, dtype=dtype, layout=layout,
-                              target=tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
-    assert TensorCoreDecode().supports(spec) is None
-    executable = tvm.compile(tvm.IRModule({"tensor_core_decode": decode_kernel(spec)}), target=spec.target)
-    source = executable.mod.imports[0].inspect_source()
+    source, report = assembly(runs_ahead, request)
     # Per 16 keys of a step, QK: 2 tiles x d / 16 k-steps, PV: d / 8 tiles
     assert source.count("mma.sync.aligned.m16n8k16") == STEPS[head_dim] // 16 * 4 * head_dim // 16
-    report = ptxas_report(source, tmp_path / "decode.cu")
     (chunks,) = [part for part in report.split("Compiling entry function ") if part.startswith("'tensor_core_decode_kernel'")]
     assert " 0 bytes spill stores" in chunks
 
@@ -287,32 +298,41 @@ def test_tensor_core_decode_plans_and_refuses():
         assert reason in family.supports(AttentionSpec.make(32, 8, args.pop("head_dim"), **args))
 
 
+def _hopper_kernels_source(layout, head_dim, mask):
+    """The source of the sm_90a kernel of :func:`test_warp_specialized_prefill_assembles_for_hopper`,
+    once its families and the prefill's parameters are checked."""
+    pages = {"page_size": 16} if layout == "paged" else {}
+    kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, mask=mask,
+                     **pages)
+    assert [f.name for f in kernel.families] == [_hopper_decode(head_dim), "warp_specialized_prefill"]
+    func = kernel.mod["warp_specialized_prefill"]
+    shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
+    assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)
+    assert ("mask" in [p.name for p in func.params]) == (mask is not None)
+    return kernel.module.imports[0].inspect_source()
+
+
+def _hopper_decode(head_dim):
+    return "split_k_decode" if head_dim == 256 else "tensor_core_decode"
+
+
 @pytest.mark.parametrize("layout, head_dim, mask", [("bhsd", 128, None), ("bshd", 128, MaskTensor("float16")),
                                                    ("ragged", 64, None), ("paged", 256, None), ("bhsd", 96, None),
                                                    ("paged", 80, None)])
-def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, tmp_path):
+@assembled(_hopper_kernels_source)
+def test_warp_specialized_prefill_assembles_for_hopper(layout, head_dim, mask, runs_ahead, request):
     """On sm_90a the kernel holds a split-k decode (on tensor cores up to head dim 128)
     and the warp-specialised prefill (no generic function: the prefill serves any number
     of rows; head dims 80 and 96 in the head dim 128 kernels), storing 8 bytes a thread;
     through nvcc: neither spills, setmaxnreg honoured, wgmma not serialised; its lengths and batch are the PrimFunc's
     variables; a mask tensor is a parameter the prefill reads."""
-    pages = {"page_size": 16} if layout == "paged" else {}
-    kernel = _kernel(layout, 16, 4, head_dim, dtype="bfloat16", target={"kind": "cuda", "arch": "sm_90a"}, mask=mask,
-                     **pages)
-    decode = ["split_k_decode"] if head_dim == 256 else ["tensor_core_decode"]
-    assert [f.name for f in kernel.families] == decode + ["warp_specialized_prefill"]
-    func = kernel.mod["warp_specialized_prefill"]
-    shapes = [list(p.ty.shape) for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
-    assert all(any(not isinstance(e, tvm.tirx.IntImm) for e in shape) for shape in shapes)
-    source = kernel.module.imports[0].inspect_source()
+    source, report = assembly(runs_ahead, request)
     # The prefill stores four output columns a thread at a time (whole 32-byte sectors a warp).
     body = source[source.rindex("warp_specialized_prefill_kernel("):]
     assert "*(nv_bfloat164*)(out_ptr" in body and "out_ptr[" not in body
-    report = ptxas_report(source, tmp_path / "kernels.cu")
     entries = {e.split("'")[1]: e for e in report.split("Compiling entry function ")[1:]}
-    for name in ("warp_specialized_prefill_kernel", f"{decode[0]}_kernel"):
+    for name in ("warp_specialized_prefill_kernel", f"{_hopper_decode(head_dim)}_kernel"):
         assert " 0 bytes spill stores" in entries[name], report
-    assert ("mask" in [p.name for p in func.params]) == (mask is not None)
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
 
@@ -333,22 +353,28 @@ def test_mask_key_tiles_serve_variants_without_terms_of_position():
     assert mask_ranges.unsupported(AttentionSpec.make(16, 4, 128)) == "no mask tensor"
 
 
-@pytest.mark.parametrize("variant", ["global", "causal"])
-def test_a_mask_tensors_key_tiles_are_found_first(variant, tmp_path):
-    """With a mask tensor and a variant without terms of a key's position, the prefill's
-    function first clears each row tile's range of key tiles, then scans the mask's rows
-    (a warp each, the range widened by atomics), and its row tiles read only those (the
-    GPU test file checks it); a causal one reads its own tiles. Through nvcc: no spills
-    in the scan."""
+def _masked_prefill_source(variant):
+    """The source of :func:`test_a_mask_tensors_key_tiles_are_found_first`'s kernel, once
+    its prefill's first statement is checked."""
     found = variant == "global"
     kernel = _kernel("bhsd", 16, 4, 128, variant=variant, dtype="float16", target={"kind": "cuda", "arch": "sm_90a"},
                      mask=MaskTensor("float16"))
     first = kernel.mod["warp_specialized_prefill"].body.seq[0]
     assert isinstance(first, tvm.tirx.AllocBuffer) == found
     assert not found or first.buffer.name == "mask_key_tiles"
-    source = kernel.module.imports[0].inspect_source()
-    assert ("atomicMin" in source and "atomicMax" in source) == found
-    report = ptxas_report(source, tmp_path / "kernels.cu")
+    return kernel.module.imports[0].inspect_source()
+
+
+@pytest.mark.parametrize("variant", ["global", "causal"])
+@assembled(_masked_prefill_source)
+def test_a_mask_tensors_key_tiles_are_found_first(variant, runs_ahead, request):
+    """With a mask tensor and a variant without terms of a key's position, the prefill's
+    function first clears each row tile's range of key tiles, then scans the mask's rows
+    (a warp each, the range widened by atomics), and its row tiles read only those (the
+    GPU test file checks it); a causal one reads its own tiles. Through nvcc: no spills
+    in the scan."""
+    source, report = assembly(runs_ahead, request)
+    assert ("atomicMin" in source and "atomicMax" in source) == (variant == "global")
     assert not re.search(r"[1-9]\d* bytes spill stores", report), report
 
 

@@ -7,7 +7,7 @@ import tvm
 from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 from launches import grid as launched
 from launches import grids
-from ptxas import ptxas_report
+from ptxas import assembled, assembly
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -47,17 +47,21 @@ def test_splits_of_k_run_a_block_a_split_then_a_kernel_that_adds_them_up():
     tvm.ir.assert_structural_equal(combine_blocks, m * 4)
 
 
+def _kernel_source(layout, m, n, k, tokens, dtype, out_dtype, splits):
+    return _source(skinny.skinny_kernel(m, n, k, layout=layout, tokens=tokens, dtype=dtype, out_dtype=out_dtype,
+                                        splits=splits))
+
+
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("m, n, k, tokens, dtype, out_dtype, splits", [
     (tvm.tirx.Var("m", "int64"), 14336, 4096, 16, "float16", "float16", 1),
     (20, 328, 4104, 32, "bfloat16", "float32", 1),  # no whole tiles along M, N or K
     (16, 4096, 14336, 16, "float16", "float16", 4),
 ])
-def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(tmp_path, layout, m, n, k, tokens, dtype, out_dtype,
-                                                           splits):
-    func = skinny.skinny_kernel(m, n, k, layout=layout, tokens=tokens, dtype=dtype, out_dtype=out_dtype,
-                                splits=splits)
-    report = ptxas_report(_source(func), tmp_path / "kernel.cu")
+@assembled(_kernel_source)
+def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(layout, m, n, k, tokens, dtype, out_dtype, splits,
+                                                           runs_ahead, request):
+    _, report = assembly(runs_ahead, request)
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == (1 if splits == 1 else 2)
     # C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7511", "C7514", "C7519", "is injected"):

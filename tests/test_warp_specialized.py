@@ -21,7 +21,7 @@ from tvm_cascade.schedules import warp_specialized as ws
 from tvm_cascade.schedules.prefill import PrefillConfig
 
 from launches import grid as launched
-from ptxas import ptxas_report
+from ptxas import assembled, assembly
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -164,6 +164,12 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         kernels.compile_attention(1, 4, 2, 256, 256, 128, target=HOPPER, config=object())
 
 
+def _attention_source(variant, heads_kv, config, seq_q, seq_kv):
+    return kernels.compile_attention(
+        1, 4, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant], target=HOPPER, config=config
+    ).mod.imports[0].inspect_source()
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to assemble the kernel")
 @pytest.mark.parametrize(
     "variant, heads_kv, config, seq_q, seq_kv",
@@ -181,11 +187,10 @@ def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
         ("global", 4, ws.WarpSpecializedConfig(cluster=2), 512, 512),  # two row tiles of a head
     ],
 )
-def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, seq_q, seq_kv, tmp_path):
-    source = kernels.compile_attention(
-        1, 4, heads_kv, seq_q, seq_kv, 128, variant=VARIANTS[variant], target=HOPPER, config=config
-    ).mod.imports[0].inspect_source()
-    report = ptxas_report(source, tmp_path / "kernel.cu")
+@assembled(_attention_source)
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(variant, heads_kv, config, seq_q, seq_kv, runs_ahead,
+                                                              request):
+    _, report = assembly(runs_ahead, request)
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):

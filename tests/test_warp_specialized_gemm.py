@@ -17,7 +17,7 @@ from tvm_cascade.schedules import scaled_gemm
 from tvm_cascade.schedules import warp_specialized_gemm as ws
 from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
 from launches import grid as launched
-from ptxas import ptxas_report
+from ptxas import assembled, assembly
 from tvm_cascade import trace as cascade_trace
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -94,13 +94,18 @@ def test_few_rows_take_the_kernel_for_few_rows_and_a_variable_count_picks_at_run
     assert "m64n16k16_f32_f16_f16" in both and "m64n256k16_f32_f16_f16" in both and both.count("__global__") == 6
 
 
+def _schedule_source(layout, dtype, rows, k):
+    rows = tvm.tirx.Var("m", "int32") if rows is None else rows
+    return _source(ws.schedule(cascades.rmsnorm_gemm(rows, 328 if layout == "nk" else 1024, k, dtype=dtype,
+                                                     weight_layout=layout)))
+
+
 @pytest.mark.parametrize("layout, dtype, rows, k", [("kn", "float16", 2048, 4096), ("nk", "bfloat16", None, 520)])
-def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(layout, dtype, rows, k, tmp_path):
+@assembled(_schedule_source)
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(layout, dtype, rows, k, runs_ahead, request):
     """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
     instructions asynchronous (not serialised, no warpgroup waits injected)."""
-    rows = tvm.tirx.Var("m", "int32") if rows is None else rows
-    func = cascades.rmsnorm_gemm(rows, 328 if layout == "nk" else 1024, k, dtype=dtype, weight_layout=layout)
-    report = ptxas_report(_source(ws.schedule(func)), tmp_path / "kernel.cu")
+    _, report = assembly(runs_ahead, request)
     assert "0 bytes spill stores, 0 bytes spill loads" in report
     # C7508: setmaxnreg ignored; C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
