@@ -38,6 +38,7 @@ from .tuned_peer import TUNED
 PEERS = ("tvm-cascade", "tvm-cascade mma.sync", "torch", "torch.compile", "tvm", "tvm, cascade pipeline", "cuBLAS GEMM alone")
 #: (name, M, K, N[, dtype]) (float16 unless named)
 SHAPES = (
+    ("rmsnorm+gemm 1 x 4096 x 14336", 1, 4096, 14336),  # one sequence's decode step
     ("rmsnorm+gemm 16 x 4096 x 14336", 16, 4096, 14336),  # a decode step's rows
     ("rmsnorm+gemm 16 x 4096 x 6144", 16, 4096, 6144),
     ("rmsnorm+gemm 16 x 4096 x 4096", 16, 4096, 4096),
