@@ -9,6 +9,7 @@ import tvm
 from tvm_cascade.ops import reference as R
 from tvm_cascade.schedules import warp_specialized
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
+from rows_after import check_rows_after, output_with_rows_after
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
@@ -58,8 +59,9 @@ def _compare(kernel, m, n, k, dtype, out_dtype, tile=fp8.DEPTH):
     x = torch.from_numpy(x).to(getattr(torch, dtype)).cuda()
     w = torch.from_numpy(np.clip(rng.standard_normal((n, k)) * 100, -448, 448)).float().cuda().to(torch.float8_e4m3fn)
     w_scale = torch.from_numpy(rng.uniform(1e-4, 1e-2, n)).float().cuda()
-    out = torch.zeros((m, n), dtype=getattr(torch, out_dtype), device="cuda")
+    out, whole = output_with_rows_after(torch, m, n, getattr(torch, out_dtype))
     kernel(*(tvm.runtime.from_dlpack(a) for a in (x, w, w_scale, out)))
+    check_rows_after(whole, m)
     x64, w64, s64 = (a.double().cpu().numpy() for a in (x, w, w_scale))
     got = out.double().cpu().numpy()
     ref = R.fp8_quant_gemm_ref(x64, w64, s64, tile=tile)

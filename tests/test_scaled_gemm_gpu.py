@@ -14,6 +14,7 @@ from tvm_cascade.ops import reference as R
 from tvm_cascade.schedules import scaled_gemm, warp_specialized
 from tvm_cascade.schedules.scaled_gemm import schedule_scaled_gemm
 from tvm_cascade.schedules.warp_specialized_gemm import WarpSpecializedGemmConfig
+from rows_after import check_rows_after, output_with_rows_after
 
 pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU")
 
@@ -78,8 +79,9 @@ def _check_rmsnorm_gemm(kernel, m, n, k, layout, out_dtype, dtype):
     x = on_gpu(rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1)))
     gamma = on_gpu(1 + 0.1 * rng.standard_normal(k))
     w = on_gpu(rng.standard_normal((k, n)) / np.sqrt(k))
-    out = torch.zeros((m, n), dtype=getattr(torch, out_dtype), device="cuda")
+    out, whole = output_with_rows_after(torch, m, n, getattr(torch, out_dtype))
     kernel(*(tvm.runtime.from_dlpack(a) for a in (x, gamma, w if layout == "kn" else w.T.contiguous(), out)))
+    check_rows_after(whole, m)
     ref = R.rmsnorm_gemm_ref(*(a.double().cpu().numpy() for a in (x, gamma, w)))
     out = out.double().cpu().numpy()
     assert _relative_error(out, ref) < (5e-3 if dtype == "float16" else 2e-2)
