@@ -29,6 +29,7 @@ from tvm_cascade.schedules.decode import (
 )
 
 from tuning_records import write_records
+from ahead import in_a_process_ahead
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -335,6 +336,7 @@ def test_lanes_follow_the_head_dimension():
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, seq_q", [(8, 2, 1), (8, 8, 1), (8, 4, 1), (4, 4, 4), (4, 4, 8), (8, 1, 2), (8, 4, 4)])
+@in_a_process_ahead
 def test_design_space_replays_under_every_decision(heads_q, heads_kv, seq_q):
     func = ops.attention(1, heads_q, heads_kv, seq_q, 512, 128, dtype="float16", variant=VARIANTS["gqa"])
     sch = tvm.s_tir.Schedule(func, seed=1)

@@ -13,6 +13,7 @@ from tvm import relax
 import tvm_cascade  # noqa: F401  (the "cascade" pipeline)
 from tvm_cascade.relax.dispatch import LIBRARY_ATTR
 from tvm_cascade.relax.kv_cache import CREATE, KVCacheAttention
+from ahead import in_a_process_ahead
 
 CPU = tvm.target.Target("llvm")
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
@@ -72,6 +73,7 @@ def test_the_sliding_layers_window_reaches_the_sliding_window_prefill():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@in_a_process_ahead
 def test_hopper_cache_kernels_become_the_fast_families(head_dim):
     with HOPPER:
         mod = KVCacheAttention()(_module(HOPPER, num_qo_heads=8, num_kv_heads=2, head_dim=head_dim))
@@ -155,6 +157,7 @@ def _with_rope_mode(mod, mode):
     return rewriter.builder_.get()
 
 
+@in_a_process_ahead
 def test_the_cascade_pipeline_puts_them_in_on_gpus_only():
     with HOPPER:
         gpu = relax.get_pipeline("cascade")(_module(HOPPER))

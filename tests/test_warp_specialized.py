@@ -22,6 +22,7 @@ from tvm_cascade.schedules.prefill import PrefillConfig
 
 from launches import grid as launched
 from ptxas import assembled, assembly
+from ahead import in_a_process_ahead
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -273,6 +274,7 @@ def test_design_space_samples_clusters_only_where_the_kernel_takes_them():
         assert len(_samples(sch.trace)) == samples, (variant, heads_kv, seq_q)
 
 
+@in_a_process_ahead
 def test_design_space_replays_every_decision_into_the_kernel_of_its_choices():
     """A sample of the design space is ``rolling_update``'s fusion of the chain over
     128-key tiles with the sampled choices annotated on the key-tile loop; every decision
