@@ -39,7 +39,7 @@ from ..primitives.ir import prepend_in_root
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, serves_target, sm90a
 from .warp_specialized_fp8_gemm import _store
 from .warp_specialized_gemm import (
-    _TMA, DEPTH, pair_product, params, split_count, split_sum, stage_barriers, tma_kernel,
+    _TMA, DEPTH, pair_product, params, split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel,
 )
 from .warp_specialized_gemm import unsupported as _unsupported
 
@@ -59,10 +59,7 @@ def skinny_unsupported(n, k, layout, dtype, out_dtype, tokens=16, stages=4, spli
         return f"{tokens} rows of X a block: one of {TOKEN_CHOICES}"
     if stages < 2 or _shared_bytes(tokens, stages) > SHARED_BYTES // 3:
         return f"{stages} stages of {tokens} rows: 2 or more, in a third of the shared memory"
-    k_tiles = -(-k // DEPTH)
-    if splits < 1 or (splits - 1) * -(-k_tiles // splits) >= k_tiles:
-        return f"{splits} splits of K = {k}'s {k_tiles} tiles of {DEPTH}: each split needs a tile"
-    return None
+    return split_refusal(splits, k, DEPTH)
 
 
 def _shared_bytes(tokens, stages):
@@ -91,7 +88,6 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
     t_tiles = (m + tokens - 1) // tokens
     n_tiles = -(-n // W_COLS)
     k_tiles = -(-k // DEPTH)
-    split_tiles = -(-k_tiles // splits)  # k tiles a split; the last may have fewer
     part_k = k % DEPTH != 0
     # shared memory in 16-bit elements: per stage X's box, then W's; then two X̃ tiles
     # (each a multiple of 1024 bytes: the 128-byte swizzle's atoms)
@@ -233,10 +229,8 @@ def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16
         scales = T.alloc_shared((tokens,), "float32")
         # row tiles of X fastest: the blocks that read a box of W run together
         t0 = bx % t_tiles * tokens
-        n0 = bx // t_tiles % n_tiles * W_COLS if splits > 1 else bx // t_tiles * W_COLS
-        s = T.meta_var(bx // (t_tiles * n_tiles) if splits > 1 else 0)
-        first = T.meta_var(s * split_tiles)  # the split's k tiles
-        count = T.meta_var(T.min(split_tiles, k_tiles - first))
+        n_tile, s, first, count = T.meta_var(split_of_block(bx, t_tiles, n_tiles, splits, k_tiles))
+        n0 = n_tile * W_COLS
         init_barriers(full, empty, tx, 128)
         if tx < 128:
             consume(smem, full, empty, scales, t0, n0, s, first, count, tx)

@@ -74,7 +74,7 @@ from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
-from .warp_specialized_gemm import split_count, split_sum, stage_barriers, tma_kernel
+from .warp_specialized_gemm import split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -736,10 +736,7 @@ def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1):
         return f"{tokens} tokens a block: one of {TOKEN_CHOICES}"
     if stages < 2 or stages * (tokens * DEPTH * 2 + W_ROWS * DEPTH) > SHARED_BYTES // 3:
         return f"{stages} stages of {tokens} tokens: 2 or more, in a third of the shared memory"
-    k_tiles = -(-k // DEPTH)
-    if splits < 1 or (splits - 1) * -(-k_tiles // splits) >= k_tiles:
-        return f"{splits} splits of K = {k}'s {k_tiles} tiles of {DEPTH}: each split needs a tile"
-    return None
+    return split_refusal(splits, k, DEPTH)
 
 
 def skinny_splits(n_tiles, k_tiles, sms=None):
@@ -777,7 +774,6 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     if reason is not None:
         raise ValueError(reason)
     X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
-    split_tiles = -(-k_tiles // splits)  # k tiles a split; the last may have fewer
     parts = tvm.tirx.decl_buffer((splits, m, n), "float32", "parts")
     # shared memory in 16-bit elements: per stage X's two boxes and W's bytes, then two
     # e4m3 tiles of the quantised tokens (all 1024-byte aligned for the 128-byte swizzle)
@@ -932,10 +928,8 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         last = T.alloc_shared((tokens,), "float32")
         # token tiles fastest: the blocks that read a tile of W run together
         t0 = bx % t_tiles * tokens
-        n0 = bx // t_tiles % n_tiles * W_ROWS if splits > 1 else bx // t_tiles * W_ROWS
-        s = T.meta_var(bx // (t_tiles * n_tiles) if splits > 1 else 0)
-        first = T.meta_var(s * split_tiles)
-        count = T.meta_var(T.min(split_tiles, k_tiles - first) if splits > 1 else k_tiles)
+        n_tile, s, first, count = T.meta_var(split_of_block(bx, t_tiles, n_tiles, splits, k_tiles))
+        n0 = n_tile * W_ROWS
         init_barriers(full, empty, tx, 128)
         if tx < 128:
             consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx)

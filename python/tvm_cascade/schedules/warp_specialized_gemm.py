@@ -621,9 +621,34 @@ def split_count(out_tiles, k_tiles, sms=None):
     :data:`MIN_SPLIT_TILES` k tiles and none empty."""
     sms = sms or sm_count(tvm.cuda(0))
     splits = max(1, min(round(BLOCKS_PER_SM * sms / out_tiles), k_tiles // MIN_SPLIT_TILES))
-    while (splits - 1) * -(-k_tiles // splits) >= k_tiles:
+    while _leaves_a_split_empty(splits, k_tiles):
         splits -= 1
     return splits
+
+
+def _leaves_a_split_empty(splits, k_tiles):
+    # splits of -(-k_tiles // splits) tiles each, the last taking what is left
+    return (splits - 1) * -(-k_tiles // splits) >= k_tiles
+
+
+def split_refusal(splits, k, depth):
+    """Why ``splits`` blocks cannot share K's k tiles of ``depth`` (each split needs a
+    tile), or None."""
+    k_tiles = -(-k // depth)
+    if splits < 1 or _leaves_a_split_empty(splits, k_tiles):
+        return f"{splits} splits of K = {k}'s {k_tiles} tiles of {depth}: each split needs a tile"
+    return None
+
+
+def split_of_block(bx, t_tiles, n_tiles, splits, k_tiles):
+    """Block ``bx``'s output tile along N (row tiles fastest, then N's tiles, then the
+    splits), its split, and the split's first k tile and count: ``splits``' share of
+    ``k_tiles`` each, the last taking what is left."""
+    if splits == 1:
+        return bx // t_tiles, 0, 0, k_tiles
+    s = bx // (t_tiles * n_tiles)
+    first = s * -(-k_tiles // splits)
+    return bx // t_tiles % n_tiles, s, first, T.min(-(-k_tiles // splits), k_tiles - first)
 
 
 def split_sum(parts, out, factor=None):
