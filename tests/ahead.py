@@ -3,13 +3,10 @@
 build (compile for a GPU, replay a design space) and check what they built, taking
 their parameters and no fixtures. Run as a script, this module is that subprocess."""
 import functools
-import importlib
 import inspect
-import os
-import pickle
 import sys
 
-from runs_ahead import runs
+from runs_ahead import call_run, called, runs
 
 
 def in_a_process_ahead(test):
@@ -18,10 +15,7 @@ def in_a_process_ahead(test):
     passes where that run did (its output shown where it did not)."""
 
     def make(tmp_path_factory, **params):
-        args = [sys.executable, __file__, test.__module__, test.__name__, pickle.dumps(params).hex()]
-        # kernels the library builds are cached in the run's folder, not the user's cache
-        cache = tmp_path_factory.mktemp("ahead") / "cache"
-        return {"args": args, "env": {**os.environ, "TVM_CASCADE_CACHE": str(cache)}}
+        return call_run(tmp_path_factory.mktemp("ahead"), __file__, test, params)
 
     @functools.wraps(test)
     def checked(runs_ahead, request, **params):
@@ -37,5 +31,5 @@ def in_a_process_ahead(test):
 
 
 if __name__ == "__main__":
-    module, name, blob = sys.argv[1:]
-    getattr(importlib.import_module(module), name).body(**pickle.loads(bytes.fromhex(blob)))
+    test, params, _ = called(sys.argv[1:])
+    test.body(**params)

@@ -4,15 +4,12 @@ what ptxas makes of a kernel (spills, ignored ``setmaxnreg``, serialised wgmma).
 A test marked :func:`assembled` has its kernel built and assembled in a subprocess that
 the session starts ahead of it (``runs_ahead.py``), on the core the pytest process leaves
 idle; run as a script, this module is that subprocess."""
-import importlib
-import os
-import pickle
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from runs_ahead import runs
+from runs_ahead import call_run, called, runs
 
 
 def ptxas_report(source, path):
@@ -36,10 +33,7 @@ def assembled(source_of):
         if shutil.which("nvcc") is None:
             return None
         folder = tmp_path_factory.mktemp("ptxas")
-        blob = pickle.dumps(params).hex()
-        args = [sys.executable, __file__, source_of.__module__, source_of.__name__, str(folder / "kernel.cu"), blob]
-        # kernels the library builds are cached in the run's folder, not the user's cache
-        return {"args": args, "env": {**os.environ, "TVM_CASCADE_CACHE": str(folder / "cache")}}
+        return call_run(folder, __file__, source_of, params, str(folder / "kernel.cu"))
 
     return runs(make)
 
@@ -48,10 +42,9 @@ def assembly(runs_ahead, request):
     """The CUDA source and ptxas report of the test :func:`assembled` marks."""
     run = runs_ahead.result(request.node)
     assert run.returncode == 0, run.stderr
-    return Path(run.args[4]).read_text(), run.stdout
+    return Path(run.args[-1]).read_text(), run.stdout
 
 
 if __name__ == "__main__":
-    module, name, path, blob = sys.argv[1:]
-    source = getattr(importlib.import_module(module), name)(**pickle.loads(bytes.fromhex(blob)))
-    sys.stdout.write(ptxas_report(source, Path(path)))
+    source_of, params, (path,) = called(sys.argv[1:])
+    sys.stdout.write(ptxas_report(source_of(**params), Path(path)))

@@ -1,7 +1,7 @@
 """GPU outputs that are the first rows of a larger tensor, for the GEMM tests that check
 a kernel stores no row past M (tiles of M padded to whole tiles must not reach memory)."""
 #: Rows after the output, each element :data:`MARK`.
-ROWS = 64
+ROWS = 128
 MARK = 7
 
 

@@ -7,8 +7,11 @@ command-line entry point, ``pip install``, a kernel's build and assembly: see
 (``conftest.py``) starts the runs of all its selected tests when it starts, one at a
 time in the tests' order and at the lowest priority, and such a test checks the result
 of its own run (:meth:`RunsAhead.result`)."""
+import importlib
 import os
+import pickle
 import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +28,22 @@ def runs(make):
         return test
 
     return mark
+
+
+def call_run(folder, script, function, params, *more):
+    """The run of ``script`` (a module of this folder run as a script, which reads its
+    arguments with :func:`called`) for ``function`` (at the top of a test module) with
+    ``params``, ``more`` arguments after them; kernels the library builds are cached in
+    ``folder``, not the user's cache."""
+    args = [sys.executable, str(script), function.__module__, function.__name__, pickle.dumps(params).hex(), *more]
+    return {"args": args, "env": {**os.environ, "TVM_CASCADE_CACHE": str(folder / "cache")}}
+
+
+def called(argv):
+    """In a :func:`call_run` script: the function it names, its parameters, and the
+    arguments after them."""
+    module, name, blob, *more = argv
+    return getattr(importlib.import_module(module), name), pickle.loads(bytes.fromhex(blob)), more
 
 
 class RunsAhead:

@@ -20,16 +20,14 @@ pytestmark = pytest.mark.skipif(not tvm.cuda(0).exist, reason="needs a CUDA GPU"
 
 
 def _run(func, inputs, shape):
-    """The kernel's output, stored into the first rows of a larger array whose other rows
-    must keep their values (no row past M is stored)."""
+    """The kernel's output (no row past M stored: :mod:`rows_after`)."""
+    torch = pytest.importorskip("torch")
     sch = schedule_scaled_gemm(func)
     kernel = tensor_cores.build(sch.mod, tvm.target.Target.from_device(tvm.cuda(0)))["main"]
-    dev = tvm.cuda(0)
-    whole = tvm.runtime.tensor(np.full((shape[0] + 128, shape[1]), 7, "float16"), dev)
-    kernel(*[tvm.runtime.tensor(a, dev) for a in inputs], whole._create_view(shape))
-    result = whole.numpy()
-    np.testing.assert_array_equal(result[shape[0]:], 7)
-    return result[:shape[0]].astype("float64")
+    out, whole = output_with_rows_after(torch, *shape, torch.float16)
+    kernel(*[tvm.runtime.tensor(a, tvm.cuda(0)) for a in inputs], tvm.runtime.from_dlpack(out))
+    check_rows_after(whole, shape[0])
+    return out.double().cpu().numpy()
 
 
 def _relative_error(got, ref):
