@@ -558,9 +558,14 @@ def by_tokens(m, n, k, dtype="float16", out_dtype="float16", tokens=RUN_TIME_TOK
     exceed, else :func:`kernel`: each over the same parameters."""
     params = _params(m, n, k, dtype, out_dtype)
     body = kernel(m, n, k, dtype, out_dtype, params=params).body
+    # The skinny kernels take at most max(tokens) rows: their count in 32 bits keeps their
+    # index arithmetic in 32 bits (TVM widens every index that meets a 64-bit m).
+    rows = tvm.tirx.Var("rows", "int32") if str(m.ty) == "int64" else m
     for most in sorted(tokens, reverse=True):
-        skinny = skinny_kernel(m, n, k, dtype, out_dtype, tokens=most, params=params)
+        skinny = skinny_kernel(rows, n, k, dtype, out_dtype, tokens=most, params=params)
         body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
+    if rows is not m:
+        body = tvm.tirx.SeqStmt([tvm.tirx.Bind(rows, tvm.tirx.Cast("int32", m)), body])
     return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main"})
 
 
