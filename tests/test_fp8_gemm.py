@@ -78,19 +78,27 @@ def test_build_makes_one_tma_and_fp8_wgmma_kernel():
 def test_a_variable_token_count_chooses_its_kernel_at_run_time():
     """``kernel_for`` of a variable ``m``: one function over one set of parameters whose
     body launches 16-token skinny blocks up to 16 tokens, 32-token ones up to 32, and
-    the 128-row kernel past that (three kernels in its source)."""
+    the 128-row kernel past that (three kernels in its source). The skinny kernels count
+    the rows of a 64-bit ``m`` in 32 bits, and so index in 32 bits."""
     m = tvm.tirx.Var("m", "int64")
     func = fp8.kernel_for(m, 256, 512)
     assert [p.name for p in func.params] == ["X", "W", "w_scale", "out"]
-    first, second = func.body, func.body.else_case
+    bind, first = func.body.seq
+    rows = bind.var
+    tvm.ir.assert_structural_equal(bind.value, tvm.tirx.Cast("int32", m))
+    second = first.else_case
     assert isinstance(first, tvm.tirx.IfThenElse) and isinstance(second, tvm.tirx.IfThenElse)
     tvm.ir.assert_structural_equal([first.condition, second.condition], [m <= 16, m <= 32])
-    for branch, kernel in ((first.then_case, fp8.skinny_kernel(m, 256, 512, tokens=16)),
-                           (second.then_case, fp8.skinny_kernel(m, 256, 512, tokens=32)),
-                           (second.else_case, fp8.kernel(m, 256, 512))):
-        tvm.ir.assert_structural_equal(func.with_body(branch), kernel)
+    params = func.params
+    for branch, kernel in ((first.then_case, fp8.skinny_kernel(rows, 256, 512, tokens=16, params=params)),
+                           (second.then_case, fp8.skinny_kernel(rows, 256, 512, tokens=32, params=params)),
+                           (second.else_case, fp8.kernel(m, 256, 512, params=params))):
+        tvm.ir.assert_structural_equal(func.with_body(branch), kernel, map_free_vars=True)
     source = _source(func)
     assert source.count("__global__") == 6  # three, each declared and defined
+    # 64-bit arguments for the 128-row kernel only (the skinny ones: 160 threads)
+    signatures = re.findall(r"__global__ void __launch_bounds__\(([\d, ]+)\) \w+\(([^)]*)\)", source)
+    assert len(signatures) == 6 and all(("int64_t" in args) == (bounds == "384, 1") for bounds, args in signatures)
     # TVM's CUDA launcher passes no 64-bit unsigned argument: what the kernels share
     # and TIR's CSE computes once on the host for them is no descriptor field.
     assert "uint64_t" not in "".join(re.findall(r"__global__ void[^{;]*\)", source))

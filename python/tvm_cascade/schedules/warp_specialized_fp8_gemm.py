@@ -557,11 +557,27 @@ def by_tokens(m, n, k, dtype="float16", out_dtype="float16", tokens=RUN_TIME_TOK
     :func:`skinny_kernel` of the first of ``tokens`` (ascending) that ``m`` does not
     exceed, else :func:`kernel`: each over the same parameters."""
     params = _params(m, n, k, dtype, out_dtype)
-    body = kernel(m, n, k, dtype, out_dtype, params=params).body
-    for most in sorted(tokens, reverse=True):
-        skinny = skinny_kernel(m, n, k, dtype, out_dtype, tokens=most, params=params)
-        body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
-    return tvm.tirx.PrimFunc(params, body).with_attrs({"global_symbol": "main"})
+    many = kernel(m, n, k, dtype, out_dtype, params=params).body
+
+    def launches(rows):
+        body = many
+        for most in sorted(tokens, reverse=True):
+            skinny = skinny_kernel(rows, n, k, dtype, out_dtype, tokens=most, params=params)
+            body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
+        return body
+
+    return tvm.tirx.PrimFunc(params, _with_rows_in_32_bits(m, launches)).with_attrs({"global_symbol": "main"})
+
+
+def _with_rows_in_32_bits(m, body_of):
+    """``body_of(rows)``, where ``rows`` is a 32-bit variable bound to ``m`` (a variable
+    row count) if that is 64-bit, else ``m``: for the skinny kernels (at most
+    :data:`SKINNY_TOKENS` rows), whose indices TVM would widen to 64 bits wherever they
+    meet a 64-bit ``m``."""
+    if str(m.ty) != "int64":
+        return body_of(m)
+    rows = tvm.tirx.Var("rows", "int32")
+    return tvm.tirx.SeqStmt([tvm.tirx.Bind(rows, tvm.tirx.Cast("int32", m)), body_of(rows)])
 
 
 def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig(), params=None):
