@@ -47,25 +47,37 @@ def test_splits_of_k_run_a_block_a_split_then_a_kernel_that_adds_them_up():
     tvm.ir.assert_structural_equal(combine_blocks, m * 4)
 
 
-def _kernel_source(layout, m, n, k, tokens, dtype, out_dtype, splits):
+def _kernel_source(layout, m, n, k, tokens, dtype, out_dtype, stages, splits):
     return _source(skinny.skinny_kernel(m, n, k, layout=layout, tokens=tokens, dtype=dtype, out_dtype=out_dtype,
-                                        splits=splits))
+                                        stages=stages, splits=splits))
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("m, n, k, tokens, dtype, out_dtype, splits", [
-    (tvm.tirx.Var("m", "int64"), 14336, 4096, 16, "float16", "float16", 1),
-    (20, 328, 4104, 32, "bfloat16", "float32", 1),  # no whole tiles along M, N or K
-    (16, 4096, 14336, 16, "float16", "float16", 4),
+@pytest.mark.parametrize("m, n, k, tokens, dtype, out_dtype, stages, splits", [
+    (tvm.tirx.Var("m", "int64"), 14336, 4096, 16, "float16", "float16", 4, 1),
+    (20, 328, 4104, 32, "bfloat16", "float32", 4, 1),  # no whole tiles along M, N or K
+    (16, 4096, 14336, 16, "float16", "float16", 3, 9),  # default_config's
 ])
 @assembled(_kernel_source)
-def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(layout, m, n, k, tokens, dtype, out_dtype, splits,
+def test_ptxas_finds_no_spills_and_keeps_wgmma_asynchronous(layout, m, n, k, tokens, dtype, out_dtype, stages, splits,
                                                            runs_ahead, request):
     _, report = assembly(runs_ahead, request)
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == (1 if splits == 1 else 2)
     # C7511/C7514/C7519: wgmma serialised, warpgroup arrive/wait injected.
     for remark in ("C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
+
+
+def test_default_config_fits_its_blocks_in_the_sms_at_once():
+    """Splits for about 4.5 blocks an SM, in four stages where all the blocks fit in the
+    SMs' shared memory at once (four blocks an SM), else three (six an SM)."""
+    assert (skinny.blocks_an_sm(4), skinny.blocks_an_sm(3)) == (4, 6)
+    for (n, k), config in {(14336, 4096): (3, 3), (6144, 4096): (3, 6), (4096, 14336): (3, 9),
+                           (4096, 4096): (4, 8), (28672, 4096): (4, 1)}.items():
+        stages, splits = skinny.default_config(n, k, sms=132)
+        assert (stages, splits) == config, (n, k)
+        assert n // skinny.W_COLS * splits <= skinny.blocks_an_sm(stages) * 132
+        skinny.skinny_kernel(16, n, k, stages=stages, splits=splits)  # not refused
 
 
 @pytest.mark.parametrize("args, message", [

@@ -85,20 +85,21 @@ def _check_rmsnorm_gemm(kernel, m, n, k, layout, out_dtype, dtype):
     assert _relative_error(out, ref) < (5e-3 if dtype == "float16" else 2e-2)
 
 
-@pytest.mark.parametrize("m, n, k, layout, out_dtype, tokens, dtype, splits", [
-    (16, 1024, 4096, "kn", "float16", 16, "float16", 1),
-    (16, 1024, 4096, "nk", "float16", 16, "float16", 3),
-    (1, 512, 1024, "kn", "float16", 16, "float16", 1),
-    (20, 328, 4104, "kn", "float32", 16, "float16", 1),  # no whole tiles along M, N or K
-    (20, 328, 4104, "kn", "float32", 16, "float16", 5),  # ... and five splits of 13 k tiles
-    (32, 704, 2048, "nk", "bfloat16", 32, "bfloat16", 4),
-    (45, 200, 520, "nk", "float16", 32, "float16", 1),
-    (45, 200, 520, "nk", "float16", 32, "float16", 3),
+@pytest.mark.parametrize("m, n, k, layout, out_dtype, tokens, dtype, stages, splits", [
+    (16, 1024, 4096, "kn", "float16", 16, "float16", 4, 1),
+    (16, 1024, 4096, "nk", "float16", 16, "float16", 4, 3),
+    (16, 1024, 4096, "kn", "float16", 16, "float16", 3, 7),
+    (1, 512, 1024, "kn", "float16", 16, "float16", 4, 1),
+    (20, 328, 4104, "kn", "float32", 16, "float16", 4, 1),  # no whole tiles along M, N or K
+    (20, 328, 4104, "kn", "float32", 16, "float16", 3, 5),  # ... and five splits of 13 k tiles
+    (32, 704, 2048, "nk", "bfloat16", 32, "bfloat16", 4, 4),
+    (45, 200, 520, "nk", "float16", 32, "float16", 4, 1),
+    (45, 200, 520, "nk", "float16", 32, "float16", 3, 3),
 ])
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_skinny_rmsnorm_gemm(m, n, k, layout, out_dtype, tokens, dtype, splits, symbolic):
+def test_skinny_rmsnorm_gemm(m, n, k, layout, out_dtype, tokens, dtype, stages, splits, symbolic):
     """The kernel for few rows (:mod:`tvm_cascade.schedules.rmsnorm_gemm_skinny`), its
-    k tiles in one block or split among several."""
+    k tiles in one block or split among several, in three stages or four."""
     from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 
     target = tvm.target.Target.from_device(tvm.cuda(0))
@@ -106,20 +107,22 @@ def test_skinny_rmsnorm_gemm(m, n, k, layout, out_dtype, tokens, dtype, splits, 
         pytest.skip("the kernel needs an H100 or H200 (sm_90)")
     rows = tvm.tirx.Var("m", "int32") if symbolic else m
     func = skinny.skinny_kernel(rows, n, k, layout=layout, out_dtype=out_dtype, tokens=tokens, dtype=dtype,
-                                splits=splits)
+                                stages=stages, splits=splits)
     _check_rmsnorm_gemm(skinny.build(func, target)["main"], m, n, k, layout, out_dtype, dtype)
 
 
-def test_a_variable_row_count_launches_the_kernel_its_rows_need():
+@pytest.mark.parametrize("n", [1024, 6144])
+def test_a_variable_row_count_launches_the_kernel_its_rows_need(n):
     """One function for any rows (what ``DispatchScaledGemm`` builds for a symbolic
-    token count): the kernel for few rows (K split) up to 16, the 128-row one past."""
+    token count): the kernel for few rows (K split; N = 6144 in three stages) up to 16,
+    the 128-row one past."""
     target = tvm.target.Target.from_device(tvm.cuda(0))
     if not warp_specialized.serves_target(target):
         pytest.skip("the warp-specialised kernel needs an H100 or H200 (sm_90)")
-    func = cascades.rmsnorm_gemm(tvm.tirx.Var("m", "int32"), 1024, 4096, dtype="float16", weight_layout="nk")
+    func = cascades.rmsnorm_gemm(tvm.tirx.Var("m", "int32"), n, 4096, dtype="float16", weight_layout="nk")
     kernel = scaled_gemm.build(scaled_gemm.schedule_for_target(func, target).mod, target)["main"]
     for m in (1, 16, 17, 200):
-        _check_rmsnorm_gemm(kernel, m, 1024, 4096, "nk", "float16", "float16")
+        _check_rmsnorm_gemm(kernel, m, n, 4096, "nk", "float16", "float16")
 
 
 @pytest.mark.parametrize("m, pad", [(1, 32), (16, 32), (48, 32), (200, 128)])

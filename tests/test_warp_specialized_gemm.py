@@ -75,7 +75,7 @@ def test_build_makes_one_tma_and_wgmma_kernel(layout):
 
 def test_few_rows_take_the_kernel_for_few_rows_and_a_variable_count_picks_at_run_time():
     """Up to 16 rows :func:`build` makes the kernel for few rows (wgmma m64n16k16, W as
-    A; 4096 x 14336 in two splits of K: two kernels), from 17 the 128-row kernel; for a
+    A; 4096 x 14336 in three splits of K: two kernels), from 17 the 128-row kernel; for a
     variable row count one function holding both, the rows choosing at run time."""
     from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 
@@ -84,7 +84,7 @@ def test_few_rows_take_the_kernel_for_few_rows_and_a_variable_count_picks_at_run
 
     few, many = built(16), built(17)
     assert "m64n16k16_f32_f16_f16" in few and "setmaxnreg" not in few
-    assert few.count("__global__") == 4 and skinny.default_splits(14336, 4096, sms=132) == 2
+    assert few.count("__global__") == 4 and skinny.default_config(14336, 4096, sms=132) == (3, 3)
     assert "m64n256k16_f32_f16_f16" in many and many.count("__global__") == 2
     rows = tvm.tirx.Var("m", "int32")
     func = ws.kernel_for(ws.RmsNormGemm(rows, 14336, 4096, 1e-6, "kn", "float16"))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from ..cuda import ALL_LANES
+from ..cuda import ALL_LANES, sm_count
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
@@ -67,10 +67,33 @@ def _shared_bytes(tokens, stages):
     return 2 * DEPTH * ((tokens + W_COLS) * stages + 2 * tokens)
 
 
-def default_splits(n, k, sms=None):
-    """The splits of K for 16 rows (:func:`.warp_specialized_gemm.split_count` of a
-    block's 64 columns)."""
-    return split_count(-(-n // W_COLS), -(-k // DEPTH), sms)
+#: Blocks an SM that :func:`default_config`'s splits aim at (H200, 16 rows, three runs
+#: each, ms, stages x splits: 4096 x 14336 3 x 3 0.0355-0.0370 beside 4 x 2's
+#: 0.0375-0.0384; 4096 x 6144 3 x 6 0.0203-0.0221 beside 4 x 4's 0.0210-0.0228;
+#: 14336 x 4096 3 x 9 0.0346-0.0348 beside 4 x 6's 0.0375-0.0377; 4096 x 4096 4 x 8
+#: 0.0174 beside 4 x 6's 0.0176 in one run).
+BLOCKS_PER_SM = 4.5
+#: An SM's shared memory, and what a block takes beyond its dynamic shared memory: its
+#: static barriers (the dynamic part is aligned to 1 KiB after them) and the 1 KiB the
+#: driver reserves a block.
+SM_SHARED_BYTES = 228 * 1024
+_BLOCK_OVERHEAD_BYTES = 2 * 1024
+
+
+def blocks_an_sm(stages, tokens=16):
+    """How many blocks of ``stages`` stages fit in an SM's shared memory at once."""
+    return SM_SHARED_BYTES // (_shared_bytes(tokens, stages) + _BLOCK_OVERHEAD_BYTES)
+
+
+def default_config(n, k, sms=None):
+    """The stages and splits of K for 16 rows: splits for about :data:`BLOCKS_PER_SM`
+    blocks an SM (:func:`.warp_specialized_gemm.split_count` of a block's 64 columns),
+    in four stages where all the blocks fit in the SMs at once, else in three (six
+    blocks an SM: blocks past the first wave cost 15-26%)."""
+    sms = sms or sm_count(tvm.cuda(0))
+    tiles = -(-n // W_COLS)
+    splits = split_count(tiles, -(-k // DEPTH), sms, BLOCKS_PER_SM)
+    return (4 if tiles * splits <= blocks_an_sm(4) * sms else 3), splits
 
 
 def skinny_kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", tokens=16, stages=4, dtype="float16",

@@ -275,8 +275,8 @@ def build(mod, target):
 
 def kernel_for(problem: RmsNormGemm, config=WarpSpecializedGemmConfig()) -> tvm.tirx.PrimFunc:
     """The kernel :func:`build` makes of ``problem``: up to :data:`SKINNY_ROWS` rows the
-    kernel for few rows (:func:`.rmsnorm_gemm_skinny.skinny_kernel`, its k tiles split
-    by :func:`.rmsnorm_gemm_skinny.default_splits`), else :func:`kernel` with
+    kernel for few rows (:func:`.rmsnorm_gemm_skinny.skinny_kernel`, its stages and
+    splits of K :func:`.rmsnorm_gemm_skinny.default_config`'s), else :func:`kernel` with
     ``config``; for a variable row count one function that launches one of the two by
     the rows at run time (a decode batch and a prompt alike)."""
     # the kernel for few rows builds on this module's helpers: imported where it is used
@@ -286,7 +286,8 @@ def kernel_for(problem: RmsNormGemm, config=WarpSpecializedGemmConfig()) -> tvm.
     if isinstance(m, int) and m > SKINNY_ROWS:
         return kernel(m, n, k, problem.eps, layout, out_dtype, config, dtype)
     buffers = params(m, n, k, layout, dtype, out_dtype)
-    few = skinny.skinny_kernel(m, n, k, problem.eps, layout, out_dtype, dtype=dtype, splits=skinny.default_splits(n, k),
+    stages, splits = skinny.default_config(n, k)
+    few = skinny.skinny_kernel(m, n, k, problem.eps, layout, out_dtype, dtype=dtype, stages=stages, splits=splits,
                                buffers=buffers)
     if isinstance(m, int):
         return few
@@ -614,13 +615,13 @@ MIN_SPLIT_TILES = 4
 SPLIT_SUM_THREADS = 256
 
 
-def split_count(out_tiles, k_tiles, sms=None):
+def split_count(out_tiles, k_tiles, sms=None, per_sm=BLOCKS_PER_SM):
     """How many blocks share each of ``out_tiles`` output tiles' ``k_tiles`` k tiles, a
-    split each (``split_k_update``'s chunks): blocks for about :data:`BLOCKS_PER_SM` to
+    split each (``split_k_update``'s chunks): blocks for about ``per_sm`` to
     each of ``sms`` SMs (the GPU's, by default), each split at least
     :data:`MIN_SPLIT_TILES` k tiles and none empty."""
     sms = sms or sm_count(tvm.cuda(0))
-    splits = max(1, min(round(BLOCKS_PER_SM * sms / out_tiles), k_tiles // MIN_SPLIT_TILES))
+    splits = max(1, min(round(per_sm * sms / out_tiles), k_tiles // MIN_SPLIT_TILES))
     while _leaves_a_split_empty(splits, k_tiles):
         splits -= 1
     return splits
