@@ -56,6 +56,7 @@ class RunsAhead:
         self._defaults = {"env": dict(os.environ), "cwd": os.getcwd()}
         self._pool = ThreadPoolExecutor(WORKERS)
         self._futures = {}
+        self._runs = {}
         self._running = set()
         self._closed = False
         self._lock = threading.Lock()
@@ -67,7 +68,9 @@ class RunsAhead:
             make = getattr(getattr(item, "function", None), "run_ahead", None)
             params = item.callspec.params if hasattr(item, "callspec") else {}
             run = None if make is None else make(self._tmp_path_factory, **params)
-            self._futures[item.nodeid] = None if run is None else self._pool.submit(self._run, **{**self._defaults, **run})
+            if run is not None:
+                self._runs[item.nodeid] = {**self._defaults, **run}
+            self._futures[item.nodeid] = None if run is None else self._pool.submit(self._run, **self._runs[item.nodeid])
         return self._futures[item.nodeid]
 
     def _run(self, args, timeout=None, **kwargs):
@@ -99,6 +102,10 @@ class RunsAhead:
         (``TimeoutExpired`` past the run's ``timeout``)."""
         future = self._future(item)
         assert future is not None, f"{item.nodeid} is not marked with a run (runs_ahead.runs)"
+        if future.cancel():
+            # Not started yet: the queue is behind the tests, and this process would
+            # only wait, so it runs it now beside the queue's.
+            return self._run(**self._runs[item.nodeid])
         return future.result()
 
     def close(self):

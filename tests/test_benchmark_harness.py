@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks` is not an installed package
 from benchmarks import configs, reference, report  # noqa: E402
 from benchmarks.configs import OPERATORS, Config, suite  # noqa: E402
 from benchmarks.report import NA, OK, WRONG, Cell  # noqa: E402
+from ahead import in_a_process_ahead  # noqa: E402
 from runs_ahead import runs  # noqa: E402
 
 
@@ -690,6 +691,7 @@ def test_mask_benchmark_table():
     assert "| t | 0.1000 | fails | fails | fails | -- |" in table
 
 
+@in_a_process_ahead
 def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
     """``benchmarks.kv_cache_layer --dtype bfloat16`` (tiny shapes on the CPU): the layer,
     its cache and inputs in bfloat16; both pipelines agree and are near the float32
@@ -707,6 +709,7 @@ def test_kv_cache_layer_in_bfloat16_on_the_cpu(tmp_path):
     assert all(r["agree"] and r["error"] < 0.1 for r in cascade)
 
 
+@in_a_process_ahead
 def test_kv_cache_layer_with_rope_inside_attention_on_the_cpu(tmp_path):
     """``benchmarks.kv_cache_layer --rope inline`` (tiny shapes on the CPU): a cache of
     ``RopeMode.INLINE``, the cascade pipeline's kernels rotating inside attention, both

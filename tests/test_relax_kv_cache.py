@@ -84,6 +84,7 @@ def test_hopper_cache_kernels_become_the_fast_families(head_dim):
 
 
 @pytest.mark.parametrize("target, decode", [(CPU, "batch_decode_paged_kv_cpu"), (HOPPER, "batch_decode_paged_kv")])
+@in_a_process_ahead
 def test_inline_rope_gets_kernels_built_to_rotate(target, decode):
     """A cache of the runtime's RoPE inside attention (``RopeMode.INLINE``) gets the
     library's kernels, built for ``rotary_mode`` 1 (TVM's for the other)."""

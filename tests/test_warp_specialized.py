@@ -129,6 +129,7 @@ def test_supported_configurations_are_not_refused():
     assert ws.sm90a(HOPPER).attrs["arch"] == "sm_90a"
 
 
+@in_a_process_ahead
 def test_compile_attention_takes_the_kernel_on_hopper_for_whole_tiles(tmp_path):
     source = kernels.compile_attention(
         1, 4, 2, 256, 384, 128, variant=VARIANTS["causal"], target=HOPPER, records=tmp_path
@@ -340,6 +341,7 @@ def test_variants_round_trip_through_their_annotation(variant):
     assert '"' not in ws.variant_text(variant)
 
 
+@in_a_process_ahead
 def test_compile_attention_takes_the_best_record_that_serves_the_target(tmp_path):
     """A database holding a warp-specialised record (faster) and a tensor-core one: on
     sm_90 the first compiles to the template's kernel of its choices; on sm_80 the other."""
