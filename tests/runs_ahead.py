@@ -4,9 +4,9 @@ The pytest process keeps one core busy, which leaves the second core of the two-
 machine idle. A test that only waits on a subprocess of its own (an example script, a
 command-line entry point, ``pip install``, a kernel's build and assembly: see
 ``ptxas.assembled``) is marked by :func:`runs`. The session's ``runs_ahead`` fixture
-(``conftest.py``) starts the runs of all its selected tests when it starts, one at a
-time in the tests' order and at the lowest priority, and such a test checks the result
-of its own run (:meth:`RunsAhead.result`)."""
+(``conftest.py``) starts the runs of all its selected tests when it starts,
+:data:`WORKERS` at a time in the tests' order and at the lowest priority, and such a
+test checks the result of its own run (:meth:`RunsAhead.result`)."""
 import importlib
 import os
 import pickle
@@ -15,8 +15,9 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-#: One run at a time: the other core is the pytest process's.
-WORKERS = 1
+#: Runs at a time. At the lowest priority they take only what the pytest process leaves
+#: of the two cores: one while it runs a test, both while it waits for a run.
+WORKERS = 2
 
 
 def runs(make):

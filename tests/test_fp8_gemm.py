@@ -19,6 +19,7 @@ from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
 from ptxas import assembled, assembly
 from launches import grids
+from ahead import in_a_process_ahead
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -235,6 +236,7 @@ def test_the_op_computes_its_definition_on_the_cpu():
     np.testing.assert_allclose(args[-1].numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@in_a_process_ahead
 def test_schedule_annotates_the_form_and_replays_from_json():
     rows = tvm.tirx.Var("m", "int64")
     func = cascades.fp8_quant_gemm(rows, 512, 1024, out_dtype="float32")

@@ -12,6 +12,7 @@ from tvm_cascade.analysis.scope import buffer_params
 from tvm_cascade.library import rope_inside
 from tvm_cascade.library.kv_cache import cache_kernel
 from kv_cache_cases import OUTPUT_AT, arguments, both_modes_runs, expected, rope_inside_runs, tvm_kernel
+from ahead import in_a_process_ahead
 
 #: The parameter names of TVM's own kernels (``relax.frontend.nn.llm``), by kind.
 CONVENTION = {
@@ -318,6 +319,7 @@ def _row_tiles_from_their_sequences_last(func):
     return bool(found)
 
 
+@in_a_process_ahead
 def test_a_causal_ragged_kernel_counts_row_tiles_from_each_sequences_last():
     """Under a causal mask the longest row tiles come first: in the cache's ragged prefill
     and the runtime-length ragged kernel (sequences of different lengths) those of each

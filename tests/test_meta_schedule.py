@@ -12,6 +12,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm_cascade import ops
 from tvm_cascade import trace as cascade_trace
 from tvm_cascade.ops import reference, testing
+from ahead import in_a_process_ahead
 
 TARGET = {"kind": "llvm", "num-cores": 2}
 SHAPE = (1, 2, 2, 16, 64, 16)
@@ -71,6 +72,7 @@ def tune_briefly(func, work_dir, space, population=16):
     )
 
 
+@in_a_process_ahead
 def test_tune_tir_with_xgboost_and_reload(tmp_path):
     func = ops.attention(*SHAPE, variant="causal")
     work_dir = str(tmp_path)

@@ -18,6 +18,7 @@ from tvm_cascade.ops import cascades, testing
 from tvm_cascade.ops import reference as R
 
 from test_meta_schedule import TARGET, build_without_tensor_intrinsics, clear_capture_handlers, tune_briefly
+from ahead import in_a_process_ahead
 
 LLVM = tvm.target.Target(TARGET)
 FUSIONS = ("RollingUpdate", "SplitKUpdate")
@@ -192,6 +193,7 @@ def test_tune_tir_finds_a_fused_kernel_and_reloads_it(tmp_path):
     np.testing.assert_allclose(out, R.attention_ref(q, k, v, variant="causal"), atol=1e-5)
 
 
+@in_a_process_ahead
 def test_tune_relax_finds_the_fused_attention_of_a_model(tmp_path):
     """``tune_relax`` on a Relax attention (``R.nn.attention``, causal, legalised to one
     PrimFunc whose V transpose sits between the softmax and P·V): the best record of the

@@ -32,6 +32,7 @@ from tvm_cascade.cuda import software_pipeline, tensor_cores
 from tvm_cascade.cuda.padding import padded_inputs
 
 from tuning_records import write_records
+from ahead import in_a_process_ahead
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 
@@ -961,6 +962,7 @@ def _replayed(func, trace, samples, decisions):
     return trace, replayed
 
 
+@in_a_process_ahead
 def test_design_space_replays_under_every_decision_and_through_json():
     # Two row tiles: the second block has inner tiles, which run in pipelined groups.
     func = ops.attention(1, 2, 2, 256, 256, 128, dtype="float16", variant=VARIANTS["alibi"])

@@ -15,6 +15,7 @@ from tvm_cascade.schedules.rows import plan_chain, row_chains
 from tvm_cascade.spaces_first import SpacesFirst
 
 from test_meta_schedule import TARGET, build_without_tensor_intrinsics, clear_capture_handlers
+from ahead import in_a_process_ahead
 
 FUSIONS = ("RollingUpdate", "SplitKUpdate")
 
@@ -29,6 +30,7 @@ def _replayed(record, mod):
     return sch
 
 
+@in_a_process_ahead
 def test_the_first_round_measures_every_design_space_as_its_rule_chose():
     """MoE routing, 16384 tokens x 256 experts, top-8, on an H100: 7 design spaces, of
     which the one-block-per-row one has a few distinct schedules (the evolutionary
