@@ -188,6 +188,7 @@ CONVENTION_MASK = {"ragged": 1, "prefill": 0}
 
 
 @pytest.mark.parametrize("kind", sorted(CONVENTION))
+@in_a_process_ahead
 def test_the_fast_families_functions_are_well_formed(kind):
     """The sm_90a families' functions (built here, run by the GPU tests) use no variable
     they do not define: their plans are of the cache's own shapes."""

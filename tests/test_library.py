@@ -14,6 +14,7 @@ from tvm_cascade.library import AttentionSpec, KernelArgumentError, MaskTensor
 from tvm_cascade.library.spec import UNIFORM_LAYOUTS
 from tvm_cascade.ops import AttentionVariant
 from tvm_cascade.ops import testing as tt
+from ahead import in_a_process_ahead
 
 
 @pytest.fixture(autouse=True)
@@ -199,6 +200,7 @@ def test_paged_call_refusals(make, message):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@in_a_process_ahead
 def test_cuda_kernels_compile_and_refuse_host_tensors(layout, tmp_path):
     """The CUDA kernels of every layout (tensor-core decode for few query rows, generic
     otherwise: an sm_80 target has no warp-specialised prefill) go through TVM's CUDA

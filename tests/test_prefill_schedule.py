@@ -987,6 +987,7 @@ def test_design_space_replays_under_every_decision_and_through_json():
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, seq_kv, pad", [(2, 2, 256, None), (2, 2, 250, (128, 64)), (8, 2, 256, None)])
+@in_a_process_ahead
 def test_design_space_samples_the_pipeline_of_a_key_loop_of_constant_tiles(heads_q, heads_kv, seq_kv, pad):
     """Without a mask (and under a mask of padded keys only: the inner tiles' loop) the
     key loop's software pipeline is a fourth decision; each replays into the schedule

@@ -216,6 +216,7 @@ def test_the_kernels_repair_is_the_one_rolling_update_proves(variant):
 
 
 @pytest.mark.parametrize("variant, seq", [("causal", 512), ("alibi", 512), ("window", 512), ("global", 200)])
+@in_a_process_ahead
 def test_only_tiles_on_the_masks_edge_compute_it(variant, seq):
     """Every masked score is stored in the then-branch of a per-tile branch whose else
     computes the tile's scores without the mask: one for the overlapped loop's peeled
@@ -410,6 +411,7 @@ def test_tuning_searches_the_kernels_space_beside_the_tensor_cores_on_hopper():
 
 
 @pytest.mark.parametrize("batch, seq, cluster, grid", [(8, 1024, 1, 132), (1, 256, 1, 16), (1, 256, 2, 16)])
+@in_a_process_ahead
 def test_blocks_are_persistent_without_a_cluster(batch, seq, cluster, grid):
     """Without a cluster the kernel of static lengths launches a block per SM (132
     without a GPU to ask), or per row tile where there are fewer, each taking row tiles
