@@ -67,11 +67,11 @@ def _shared_bytes(tokens, stages):
     return 2 * DEPTH * ((tokens + W_COLS) * stages + 2 * tokens)
 
 
-#: Blocks an SM that :func:`default_config`'s splits aim at (H200, 16 rows, three runs
-#: each, ms, stages x splits: 4096 x 14336 3 x 3 0.0355-0.0370 beside 4 x 2's
-#: 0.0375-0.0384; 4096 x 6144 3 x 6 0.0203-0.0221 beside 4 x 4's 0.0210-0.0228;
-#: 14336 x 4096 3 x 9 0.0346-0.0348 beside 4 x 6's 0.0375-0.0377; 4096 x 4096 4 x 8
-#: 0.0174 beside 4 x 6's 0.0176 in one run).
+#: Blocks an SM that :func:`default_config`'s splits aim at (H200, 16 rows, three or
+#: four timings each in one process, ms, stages x splits: 4096 x 14336 3 x 3
+#: 0.0355-0.0370 beside 4 x 2's 0.0369-0.0384; 4096 x 6144 3 x 6 0.0203-0.0221 beside
+#: 4 x 4's 0.0210-0.0228; 14336 x 4096 3 x 9 0.0346-0.0348 beside 4 x 6's
+#: 0.0375-0.0377; 4096 x 4096 4 x 8 0.0172-0.0173 beside 4 x 6's 0.0175-0.0176).
 BLOCKS_PER_SM = 4.5
 #: An SM's shared memory, and what a block takes beyond its dynamic shared memory: its
 #: static barriers (the dynamic part is aligned to 1 KiB after them) and the 1 KiB the

@@ -605,9 +605,11 @@ def stage_barriers(stages):
     return init
 
 
-#: Blocks an SM that :func:`split_count` aims at (H200, RMSNorm + GEMM of 16 rows, 4
-#: stages, ms: 4096 x 14336 1 split 0.050, 2 0.036, 4 0.040; 4096 x 4096 2 0.026, 4
-#: 0.018; 14336 x 4096 4 0.046, 6 (6 stages) 0.040).
+#: Blocks an SM that :func:`split_count` aims at by default, the fp8 kernel for few
+#: tokens' (first measured on the RMSNorm + GEMM kernel for 16 rows, H200, 4 stages, ms:
+#: 4096 x 14336 1 split 0.050, 2 0.036, 4 0.040; 4096 x 4096 2 0.026, 4 0.018; 14336 x
+#: 4096 4 0.046, 6 (6 stages) 0.040; that kernel now aims at more:
+#: :data:`.rmsnorm_gemm_skinny.BLOCKS_PER_SM`).
 BLOCKS_PER_SM = 3
 #: The fewest k tiles a split (the shortest splits measured had 11).
 MIN_SPLIT_TILES = 4
