@@ -440,6 +440,25 @@ def test_plan_checks_once_and_is_reused():
         kernel(tvm.runtime.tensor(args[0].numpy().astype("float16")), *args[1:], plan=plan)
 
 
+def test_an_indptr_given_for_queries_and_keys_is_copied_to_the_host_once(monkeypatch):
+    """Self-attention's ragged call passes one indptr for both: its checks read one host
+    copy of it (a copy from a GPU synchronises), and still check it against each tensor;
+    two arrays are each copied."""
+    kernel = _kernel("ragged")
+    q, k, v, q_indptr, _ = (tvm.runtime.tensor(a) for a in _ragged_args())
+    other = tvm.runtime.tensor(q_indptr.numpy())
+    few_k, few_v = (tvm.runtime.tensor(a.numpy()[:4]) for a in (k, v))
+    copies = []
+    numpy = tvm.runtime.Tensor.numpy
+    monkeypatch.setattr(tvm.runtime.Tensor, "numpy", lambda self: copies.append(self) or numpy(self))
+    kernel.plan(q, k, v, q_indptr, q_indptr)
+    assert len(copies) == 1
+    kernel.plan(q, k, v, q_indptr, other)
+    assert len(copies) == 3
+    with pytest.raises(KernelArgumentError, match=r"kv_indptr\[-1\] = 5 must be at most the 4 the tensor holds"):
+        kernel.plan(q, few_k, few_v, q_indptr, q_indptr)
+
+
 def test_split_k_decode_plans_its_chunks():
     """Chunks fill about four blocks per SM, whole steps of the block's subgroups, never
     more chunks than steps of keys; CUDA fp16/bf16 only."""

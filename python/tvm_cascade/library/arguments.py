@@ -130,9 +130,17 @@ def _ragged(spec, t):
     total_q, _, _ = _shape(t, "q", (None, spec.heads_q, spec.head_dim))
     total_kv, _, _ = _shape(t, "k", (None, spec.heads_kv, spec.head_dim))
     _shape(t, "v", (total_kv, spec.heads_kv, spec.head_dim))
-    q_len = _lengths(t, "q_indptr", None, total_q, exact=True)
-    kv_len = _lengths(t, "kv_indptr", len(q_len) + 1, total_kv, exact=False)
+    q_host = t["q_indptr"].numpy()
+    q_len = _lengths(t, "q_indptr", None, total_q, exact=True, host=q_host)
+    # Self-attention passes one indptr for both: one copy to the host (a synchronisation
+    # with the device) serves both checks.
+    shared = _same_memory(t["kv_indptr"], t["q_indptr"])
+    kv_len = _lengths(t, "kv_indptr", len(q_len) + 1, total_kv, exact=False, host=q_host if shared else None)
     return len(q_len), _max(q_len), _max(kv_len)
+
+
+def _same_memory(a, b) -> bool:
+    return (a.data_ptr(), tuple(a.shape), str(a.dtype), a.device) == (b.data_ptr(), tuple(b.shape), str(b.dtype), b.device)
 
 
 def _paged(spec, t):
@@ -160,13 +168,14 @@ def _paged(spec, t):
     return len(q_len), _max(q_len), _max(kv_len)
 
 
-def _lengths(t, name, size, total, exact):
-    """The per-sequence counts of indptr ``t[name]`` (``size`` entries, or any), which
-    must start at 0, not decrease and end at ``total`` (``exact``) or at most there."""
+def _lengths(t, name, size, total, exact, host=None):
+    """The per-sequence counts of indptr ``t[name]`` (``size`` entries, or any; its host
+    copy ``host`` where made), which must start at 0, not decrease and end at ``total``
+    (``exact``) or at most there."""
     (n,) = _shape(t, name, (size,))
     if n < 2:
         raise KernelArgumentError(f"{name}: expected batch + 1 >= 2 entries, got {n}")
-    indptr = t[name].numpy().astype(np.int64)
+    indptr = (t[name].numpy() if host is None else host).astype(np.int64)
     counts = np.diff(indptr)
     if indptr[0] != 0:
         raise KernelArgumentError(f"{name}[0] = {indptr[0]}: offsets start at 0")
