@@ -69,9 +69,10 @@ class RunsAhead:
             make = getattr(getattr(item, "function", None), "run_ahead", None)
             params = item.callspec.params if hasattr(item, "callspec") else {}
             run = None if make is None else make(self._tmp_path_factory, **params)
+            self._futures[item.nodeid] = None
             if run is not None:
                 self._runs[item.nodeid] = {**self._defaults, **run}
-            self._futures[item.nodeid] = None if run is None else self._pool.submit(self._run, **self._runs[item.nodeid])
+                self._futures[item.nodeid] = self._pool.submit(self._run, **self._runs[item.nodeid])
         return self._futures[item.nodeid]
 
     def _run(self, args, timeout=None, **kwargs):
