@@ -36,6 +36,18 @@ def one_kernel_2d_grid(A: T.Buffer((4, 256), "float32")):
 
 
 @T.prim_func
+def launched_kernels(A: T.Buffer((4, 256), "float32")):
+    # kernels written as launches (as the warp-specialised GEMMs are), the second of a 2-d grid
+    with T.launch_thread("blockIdx.x", 2) as i:
+        t = T.launch_thread("threadIdx.x", 128)
+        A[0, i * 128 + t] = T.float32(0)
+    with T.launch_thread("blockIdx.y", 4) as i:
+        j = T.launch_thread("blockIdx.x", 2)
+        t = T.launch_thread("threadIdx.x", 128)
+        A[i, j * 128 + t] = T.float32(1)
+
+
+@T.prim_func
 def kernel(A: T.Buffer((128,), "float32")):
     T.func_attr({"tirx.kernel_launch_params": ["threadIdx.x", "tirx.use_programtic_dependent_launch"]})
     for t in range(128):
@@ -61,6 +73,7 @@ def ordinary_kernel(A: T.Buffer((128,), "float32")):
 def test_kernels_are_the_outermost_grid_loops():
     assert dependent_launch.kernel_count(two_kernels) == 2
     assert dependent_launch.kernel_count(one_kernel_2d_grid) == 1
+    assert dependent_launch.kernel_count(launched_kernels) == 2
 
 
 def test_enable_names_the_launch_tag_once():
@@ -84,23 +97,26 @@ def test_supported_from_sm_90():
     assert not dependent_launch.supported(tvm.target.Target("llvm"))
 
 
-def _kernel_prologues(source):
+def kernel_prologues(source):
     """The first two statements of each kernel's body."""
     bodies = re.findall(r'extern "C" __global__ void [^;{]*\{\n((?:.*\n){2})', source)
     return [[line.strip() for line in body.splitlines()] for body in bodies]
 
 
+#: The prologue of a kernel launched as a programmatic dependent, in CUDA.
+WAITS = ["tvm_builtin_ptx_griddepcontrol_wait();", "tvm_builtin_ptx_griddepcontrol_launch_dependents();"]
+
+
 def test_hopper_builds_of_several_kernels_wait_first_in_each():
     source = tensor_cores.build(tvm.IRModule({"main": two_kernels}), HOPPER).mod.imports[0].inspect_source()
-    wait, launch = "tvm_builtin_ptx_griddepcontrol_wait();", "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
-    assert _kernel_prologues(source) == [[wait, launch], [wait, launch]]
+    assert kernel_prologues(source) == [WAITS, WAITS]
 
 
 def test_single_kernels_and_older_cards_launch_in_order():
     single = tensor_cores.build(tvm.IRModule({"main": one_kernel_2d_grid}), HOPPER).mod.imports[0].inspect_source()
     ampere = tensor_cores.build(tvm.IRModule({"main": two_kernels}), AMPERE).mod.imports[0].inspect_source()
     assert "griddepcontrol" not in single and "griddepcontrol" not in ampere
-    assert len(_kernel_prologues(ampere)) == 2
+    assert len(kernel_prologues(ampere)) == 2
 
 
 @T.prim_func(s_tir=True)

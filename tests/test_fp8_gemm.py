@@ -20,6 +20,7 @@ from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
 from ptxas import assembled, assembly
 from launches import grids
 from ahead import in_a_process_ahead
+from test_dependent_launch import WAITS, kernel_prologues
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -127,11 +128,14 @@ def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it
     """With ``splits``, blocks share an output tile's k tiles: each first reads its
     tokens' abs-max over the tiles before its own from X (16-byte loads), quantises as
     the whole loop would from there, and stores float32 parts that a second kernel adds
-    (a block per token and 256 columns). By default the splits are ``skinny_splits``'s."""
+    (a block per token and 256 columns, launched as a programmatic dependent of the
+    first). By default the splits are ``skinny_splits``'s."""
     m = tvm.tirx.Var("m", "int64")
     func = fp8.skinny_kernel(m, 1024, 4096, splits=4)
     source = _source(func)
     assert source.count("__global__") == 4  # two kernels, each declared and defined
+    assert kernel_prologues(source) == [WAITS, WAITS]
+    assert "griddepcontrol" not in _source(fp8.skinny_kernel(m, 1024, 4096, splits=1))
     assert "*(uint4*)(X_ptr" in source and "float* __restrict__ parts" in source
     tile_blocks, sum_blocks = grids(func)
     tvm.ir.assert_structural_equal(tile_blocks, (m + 16 - 1) // 16 * 16 * 4)
@@ -275,8 +279,9 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
     of k: the two-pass form) is recognised as such and scheduled to the two kernels of
     ``fp8_two_pass`` (its default form for any token count): a quantisation kernel
     writing e4m3 rows and their scales into a workspace, then TMA copies of both e4m3
-    operands into ``wgmma`` from shared memory. The one-kernel forms refuse it, and it
-    refuses the op with 128-wide k tiles."""
+    operands into ``wgmma`` from shared memory (launched as a programmatic dependent of
+    the first: it launches as the quantisation ends, then waits). The one-kernel forms
+    refuse it, and it refuses the op with 128-wide k tiles."""
     from tvm_cascade.schedules import fp8_two_pass
 
     rows = tvm.tirx.Var("m", "int64")
@@ -287,6 +292,7 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
     assert source == _source(fp8.kernel_for(rows, 512, 1024, tile=1024))
     assert source == _source(fp8_two_pass.two_pass_kernel(rows, 512, 1024))
     assert source.count("__global__") == 4  # two, each declared and defined
+    assert kernel_prologues(source) == [WAITS, WAITS]
     for mark in ("cvt.rn.satfinite.e4m3x2.f32", "__fdiv_rn", "cp.async.bulk.tensor.2d",
                  "wgmma_fp8_ss_mma_async_sync_aligned_m64n128k32_f32_e4m3_e4m3"):
         assert mark in source, mark

@@ -8,6 +8,7 @@ from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 from launches import grid as launched
 from launches import grids
 from ptxas import assembled, assembly
+from test_dependent_launch import WAITS, kernel_prologues
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -27,6 +28,7 @@ def test_build_makes_one_tma_and_wgmma_kernel_of_w_by_the_scaled_rows(layout, tr
     func = skinny.skinny_kernel(m, 1000, 4096, layout=layout, tokens=tokens)
     source = _source(func)
     assert source.count("__global__") == 2  # declared and defined
+    assert "griddepcontrol" not in source
     for mark in ("cp.async.bulk.tensor.2d", "mul.rn.f16x2", "st.shared.v4.b32",
                  f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.f16.f16", f"ps0, 1, 1, {transposed}, 0;"):
         assert mark in source, mark
@@ -36,11 +38,13 @@ def test_build_makes_one_tma_and_wgmma_kernel_of_w_by_the_scaled_rows(layout, tr
 def test_splits_of_k_run_a_block_a_split_then_a_kernel_that_adds_them_up():
     """With ``splits``, each output tile's k tiles are shared among that many blocks,
     which store unscaled float32 products and partial sums of squares; a second kernel,
-    a block per row and 256 columns, adds them up, scales and stores."""
+    a block per row and 256 columns, adds them up, scales and stores, launched as a
+    programmatic dependent of the first (it launches as the splits end, then waits)."""
     m = tvm.tirx.Var("m", "int64")
     func = skinny.skinny_kernel(m, 1000, 4096, tokens=16, splits=3)
     source = _source(func)
     assert source.count("__global__") == 4  # two kernels, each declared and defined
+    assert kernel_prologues(source) == [WAITS, WAITS]
     assert "float* __restrict__ parts" in source and "float* __restrict__ squares" in source
     tile_blocks, combine_blocks = grids(func)
     tvm.ir.assert_structural_equal(tile_blocks, (m + 16 - 1) // 16 * 16 * 3)

@@ -34,11 +34,14 @@ def supported(target):
 
 
 def kernel_count(func):
-    """The kernels ``func`` launches: its outermost ``blockIdx``-bound loops."""
+    """The kernels ``func`` launches: its outermost ``blockIdx``-bound loops, or
+    ``blockIdx`` launches (``T.launch_thread``) of a function written without them."""
     def bound(node):
+        if isinstance(node, tirx.For):
+            return node.thread_binding is not None and node.thread_binding.thread_tag.startswith("blockIdx")
         return (
-            isinstance(node, tirx.For) and node.thread_binding is not None
-            and node.thread_binding.thread_tag.startswith("blockIdx")
+            isinstance(node, tirx.AttrStmt) and node.attr_key == "thread_extent"
+            and node.node.thread_tag.startswith("blockIdx")
         )
 
     grids, nested = [], []

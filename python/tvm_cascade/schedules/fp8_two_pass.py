@@ -18,7 +18,9 @@ one k tile (the two-pass quantisation: each row's abs-max over all of k first):
   tiles go in unrolled runs (up to 8), each tile's products in one of two sets of
   accumulators while the tile before's are added, so the additions run under the
   wgmmas; the epilogue scales row ``i`` by ``q_scale[i]`` and column ``c`` by
-  ``w_scale[c]``.
+  ``w_scale[c]``; it is launched as a programmatic dependent of the quantisation
+  (:func:`.warp_specialized_gemm.build_function`): it launches while the quantisation
+  ends and waits for its results.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ With ``splits`` > 1 the k tiles are shared among that many blocks per output til
 (``split_k_update`` of the row scale's sum of squares and of the products: the scale is
 common to every split, so its repair is a sum of the unscaled parts): each block stores
 its unscaled products and, for the first 64 columns, its rows' partial sums of squares
-in float32 workspaces, and a second kernel adds the splits up, scales and stores. A
+in float32 workspaces, and a second kernel adds the splits up, scales and stores
+(launched as a programmatic dependent: it launches while the splits end). A
 block's k loop is a chain of waits on its stages; with few rows the blocks are too few
 to keep enough of W in flight, and splitting the chain is what lets W stream.
 """
@@ -36,10 +37,11 @@ from ..cuda import ALL_LANES, sm_count
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
-from .warp_specialized import PTX_TYPE, SHARED_BYTES, serves_target, sm90a
+from .warp_specialized import PTX_TYPE, SHARED_BYTES, serves_target
 from .warp_specialized_fp8_gemm import _store
 from .warp_specialized_gemm import (
-    _TMA, DEPTH, pair_product, params, split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel,
+    _TMA, DEPTH, build_function, pair_product, params, split_count, split_of_block, split_refusal, split_sum,
+    stage_barriers, tma_kernel,
 )
 from .warp_specialized_gemm import unsupported as _unsupported
 
@@ -276,7 +278,4 @@ def build(func, target):
     H200: sm_90a is named for it)."""
     if not serves_target(target):
         raise ValueError(f"the skinny RMSNorm + GEMM needs sm_90a (wgmma, TMA); target is {target}")
-    target = sm90a(target)
-    # TVM's CUDA compile callback takes the arch from the current target
-    with target:
-        return tvm.compile(tvm.IRModule({"main": func}), target=target)
+    return build_function(func, target)

@@ -73,8 +73,10 @@ from ..ops import cascades
 from ..primitives import ir
 from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
-from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
-from .warp_specialized_gemm import split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel
+from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target
+from .warp_specialized_gemm import (
+    build_function, split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel,
+)
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -497,10 +499,7 @@ def build(mod, target):
             raise ValueError(reason)
         symbol = scheduled.attrs["global_symbol"] if "global_symbol" in scheduled.attrs else gvar.name_hint
         func = _kernel(problem, form, choices)
-    target = sm90a(target)
-    # TVM's CUDA compile callback takes the arch from the current target
-    with target:
-        return tvm.compile(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target=target)
+    return build_function(func, target, symbol)
 
 
 def _problem_of_params(func, kernel_dtypes=False) -> Optional[Fp8QuantGemm]:
@@ -779,9 +778,10 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     ``splits`` blocks (default :func:`skinny_splits`'s) share each
     output tile's k tiles: a block starts from its tokens' abs-max over the k tiles
     before its own (read from X), so it quantises as the whole loop would, and stores
-    its accumulators times its last scale and ``w_scale`` in float32; a second kernel
-    adds the splits up (``split_k_update``: each split's running sum is in units of its
-    own last scale, so the repair of a split's sum is that scale)."""
+    its accumulators times its last scale and ``w_scale`` in float32; a second kernel,
+    launched as a programmatic dependent of the first, adds the splits up
+    (``split_k_update``: each split's running sum is in units of its own last scale, so
+    the repair of a split's sum is that scale)."""
     t_tiles = (m + tokens - 1) // tokens
     n_tiles = -(-n // W_ROWS)
     k_tiles = -(-k // DEPTH)

@@ -50,7 +50,7 @@ from tvm.ir import expr as ir_expr
 from tvm.script import tirx as T
 
 from ..analysis.scope import buffer_params
-from ..cuda import ALL_LANES, sm_count
+from ..cuda import ALL_LANES, sm_count, tensor_cores
 from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
@@ -267,10 +267,17 @@ def build(mod, target):
     if reason is not None:
         raise ValueError(reason)
     symbol = func.attrs["global_symbol"] if "global_symbol" in func.attrs else gvar.name_hint
-    kernel_func = kernel_for(problem, config)
+    return build_function(kernel_for(problem, config), target, symbol)
+
+
+def build_function(func, target, symbol="main"):
+    """Compile the kernels' function ``func`` as ``symbol`` for ``target`` named sm_90a.
+    Where it launches several kernels they are launched as programmatic dependents
+    (:func:`.tensor_cores.build`): a split-K kernel's sum, or a two-pass GEMM's GEMM,
+    launches while the kernel before it ends and waits for its results."""
     target = sm90a(target)
     with target:  # TVM's CUDA compile callback takes the arch from the current target
-        return tvm.compile(tvm.IRModule({symbol: kernel_func.with_attr("global_symbol", symbol)}), target=target)
+        return tensor_cores.build(tvm.IRModule({symbol: func.with_attr("global_symbol", symbol)}), target)
 
 
 def kernel_for(problem: RmsNormGemm, config=WarpSpecializedGemmConfig()) -> tvm.tirx.PrimFunc:
