@@ -175,6 +175,7 @@ class CompiledKVCache:
     create_function: Callable
     support_sliding_window: bool = False
     page_size: int = 16
+    executable: object = None  # what the VM runs: ``export_library`` saves it
 
     def create(
         self,
@@ -209,9 +210,11 @@ def compile_paged_kv_cache(
     rope_scale: float = 1.0,
     rope_theta: float = 10000.0,
     layer_window: int = 0,
+    executable=None,
 ) -> CompiledKVCache:
     """Build the module of :func:`build_paged_kv_cache_module` and compile it with
-    ``tvm.compile(mod, target, relax_pipeline=pipeline)``.
+    ``tvm.compile(mod, target, relax_pipeline=pipeline)``, or load ``executable``, that
+    module compiled already (an exported library, loaded).
 
     ``pipeline`` is anything ``relax_pipeline`` accepts: a registered name (a name
     registered by a package, such as ``"cascade"``, needs that package imported first)
@@ -220,12 +223,12 @@ def compile_paged_kv_cache(
     spec = CacheSpec(num_layers, num_qo_heads, num_kv_heads, head_dim, dtype,
                      RopeMode(rope_mode), rope_scale, rope_theta, layer_window)
     target = tvm.target.Target(target)
-    mod = build_paged_kv_cache_module(spec, target)
-    executable = tvm.compile(mod, target, relax_pipeline=pipeline)
+    if executable is None:
+        executable = tvm.compile(build_paged_kv_cache_module(spec, target), target, relax_pipeline=pipeline)
     device = tvm.device(target.get_target_device_type(), 0)
     vm = relax.VirtualMachine(executable, device)
     return CompiledKVCache(spec, target, pipeline, device, vm, vm[CREATE_FUNCTION],
-                           bool(support_sliding_window), page_size)
+                           bool(support_sliding_window), page_size, executable)
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 #: Runs at a time. At the lowest priority they take only what the pytest process leaves
 #: of the two cores: one while it runs a test, both while it waits for a run.
@@ -22,7 +22,9 @@ WORKERS = 2
 
 def runs(make):
     """Marks a test whose run ``make(tmp_path_factory, **the test's parameters)`` gives: a
-    dict of ``subprocess.run``'s arguments (output captured as text), or None (no run)."""
+    dict of ``subprocess.run``'s arguments (output captured as text), or None (no run).
+    Tests whose runs name the same ``"shared"`` key (an extra item of the dict) share the
+    first one's run."""
 
     def mark(test):
         test.run_ahead = make
@@ -56,6 +58,7 @@ class RunsAhead:
         self._tmp_path_factory = tmp_path_factory
         self._defaults = {"env": dict(os.environ), "cwd": os.getcwd()}
         self._pool = ThreadPoolExecutor(WORKERS)
+        self._keys = {}  # a test's node id -> its run's key: the shared key, or the node id
         self._futures = {}
         self._runs = {}
         self._running = set()
@@ -65,15 +68,15 @@ class RunsAhead:
             self._future(item)
 
     def _future(self, item):
-        if item.nodeid not in self._futures:
+        if item.nodeid not in self._keys:
             make = getattr(getattr(item, "function", None), "run_ahead", None)
             params = item.callspec.params if hasattr(item, "callspec") else {}
             run = None if make is None else make(self._tmp_path_factory, **params)
-            self._futures[item.nodeid] = None
-            if run is not None:
-                self._runs[item.nodeid] = {**self._defaults, **run}
-                self._futures[item.nodeid] = self._pool.submit(self._run, **self._runs[item.nodeid])
-        return self._futures[item.nodeid]
+            key = self._keys[item.nodeid] = item.nodeid if run is None else run.pop("shared", item.nodeid)
+            if run is not None and key not in self._futures:
+                self._runs[key] = {**self._defaults, **run}
+                self._futures[key] = self._pool.submit(self._run, **self._runs[key])
+        return self._futures.get(self._keys[item.nodeid])
 
     def _run(self, args, timeout=None, **kwargs):
         """``subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)``
@@ -106,8 +109,13 @@ class RunsAhead:
         assert future is not None, f"{item.nodeid} is not marked with a run (runs_ahead.runs)"
         if future.cancel():
             # Not started yet: the queue is behind the tests, and this process would
-            # only wait, so it runs it now beside the queue's.
-            return self._run(**self._runs[item.nodeid])
+            # only wait, so it runs it now beside the queue's (once for tests sharing it).
+            key = self._keys[item.nodeid]
+            future = self._futures[key] = Future()
+            try:
+                future.set_result(self._run(**self._runs[key]))
+            except Exception as err:  # (raised again below, to every test that shares it)
+                future.set_exception(err)
         return future.result()
 
     def close(self):
