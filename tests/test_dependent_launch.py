@@ -1,6 +1,5 @@
 """Programmatic dependent launch: which functions get it, the waits put first in their
 kernels (exact IR), and what ``tensor_cores.build`` emits for sm_90a and sm_80."""
-import re
 
 import numpy as np
 import tvm
@@ -8,6 +7,8 @@ import tvm_ffi
 from tvm.script import tirx as T
 
 from tvm_cascade.cuda import dependent_launch, tensor_cores
+
+from launches import WAITS, kernel_prologues
 
 HOPPER = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
 AMPERE = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
@@ -95,16 +96,6 @@ def test_supported_from_sm_90():
     assert dependent_launch.supported(tvm.target.Target({"kind": "cuda", "arch": "sm_100f"}))
     assert not dependent_launch.supported(AMPERE)
     assert not dependent_launch.supported(tvm.target.Target("llvm"))
-
-
-def kernel_prologues(source):
-    """The first two statements of each kernel's body."""
-    bodies = re.findall(r'extern "C" __global__ void [^;{]*\{\n((?:.*\n){2})', source)
-    return [[line.strip() for line in body.splitlines()] for body in bodies]
-
-
-#: The prologue of a kernel launched as a programmatic dependent, in CUDA.
-WAITS = ["tvm_builtin_ptx_griddepcontrol_wait();", "tvm_builtin_ptx_griddepcontrol_launch_dependents();"]
 
 
 def test_hopper_builds_of_several_kernels_wait_first_in_each():

@@ -18,9 +18,8 @@ from tvm_cascade.ops import reference as R
 from tvm_cascade.primitives.ir import annotated_blocks
 from tvm_cascade.schedules import warp_specialized_fp8_gemm as fp8
 from ptxas import assembled, assembly
-from launches import grids
+from launches import WAITS, grids, kernel_prologues
 from ahead import in_a_process_ahead
-from test_dependent_launch import WAITS, kernel_prologues
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 

@@ -49,21 +49,13 @@ def _pipeline(name):
     return name
 
 
-#: The libraries runs ahead exported, by (pipeline, config): loaded, not compiled again.
-_EXPORTED = {}
-
-
 @functools.lru_cache(maxsize=None)
-def _compile(pipeline, config):
-    exported = _EXPORTED.get((pipeline, config))
+def _compiled(pipeline, config, exported=None):
+    """The cache module of ``pipeline`` and ``config`` (sorted items of
+    ``compile_paged_kv_cache``'s options), loaded from the library ``exported`` where
+    given, else compiled here; once for every test."""
     executable = None if exported is None else tvm.runtime.load_module(exported)
     return pkv.compile_paged_kv_cache(TARGET, _pipeline(pipeline), executable=executable, **dict(config))
-
-
-def compiled(pipeline, **config) -> pkv.CompiledKVCache:
-    """The cache module for ``config`` (see ``compile_paged_kv_cache``), compiled once:
-    by the test's run ahead where it has one (:func:`_built_ahead`)."""
-    return _compile(pipeline, tuple(sorted(config.items())))
 
 
 def _export(pipeline, config, path):
@@ -73,7 +65,7 @@ def _export(pipeline, config, path):
 
 def _built_ahead(module_of, ahead=lambda pipeline: True):
     """Marks a test whose cache module, ``module_of(**the test's parameters)`` (a
-    pipeline and the config of :func:`compiled`), a run ahead compiles and exports, once
+    pipeline and ``compile_paged_kv_cache``'s options), a run ahead compiles and exports, once
     for every test of that module (``runs_ahead.py``), where ``ahead(pipeline)``: the
     test gets it loaded from there as its argument ``model`` (else compiled here)."""
 
@@ -101,11 +93,12 @@ def _built_ahead(module_of, ahead=lambda pipeline: True):
         @functools.wraps(test)
         def checked(runs_ahead, request, tmp_path_factory, **arguments):
             module = key(request.node.callspec.params if hasattr(request.node, "callspec") else {})
+            exported = None
             if ahead(module[0]):
                 run = runs_ahead.result(request.node)
                 assert run.returncode == 0, run.stdout + run.stderr
-                _EXPORTED[module] = str(path(tmp_path_factory, module))
-            test(model=compiled(module[0], **dict(module[1])), **arguments)
+                exported = str(path(tmp_path_factory, module))
+            test(model=_compiled(*module, exported), **arguments)
 
         checked.__signature__ = inspect.Signature([
             inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)

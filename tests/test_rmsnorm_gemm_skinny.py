@@ -6,9 +6,8 @@ import tvm
 
 from tvm_cascade.schedules import rmsnorm_gemm_skinny as skinny
 from launches import grid as launched
-from launches import grids
+from launches import WAITS, grids, kernel_prologues
 from ptxas import assembled, assembly
-from test_dependent_launch import WAITS, kernel_prologues
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 
