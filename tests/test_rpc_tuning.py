@@ -46,11 +46,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _popen_workers():
+    """The pids of this process's children that are TVM popen workers (a tracker or a
+    server runs in one); other children, such as the suite's runs ahead, start at any time."""
+    pids = set()
+    for child in psutil.Process().children():
+        try:
+            if "tvm.exec.popen_worker" in child.cmdline():
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
 def _new_child(start):
     """The process ``start()`` spawns from this one (a TVM tracker or server runs in one)."""
-    before = {p.pid for p in psutil.Process().children()}
+    before = _popen_workers()
     handle = start()
-    (pid,) = {p.pid for p in psutil.Process().children()} - before
+    (pid,) = _popen_workers() - before
     return handle, psutil.Process(pid)
 
 
