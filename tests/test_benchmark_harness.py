@@ -464,8 +464,8 @@ def _cuda_gpu():
 
 def _cli_run(module, args, **kwargs):
     """The ``python -m module args`` run, from the repository, of a command-line test,
-    started ahead of it (see ``runs_ahead.py``): each is a second or three of imports."""
-    return {"args": [sys.executable, "-m", module, *args], "cwd": REPO, "timeout": 300, **kwargs}
+    started ahead of it, forked from the session's preloaded process (see ``runs_ahead.py``)."""
+    return {"args": [sys.executable, "-m", module, *args], "cwd": REPO, "timeout": 300, "forked": True, **kwargs}
 
 
 def _run_without_gpu(_, command):

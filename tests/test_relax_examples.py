@@ -21,7 +21,7 @@ def _runs_example(command, needs=None):
             return None
         script, *args = command(**params)
         return {"args": [sys.executable, str(EXAMPLES / script), *args], "cwd": tmp_path_factory.mktemp("example"),
-                "timeout": 300}
+                "timeout": 300, "forked": True}
 
     return runs(make)
 
