@@ -11,6 +11,9 @@ each GQA group), which the cascade pipeline fuses into one kernel.
     python examples/llama_block.py --target cuda   # GPU: numerics, then both timed
     python examples/llama_block.py --tune 16       # CPU: MetaSchedule finds the fusion
 
+``--shapes`` lists steps as ``NEWxPAST`` (one sequence) or ``BATCHxNEWxPAST`` (a batch of
+sequences of one length, the mask shared).
+
 With ``--tune N`` the block is exported with the first shape static, its attention
 grouped into one unfused PrimFunc (``FuseAttention(fuse=False)``), and
 ``tvm_cascade.meta_schedule.tune_relax`` searches its fused schedules (``cascade_space(unfused=False)``: rolling
@@ -76,16 +79,16 @@ class DecoderBlock(nn.Module):
         return h + self.down_proj(nn.op.silu(self.gate_proj(y)) * self.up_proj(y))
 
 
-def build(args, seq="s", past="past"):
+def build(args, seq="s", past="past", batch=1):
     """The exported Relax module and its parameters (random, seeded); ``seq`` and
-    ``past`` are ints for static shapes or names for symbolic ones."""
+    ``past`` are ints for static shapes or names for symbolic ones; ``batch`` sequences."""
     block = DecoderBlock(args.hidden, args.heads_q, args.heads_kv, args.intermediate, args.dtype)
     d = args.hidden // args.heads_q
     spec = {
         "forward": {
-            "x": nn.spec.Tensor([1, seq, args.hidden], args.dtype),
-            "past_k": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
-            "past_v": nn.spec.Tensor([1, args.heads_kv, past, d], args.dtype),
+            "x": nn.spec.Tensor([batch, seq, args.hidden], args.dtype),
+            "past_k": nn.spec.Tensor([batch, args.heads_kv, past, d], args.dtype),
+            "past_v": nn.spec.Tensor([batch, args.heads_kv, past, d], args.dtype),
             "mask": nn.spec.Tensor([1, 1, seq, past + seq if isinstance(past, int) else "kv"], args.dtype),
         }
     }
@@ -101,14 +104,15 @@ def build(args, seq="s", past="past"):
     return mod, params
 
 
-def inputs(args, seq, past):
-    """x, past_k, past_v and the additive causal mask for ``seq`` new tokens."""
+def inputs(args, seq, past, batch=1):
+    """x, past_k, past_v and the additive causal mask for ``seq`` new tokens of ``batch``
+    sequences."""
     rng = np.random.default_rng(1)
     d = args.hidden // args.heads_q
     kv = past + seq
-    x = rng.standard_normal((1, seq, args.hidden)).astype(args.dtype)
-    past_k = rng.standard_normal((1, args.heads_kv, past, d)).astype(args.dtype)
-    past_v = rng.standard_normal((1, args.heads_kv, past, d)).astype(args.dtype)
+    x = rng.standard_normal((batch, seq, args.hidden)).astype(args.dtype)
+    past_k = rng.standard_normal((batch, args.heads_kv, past, d)).astype(args.dtype)
+    past_v = rng.standard_normal((batch, args.heads_kv, past, d)).astype(args.dtype)
     visible = np.arange(kv)[None, :] <= (past + np.arange(seq))[:, None]
     mask = np.where(visible, 0.0, -1e4).astype(args.dtype)[None, None]
     return [x, past_k, past_v, mask]
@@ -118,13 +122,13 @@ def reference(args, params, x, past_k, past_v, mask):
     """The block in float64 numpy."""
     p = {k: v.astype(np.float64) for k, v in params.items()}
     x, past_k, past_v, mask = (t.astype(np.float64) for t in (x, past_k, past_v, mask))
-    s, d, group = x.shape[1], args.hidden // args.heads_q, args.heads_q // args.heads_kv
+    (b, s), d, group = x.shape[:2], args.hidden // args.heads_q, args.heads_q // args.heads_kv
 
     def norm(t, w):
         return t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True) + 1e-5) * w
 
     def heads(t, count):
-        return t.reshape(1, s, count, d).transpose(0, 2, 1, 3)
+        return t.reshape(b, s, count, d).transpose(0, 2, 1, 3)
 
     h = norm(x, p["input_norm.weight"])
     q = heads(h @ p["attn.q_proj.weight"].T, args.heads_q)
@@ -134,7 +138,7 @@ def reference(args, params, x, past_k, past_v, mask):
     scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + mask
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    attn = (probs @ v).transpose(0, 2, 1, 3).reshape(1, s, -1) @ p["attn.o_proj.weight"].T
+    attn = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, -1) @ p["attn.o_proj.weight"].T
     h = x + attn
     y = norm(h, p["post_norm.weight"])
     gate = y @ p["gate_proj.weight"].T
@@ -194,14 +198,15 @@ def _standalone_kernel(args):
     return attention_kernel(args.heads_q, args.heads_kv, args.hidden // args.heads_q, dtype=args.dtype, mask=mask)
 
 
-def _standalone_tensors(args, seq, past, mask):
+def _standalone_tensors(args, seq, past, mask, batch):
     """Random torch tensors of the shapes the block's attention has at ``seq`` new tokens
-    over ``past`` (q, k, v), and the block's ``mask`` (numpy) on the GPU."""
+    over ``past`` of ``batch`` sequences (q, k, v), and the block's ``mask`` (numpy) on
+    the GPU."""
     import torch
 
     d, dtype = args.hidden // args.heads_q, getattr(torch, args.dtype)
-    q = torch.randn(1, args.heads_q, seq, d, dtype=dtype, device="cuda")
-    k, v = (torch.randn(1, args.heads_kv, past + seq, d, dtype=dtype, device="cuda") for _ in "kv")
+    q = torch.randn(batch, args.heads_q, seq, d, dtype=dtype, device="cuda")
+    k, v = (torch.randn(batch, args.heads_kv, past + seq, d, dtype=dtype, device="cuda") for _ in "kv")
     return q, k, v, torch.from_numpy(mask.astype(np.float32)).to(device="cuda", dtype=dtype)
 
 
@@ -209,7 +214,8 @@ def main():
     parser = block_arguments(__doc__)
     parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--dtype", default=None, help="float32 on CPU, float16 on CUDA")
-    parser.add_argument("--shapes", default="1x63,16x112", help="new tokens x past tokens, ...")
+    parser.add_argument("--shapes", default="1x63,16x112",
+                        help="new tokens x past tokens (or batch x new x past), ...")
     parser.add_argument(
         "--static-past", action="store_true", help="CUDA: export decode shapes with a static past"
     )
@@ -220,33 +226,34 @@ def main():
     args = parser.parse_args()
     args.dtype = args.dtype or ("float16" if args.target == "cuda" else "float32")
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    shapes = [shape if len(shape) == 3 else (1, *shape) for shape in shapes]  # (batch, new, past)
     if args.tune:
-        tune(args, *shapes[0])
+        tune(args, *shapes[0][1:])
         return
     # On CUDA, decode steps (1 new token) share one export whose past is symbolic unless
     # --static-past; with more new tokens TVM's default GPU pipeline fails on a symbolic
     # past (DLight's schedule of the K/V concatenation), so each such shape is exported
     # static.
     exports = {}
-    for seq, past in shapes:
-        key = () if args.target == "llvm" else (seq, "past" if seq == 1 and not args.static_past else past)
-        exports.setdefault(key, []).append((seq, past))
+    for batch, seq, past in shapes:
+        key = (batch,) if args.target == "llvm" else (batch, seq, "past" if seq == 1 and not args.static_past else past)
+        exports.setdefault(key, []).append((batch, seq, past))
     tol = {"float16": 2e-2, "bfloat16": 1e-1}.get(args.dtype, 2e-4)
     alone = _standalone_kernel(args) if args.time and args.target == "cuda" else None
     for export, run in exports.items():
-        mod, params = build(args, *export)
+        mod, params = build(args, *export[1:], batch=export[0])
         default, cascade, target = compile_both(mod, args.target)
         print(f"attention kernels: {count_attention_kernels(cascade.mod)}", flush=True)
-        for seq, past in run:
-            data = inputs(args, seq, past)
+        for batch, seq, past in run:
+            data = inputs(args, seq, past, batch)
             expected = reference(args, params, *data)
             outs, times = run_both(
                 default, cascade, target, data + list(params.values()), "forward", args.time
             )
-            report(f"seq {seq}, past {past}", outs, expected, tol, times)
+            report(f"{f'batch {batch}, ' if batch > 1 else ''}seq {seq}, past {past}", outs, expected, tol, times)
             if alone is not None:
                 report_attention(cascade, data + list(params.values()), "forward", alone,
-                                 _standalone_tensors(args, seq, past, data[3]))
+                                 _standalone_tensors(args, seq, past, data[3], batch))
 
 
 if __name__ == "__main__":

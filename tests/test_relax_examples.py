@@ -33,11 +33,14 @@ def _output(runs_ahead, request):
     return result.stdout
 
 
-@_runs_example(lambda: ["llama_block.py", "--shapes", "1x31,8x40"])
+@_runs_example(lambda: ["llama_block.py", "--shapes", "1x31,8x40,3x1x31"])
 def test_llama_block_fuses_attention_and_matches_numpy(runs_ahead, request):
+    """Single sequences and a batch of three (``BATCHxNEWxPAST``), each step checked
+    against numpy."""
     out = _output(runs_ahead, request)
-    assert "attention kernels: 1" in out
-    assert out.count("|default - cascade|") == 2
+    assert out.count("attention kernels: 1") == 2  # an export for one sequence, one for three
+    assert out.count("|default - cascade|") == 3
+    assert "batch 3, seq 1, past 31" in out
 
 
 @_runs_example(lambda: ["llama_block.py", "--tune", "4", "--shapes", "1x63", "--work-dir", "tuning"])
@@ -69,8 +72,10 @@ def test_torch_export_with_a_dynamic_length_matches_pytorch(runs_ahead, request)
 
 
 
-@pytest.mark.parametrize("seq, past, family", [(16, 48, "warp_specialized_prefill"), (1, "past", "tensor_core_decode")])
-def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(seq, past, family, monkeypatch):
+@pytest.mark.parametrize("batch, seq, past, family", [
+    (1, 16, 48, "warp_specialized_prefill"), (1, 1, "past", "tensor_core_decode"), (32, 1, "past", "tensor_core_decode"),
+])
+def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(batch, seq, past, family, monkeypatch):
     """``examples/llama_block.py`` in fp16 for an H100/H200: its attention, which adds the
     block's mask tensor input, is dispatched to the kernel library's prefill and decode
     kernels reading that mask (what its ``--target cuda --time`` measures)."""
@@ -84,7 +89,7 @@ def test_llama_block_mask_input_runs_the_library_kernels_on_cuda(seq, past, fami
     import llama_block
 
     args = types.SimpleNamespace(hidden=1024, heads_q=8, heads_kv=2, intermediate=512, dtype="float16")
-    mod, _ = llama_block.build(args, seq, past)
+    mod, _ = llama_block.build(args, seq, past, batch)
     with tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}):
         out = DispatchAttention()(mod)
     kernels = [f for _, f in out.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and LIBRARY_ATTR in f.attrs]
