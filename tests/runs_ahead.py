@@ -13,6 +13,7 @@ runs in a process forked from one that has imported :data:`PRELOAD` once for the
 session (multiprocessing's fork server), not in a new interpreter: those imports take
 about two seconds of CPU a run. Not for a run that needs other copies of those modules
 than the session's (an installed package's, say)."""
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -92,51 +93,55 @@ class RunsAhead:
                 self._futures[key] = self._pool.submit(self._run, **self._runs[key])
         return self._futures.get(self._keys[item.nodeid])
 
+    @contextlib.contextmanager
+    def _tracked(self, start):
+        """The process ``start()`` starts, which :meth:`close` can kill while it runs."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the session's runs ahead are closed")
+            process = start()
+            self._running.add(process)
+        try:
+            yield process
+        finally:
+            with self._lock:
+                self._running.discard(process)
+
     def _run(self, args, timeout=None, forked=False, **kwargs):
         """``subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)``
         whose process :meth:`close` can kill; ``forked``, the same from a fork of the
         preloaded process."""
         if forked:
             return self._run_forked(args, timeout, **kwargs)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the session's runs ahead are closed")
-            # At the lowest priority: a run takes the core the tests leave idle, not the
-            # one a test's own builders or servers use meanwhile.
-            process = subprocess.Popen(
-                ["nice", "-n", "19", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-            )
-            self._running.add(process)
-        with process:
+        # At the lowest priority: a run takes the core the tests leave idle, not the
+        # one a test's own builders or servers use meanwhile.
+        start = lambda: subprocess.Popen(  # noqa: E731
+            ["nice", "-n", "19", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+        )
+        with self._tracked(start) as process, process:
             try:
                 stdout, stderr = process.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.communicate()
                 raise
-            finally:
-                with self._lock:
-                    self._running.discard(process)
         return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
     def _run_forked(self, args, timeout, env, cwd):
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder, "out"), Path(folder, "err")
-            process = self._forks.Process(target=_forked, args=(args, env, cwd, str(out), str(err)))
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the session's runs ahead are closed")
+
+            def start():
+                process = self._forks.Process(target=_forked, args=(args, env, cwd, str(out), str(err)))
                 process.start()
-                self._running.add(process)
-            try:
+                return process
+
+            with self._tracked(start) as process:
                 process.join(timeout)
                 if process.exitcode is None:
                     process.kill()
                     process.join()
                     raise subprocess.TimeoutExpired(args, timeout)
-            finally:
-                with self._lock:
-                    self._running.discard(process)
             return subprocess.CompletedProcess(args, process.exitcode, out.read_text(), err.read_text())
 
     def result(self, item) -> subprocess.CompletedProcess:
