@@ -146,7 +146,12 @@ def reference(args, params, x, past_k, past_v, mask):
     return h + mlp
 
 
-def tune(args, seq, past):
+def _step(batch, seq, past):
+    """A step's label in the output."""
+    return f"{f'batch {batch}, ' if batch > 1 else ''}seq {seq}, past {past}"
+
+
+def tune(args, batch, seq, past):
     """Tune the block's attention with MetaSchedule (``--tune``), apply the records and
     check the block against numpy."""
     from tvm import relax
@@ -156,7 +161,7 @@ def tune(args, seq, past):
     from tvm_cascade.relax import FuseAttention
 
     target = tvm.target.Target({"kind": "llvm", "num-cores": 2})
-    mod, params = build(args, seq, past)
+    mod, params = build(args, seq, past, batch)
     with target:
         grouped = FuseAttention(fuse=False)(mod)
     # The attention's task only: the block's other operators keep their default schedules.
@@ -180,11 +185,11 @@ def tune(args, seq, past):
     with target, database, tvm.transform.PassContext(opt_level=3):
         applied = relax.transform.MetaScheduleApplyDatabase()(grouped)
     vm = relax.VirtualMachine(tvm.compile(applied, target), tvm.cpu())
-    data = inputs(args, seq, past)
+    data = inputs(args, seq, past, batch)
     out = vm["forward"](*(tvm.runtime.tensor(x) for x in data + list(params.values()))).numpy()
     expected = reference(args, params, *data)
     err = np.abs(out - expected).max()
-    print(f"tuned, seq {seq}, past {past}: max |tuned - ref| {err:.2e}", flush=True)
+    print(f"tuned, {_step(batch, seq, past)}: max |tuned - ref| {err:.2e}", flush=True)
     if err > 2e-4:
         raise SystemExit(f"the tuned block differs from numpy by {err:.2e}")
 
@@ -228,7 +233,7 @@ def main():
     shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     shapes = [shape if len(shape) == 3 else (1, *shape) for shape in shapes]  # (batch, new, past)
     if args.tune:
-        tune(args, *shapes[0][1:])
+        tune(args, *shapes[0])
         return
     # On CUDA, decode steps (1 new token) share one export whose past is symbolic unless
     # --static-past; with more new tokens TVM's default GPU pipeline fails on a symbolic
@@ -250,7 +255,7 @@ def main():
             outs, times = run_both(
                 default, cascade, target, data + list(params.values()), "forward", args.time
             )
-            report(f"{f'batch {batch}, ' if batch > 1 else ''}seq {seq}, past {past}", outs, expected, tol, times)
+            report(_step(batch, seq, past), outs, expected, tol, times)
             if alone is not None:
                 report_attention(cascade, data + list(params.values()), "forward", alone,
                                  _standalone_tensors(args, seq, past, data[3], batch))
