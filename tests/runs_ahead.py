@@ -16,6 +16,7 @@ than the session's (an installed package's, say)."""
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import runpy
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -129,20 +131,23 @@ class RunsAhead:
 
     def _run_forked(self, args, timeout, env, cwd):
         with tempfile.TemporaryDirectory() as folder:
-            out, err = Path(folder, "out"), Path(folder, "err")
+            out, err, status = (Path(folder, name) for name in ("out", "err", "status"))
 
             def start():
-                process = self._forks.Process(target=_forked, args=(args, env, cwd, str(out), str(err)))
+                process = self._forks.Process(target=_forked, args=(args, env, cwd, str(out), str(err), str(status)))
                 process.start()
                 return process
 
+            # The run's exit status comes from the file it writes, not Process.exitcode:
+            # multiprocessing polls its children from any thread that starts a process,
+            # and two polls of one fork-server child at once leave one of them 255.
             with self._tracked(start) as process:
-                process.join(timeout)
-                if process.exitcode is None:
+                if not multiprocessing.connection.wait([process.sentinel], timeout):
                     process.kill()
-                    process.join()
+                    multiprocessing.connection.wait([process.sentinel])
                     raise subprocess.TimeoutExpired(args, timeout)
-            return subprocess.CompletedProcess(args, process.exitcode, out.read_text(), err.read_text())
+            code = int(status.read_text()) if status.exists() else process.exitcode  # (killed or crashed)
+            return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
 
     def result(self, item) -> subprocess.CompletedProcess:
         """The finished run of test item ``item``; raises what ``subprocess.run`` would
@@ -173,10 +178,11 @@ class RunsAhead:
         self._pool.shutdown(wait=True)
 
 
-def _forked(args, env, cwd, out, err):
+def _forked(args, env, cwd, out, err, status):
     """A forked run: ``args`` (``[python, SCRIPT, ...]`` or ``[python, -m, MODULE, ...]``)
     as the interpreter runs them, in ``env`` and ``cwd``, its output to the files ``out``
-    and ``err``, at the lowest priority."""
+    and ``err`` and its exit status, as the interpreter's, to the file ``status``, at the
+    lowest priority."""
     os.nice(19)
     for fd, path in ((1, out), (2, err)):
         with open(path, "w") as file:
@@ -186,11 +192,25 @@ def _forked(args, env, cwd, out, err):
     os.chdir(cwd)
     # (the preloaded modules stay those the session imported, whatever the path says)
     sys.path[:0] = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if args[1] == "-m":
-        sys.argv = args[2:]
-        sys.path.insert(0, cwd)
-        runpy.run_module(args[2], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = args[1:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(args[1])))
-        runpy.run_path(args[1], run_name="__main__")
+    code = 0
+    try:
+        if args[1] == "-m":
+            sys.argv = args[2:]
+            sys.path.insert(0, cwd)
+            runpy.run_module(args[2], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = args[1:]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[1])))
+            runpy.run_path(args[1], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # pylint: disable=broad-except
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    Path(status).write_text(str(code))

@@ -1,8 +1,11 @@
 """The suite's runs ahead (``runs_ahead.py``): tests whose runs name one shared key get
-one run between them; a forked run is its script's run in a new interpreter."""
+one run between them; a forked run is its script's run in a new interpreter, its exit
+status its own."""
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -67,3 +70,31 @@ def test_a_forked_run_is_the_interpreters_run_of_its_script_in_a_preloaded_proce
     assert first.stdout == f"['a', 'b'] {tmp_path} first True __main__\n"
     assert first.stderr == "to stderr\n"
     assert (module.returncode, module.stdout) == (0, "module ['c'] __main__\n")
+
+
+def test_forked_runs_keep_their_exit_status_while_others_start_processes(tmp_path, tmp_path_factory):
+    """Forked runs ending at once, while the process starts others (each start of a
+    multiprocessing process polls every child), each report their own exit status."""
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
+    codes = list(range(2, 26))
+    test = runs(lambda _factory, code: {"args": [sys.executable, str(script), str(code)], "forked": True})(
+        lambda code: None)
+    items = [_item(f"test[{code}]", test, code=code) for code in codes]
+    done = threading.Event()
+
+    def start_others():
+        context = multiprocessing.get_context("forkserver")
+        while not done.is_set():
+            context.Process(target=os.getpid).start()
+
+    starter = threading.Thread(target=start_others)
+    ahead = RunsAhead(items, tmp_path_factory)
+    starter.start()
+    try:
+        results = [ahead.result(item).returncode for item in items]
+    finally:
+        done.set()
+        starter.join()
+        ahead.close()
+    assert results == codes
