@@ -518,14 +518,16 @@ def test_mask_tensor_call_refusals(make, message):
     ("kv_decode", None, 128, 16, 3),
     ("paged", "sliding_window", 128, 16, 6),  # a window's first key lies anywhere in a page: two pages a group
     ("paged", "causal", 128, 8, 18),  # pages of 8 keys: a read a key
-    ("kv_decode_window", None, 128, 16, 18),  # sinks and evicted keys: a read a key
+    ("kv_decode_window", None, 128, 16, 9),  # sinks and evicted keys: three pages a group
+    ("kv_decode_window", "sliding_window", 128, 16, 18),  # and a window's first key anywhere: a read a key
 ])
 def test_paged_decode_reads_the_page_table_once_a_group_of_keys(layout, variant, head_dim, page_size, reads):
     """The tensor-core decode reads the page table a step ahead at three places (the
     warps' first two steps, then in the loop): where pages hold a multiple of 16 keys in
     order, the page of each 16-key group of the step (one group a step at head dim 128,
-    two at 64), or the pages of its first and last keys under a sliding window; else the
-    place of each of the six keys a lane loads a group."""
+    two at 64), or the pages of its first and last keys under a sliding window, or in a
+    cache with sinks the pages of its first, first window and last keys; else the place
+    of each of the six keys a lane loads a group."""
     from tvm_cascade.library.tensor_core_decode import decode_kernel
 
     spec = AttentionSpec.make(32, 8, head_dim, variant=variant, dtype="float16", layout=layout, page_size=page_size,

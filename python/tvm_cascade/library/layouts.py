@@ -100,6 +100,9 @@ class Views:
     #: (b, p) -> the key of sequence b stored at position p of its pages (negative where
     #: none is: between a sliding window's sink and its start); None: not paged.
     position_key: Optional[Callable] = None
+    #: (b) -> the keys of sequence b stored before its window's (a sliding-window cache's
+    #: sinks: key j at position j below it, at ``j - sink + start`` from it); None: none.
+    sink: Optional[Callable] = None
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -271,6 +274,8 @@ def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_
         return tirx.Select(p < sink, p, tirx.Select(p >= offset, p - offset + sink, -1))
 
     fields = dict(kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len, position_key=position_key)
+    if window:
+        fields.update(sink=lambda b: last_page_len[2, b])
     return pages, page_indptr, page_ids, last_page_len, fields
 
 

@@ -160,13 +160,14 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     store = partials_store(spec, ROWS, WARPS, WARP * WARPS)
     shape = partial_shape(view, num_chunks, heads_q)
     row_parts = len(view.kv_row(0, 0))
-    # A page table is read a step before the keys it locates: the pages of each 16-key
-    # group where pages hold a multiple of 16 keys stored in order (one page a group where
-    # chunks start at a sequence's first key, in whole steps; two where a sliding window's
-    # first key may lie anywhere in a page), else every key's place.
+    # A page table is read a step before the keys it locates: where pages hold a multiple
+    # of 16 keys stored in order, a few entries per 16-key group (:func:`locate_group`),
+    # else every key's place.
     paged = spec.layout in PAGED_LAYOUTS
-    by_page = paged and spec.layout not in WINDOW_LAYOUTS and spec.page_size % 16 == 0
-    spans = 1 if spec.variant.window is None else 2
+    sinks = spec.layout in WINDOW_LAYOUTS
+    # (a window variant's chunks start anywhere: in a cache with sinks, per key)
+    by_page = paged and spec.page_size % 16 == 0 and not (sinks and spec.variant.window is not None)
+    spans = 5 if sinks else 1 if spec.variant.window is None else 2
     entries = groups * spans if by_page else (LANE_KEYS * groups if paged else 1) * row_parts
     table_dtype = None if rotate_keys is None else rotate_keys.table_dtype
     tabled = table_dtype is not None
@@ -179,18 +180,52 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
         if row_parts > 1:
             rows[n * row_parts + 1] = parts[1]
 
-    def located_by(rows, n, b, j, j0):
+    def located_by(rows, n, b, j, j0, end):
         """The indices that locate key ``j`` (as the layout's ``kv_row``) from entry ``n``
         of ``rows``: where ``by_page``, the page of 16-key group ``n`` of the step at
-        ``j0`` that holds it (the group's first's or last's) and its place in it; else the
-        key's own."""
-        if by_page:
-            page = rows[n * spans]
-            if spans > 1:
-                first = j0 + 16 * n
-                page = T.if_then_else(j // spec.page_size == first // spec.page_size, page, rows[n * spans + 1])
-            return page, view.kv_row(b, j)[1]
-        return (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
+        ``j0`` that holds it (:func:`locate_group`) and its place in it; else the key's
+        own."""
+        if not by_page:
+            return (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
+        page = rows[n * spans]
+        if sinks:
+            # A window key on the last key's page lies at most that key's place before it,
+            # else on the page before; the group's sinks lie on its first key's page.
+            back = last_key(j0, n, end) - j
+            last_place = rows[n * spans + 3]
+            in_sinks = j - (j0 + 16 * n) < rows[n * spans + 4]
+            on_last = back <= last_place
+            page = T.if_then_else(in_sinks, page, T.if_then_else(on_last, rows[n * spans + 2], rows[n * spans + 1]))
+            place = T.if_then_else(in_sinks, T.floormod(j, spec.page_size),
+                                   last_place - back + T.if_then_else(on_last, 0, spec.page_size))
+            return page, place
+        if spans > 1:
+            first = j0 + 16 * n
+            page = T.if_then_else(j // spec.page_size == first // spec.page_size, page, rows[n * spans + 1])
+        return page, view.kv_row(b, j)[1]
+
+    def last_key(j0, n, end):
+        """The last key group ``n`` of the step at ``j0`` loads (``end``: the chunk's)."""
+        return T.min(j0 + 16 * n + 15, end - 1)
+
+    @T.macro
+    def locate_group(rows, n, b, j0, end):
+        """The pages of 16-key group ``n`` of the step at ``j0`` to ``rows``: its first
+        key's (its only one where chunks start at a sequence's first key, in whole
+        steps); with a window variant, whose first key may lie anywhere in a page, also
+        its last key's; in a cache with sinks (keys up to the sink stored as they come,
+        the window's from anywhere in a page on), its first key's (the sinks' where it
+        is one), its first window key's, its last key's, the last key's place in its
+        page, and how many of its keys are sinks (negative: none)."""
+        rows[n * spans] = view.kv_row(b, j0 + 16 * n)[0]
+        if sinks:
+            rows[n * spans + 1] = view.kv_row(b, T.max(j0 + 16 * n, T.min(view.sink(b), last_key(j0, n, end))))[0]
+            last = T.meta_var(view.kv_row(b, last_key(j0, n, end)))
+            rows[n * spans + 2] = last[0]
+            rows[n * spans + 3] = last[1]
+            rows[n * spans + 4] = view.sink(b) - (j0 + 16 * n)
+        elif spans > 1:
+            rows[n * spans + 1] = view.kv_row(b, last_key(j0, n, end))[0]
 
     @T.macro
     def load_row(dst, offset, rows, n, b, hk, j, j0, end, at, pieces, dim, lane):
@@ -201,7 +236,7 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
         if j < end:
             if not paged:
                 locate(rows, n, b, j)
-            located = T.meta_var(located_by(rows, n, b, j, j0))
+            located = T.meta_var(located_by(rows, n, b, j, j0, end))
             for i in T.unroll(pieces):
                 # (a piece's 8 dims are all the tensors' or all past them: zeros)
                 if stored == d or dim(lane, i * 8) < stored:
@@ -232,15 +267,13 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
 
     @T.macro
     def locate_step(rows, b, j0, end, g, quad):
-        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows``: the pages of
-        each 16-key group where ``by_page`` (its first key's, and with ``spans`` 2 its
-        last's), else each key's place (those of K, then those of V)."""
+        """Where the keys of the step at ``j0`` a lane loads lie, to ``rows``: each 16-key
+        group's pages where ``by_page`` (:func:`locate_group`), else each key's place
+        (those of K, then those of V)."""
         if by_page:
             for n in T.unroll(groups):
                 if j0 + 16 * n < end:
-                    rows[n * spans] = view.kv_row(b, j0 + 16 * n)[0]
-                    if spans > 1:
-                        rows[n * spans + 1] = view.kv_row(b, T.min(j0 + 16 * n + 15, end - 1))[0]
+                    locate_group(rows, n, b, j0, end)
         else:
             for n in T.unroll(2 * groups):
                 if k_key(j0, n, g) < end:
