@@ -100,9 +100,10 @@ class Views:
     #: (b, p) -> the key of sequence b stored at position p of its pages (negative where
     #: none is: between a sliding window's sink and its start); None: not paged.
     position_key: Optional[Callable] = None
-    #: (b) -> the keys of sequence b stored before its window's (a sliding-window cache's
-    #: sinks: key j at position j below it, at ``j - sink + start`` from it); None: none.
-    sink: Optional[Callable] = None
+    #: (b) -> (sink, shift): sequence b's keys below ``sink`` lie at their own positions
+    #: of its pages, the others ``shift`` positions on (a sliding-window cache's sinks and
+    #: window); None: every key at its own position.
+    sunk: Optional[Callable] = None
 
     def query_length(self, b):
         """Sequence ``b``'s query rows."""
@@ -246,12 +247,16 @@ def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_
     page_ids = tensor((nnz_pages,), INDEX_DTYPE, names[0])
     last_page_len = tensor((3, batch) if window else (batch,), INDEX_DTYPE, names[1])
 
+    def sunk(b):
+        sink = last_page_len[2, b]
+        return sink, last_page_len[1, b] - sink
+
     def stored(b, j):
         """Where key ``j`` of sequence ``b`` lies in its pages' positions."""
         if not window:
             return j
-        sink, offset = last_page_len[2, b], last_page_len[1, b]
-        return tirx.Select(j < sink, j, j - sink + offset)
+        sink, shift = sunk(b)
+        return tirx.Select(j < sink, j, j + shift)
 
     def kv_len(b):
         used = page_indptr[b + 1] - page_indptr[b]
@@ -275,7 +280,7 @@ def _page_pool(spec, tensor, indptr_shape, batch, names=("page_ids", "last_page_
 
     fields = dict(kv_row=kv_row, key_at=cache(0), value_at=cache(1), kv_len=kv_len, position_key=position_key)
     if window:
-        fields.update(sink=lambda b: last_page_len[2, b])
+        fields.update(sunk=sunk)
     return pages, page_indptr, page_ids, last_page_len, fields
 
 

@@ -167,7 +167,7 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
     sinks = spec.layout in WINDOW_LAYOUTS
     # (a window variant's chunks start anywhere: in a cache with sinks, per key)
     by_page = paged and spec.page_size % 16 == 0 and not (sinks and spec.variant.window is not None)
-    spans = 5 if sinks else 1 if spec.variant.window is None else 2
+    spans = 4 if sinks else 1 if spec.variant.window is None else 2
     entries = groups * spans if by_page else (LANE_KEYS * groups if paged else 1) * row_parts
     table_dtype = None if rotate_keys is None else rotate_keys.table_dtype
     tabled = table_dtype is not None
@@ -189,15 +189,14 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
             return (rows[n * row_parts], rows[n * row_parts + 1]) if row_parts > 1 else (rows[n * row_parts],)
         page = rows[n * spans]
         if sinks:
-            # A window key on the last key's page lies at most that key's place before it,
-            # else on the page before; the group's sinks lie on its first key's page.
-            back = last_key(j0, n, end) - j
-            last_place = rows[n * spans + 3]
-            in_sinks = j - (j0 + 16 * n) < rows[n * spans + 4]
-            on_last = back <= last_place
-            page = T.if_then_else(in_sinks, page, T.if_then_else(on_last, rows[n * spans + 2], rows[n * spans + 1]))
-            place = T.if_then_else(in_sinks, T.floormod(j, spec.page_size),
-                                   last_place - back + T.if_then_else(on_last, 0, spec.page_size))
+            # key j = f + k of the group at f: a sink on f's page, else at position
+            # f + shift + k, on the page of f + shift or the one after
+            sink, _ = view.sunk(b)
+            after = rows[n * spans + 3] + (j - (j0 + 16 * n))
+            beyond = after >= spec.page_size
+            page = T.if_then_else(j < sink, page, T.if_then_else(beyond, rows[n * spans + 2], rows[n * spans + 1]))
+            place = T.if_then_else(j < sink, T.floormod(j, spec.page_size),
+                                   after - T.if_then_else(beyond, spec.page_size, 0))
             return page, place
         if spans > 1:
             first = j0 + 16 * n
@@ -215,15 +214,13 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
         steps); with a window variant, whose first key may lie anywhere in a page, also
         its last key's; in a cache with sinks (keys up to the sink stored as they come,
         the window's from anywhere in a page on), its first key's (the sinks' where it
-        is one), its first window key's, its last key's, the last key's place in its
-        page, and how many of its keys are sinks (negative: none)."""
+        is one), its first window key's and its last key's pages, and the place its
+        first key would have as a window key (:func:`located_by`)."""
         rows[n * spans] = view.kv_row(b, j0 + 16 * n)[0]
         if sinks:
-            rows[n * spans + 1] = view.kv_row(b, T.max(j0 + 16 * n, T.min(view.sink(b), last_key(j0, n, end))))[0]
-            last = T.meta_var(view.kv_row(b, last_key(j0, n, end)))
-            rows[n * spans + 2] = last[0]
-            rows[n * spans + 3] = last[1]
-            rows[n * spans + 4] = view.sink(b) - (j0 + 16 * n)
+            rows[n * spans + 1] = view.kv_row(b, T.max(j0 + 16 * n, T.min(view.sunk(b)[0], last_key(j0, n, end))))[0]
+            rows[n * spans + 2] = view.kv_row(b, last_key(j0, n, end))[0]
+            rows[n * spans + 3] = T.floormod(j0 + 16 * n + view.sunk(b)[1], spec.page_size)
         elif spans > 1:
             rows[n * spans + 1] = view.kv_row(b, last_key(j0, n, end))[0]
 
