@@ -180,7 +180,7 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
         if row_parts > 1:
             rows[n * row_parts + 1] = parts[1]
 
-    def located_by(rows, n, b, j, j0, end):
+    def located_by(rows, n, b, j, j0):
         """The indices that locate key ``j`` (as the layout's ``kv_row``) from entry ``n``
         of ``rows``: where ``by_page``, the page of 16-key group ``n`` of the step at
         ``j0`` that holds it (:func:`locate_group`) and its place in it; else the key's
@@ -233,7 +233,7 @@ def decode_kernel(spec: AttentionSpec, rotate_keys=None) -> tvm.tirx.PrimFunc:
         if j < end:
             if not paged:
                 locate(rows, n, b, j)
-            located = T.meta_var(located_by(rows, n, b, j, j0, end))
+            located = T.meta_var(located_by(rows, n, b, j, j0))
             for i in T.unroll(pieces):
                 # (a piece's 8 dims are all the tensors' or all past them: zeros)
                 if stored == d or dim(lane, i * 8) < stored:
