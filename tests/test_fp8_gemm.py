@@ -279,8 +279,9 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
     ``fp8_two_pass`` (its default form for any token count): a quantisation kernel
     writing e4m3 rows and their scales into a workspace, then TMA copies of both e4m3
     operands into ``wgmma`` from shared memory (launched as a programmatic dependent of
-    the first: it launches as the quantisation ends, then waits). The one-kernel forms
-    refuse it, and it refuses the op with 128-wide k tiles."""
+    the first: it launches as the quantisation ends, asks for its first stages of W in
+    L2, then waits, before it touches global memory). The one-kernel forms refuse it,
+    and it refuses the op with 128-wide k tiles."""
     from tvm_cascade.schedules import fp8_two_pass
 
     rows = tvm.tirx.Var("m", "int64")
@@ -291,7 +292,15 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
     assert source == _source(fp8.kernel_for(rows, 512, 1024, tile=1024))
     assert source == _source(fp8_two_pass.two_pass_kernel(rows, 512, 1024))
     assert source.count("__global__") == 4  # two, each declared and defined
-    assert kernel_prologues(source) == [WAITS, WAITS]
+    assert kernel_prologues(source) == [WAITS, WAITS[1:] + [kernel_prologues(source)[1][1]]]
+    gemm = source[source.rindex('extern "C" __global__'):]
+    gemm = gemm[gemm.index("{"):]  # its body
+    before_wait = gemm[:gemm.index(WAITS[0])]
+    # the 4 stages' W boxes (k 0, 128, 256, 384) asked for in L2, by one thread, before the wait
+    assert re.findall(r"tvm_cascade_prefetch_box_2d\(\(\(unsigned long long\)\(&\(w_map\)\)\), (\d+),", before_wait) == [
+        "0", "128", "256", "384"]
+    assert not any(f"{name}_ptr" in before_wait for name in ("q_scale", "w_scale", "out", "X", "q"))
+    assert gemm.count(WAITS[0]) == 1
     for mark in ("cvt.rn.satfinite.e4m3x2.f32", "__fdiv_rn", "cp.async.bulk.tensor.2d",
                  "wgmma_fp8_ss_mma_async_sync_aligned_m64n128k32_f32_e4m3_e4m3"):
         assert mark in source, mark

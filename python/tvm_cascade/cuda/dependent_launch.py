@@ -14,11 +14,15 @@ inputs), must therefore wait before it touches global memory: :func:`wait_first`
 ``griddepcontrol.wait`` first in each kernel, then ``griddepcontrol.launch_dependents``,
 which lets the next kernel launch once every block of this one has started; by then no
 block of this kernel still needs an SM, so the next kernel's waiting blocks delay none.
+A kernel that has work to do before it may read what the kernels before it write (an
+L2 prefetch of its weights) places its own :func:`wait` after that work, before any
+read or write of global memory: it is given only ``launch_dependents``.
 """
 import re
 
 import tvm_ffi
 from tvm import tirx
+from tvm.ir import expr as ir_expr
 
 #: TVM 0.27's launch parameter for programmatic dependent launch (its spelling).
 LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
@@ -65,11 +69,26 @@ def _griddepcontrol(action):
     return tirx.Evaluate(tirx.call_intrin("", "tirx.ptx.griddepcontrol", action, ""))
 
 
+def wait():
+    """A kernel's own ``griddepcontrol.wait`` (see the module docstring), to evaluate."""
+    return tirx.call_intrin("", "tirx.ptx.griddepcontrol", "wait", "")
+
+
+def _waits(body):
+    found = []
+    tvm_ffi.structural_walk(body, lambda node: found.append(node) if (
+        isinstance(node, ir_expr.Call) and getattr(node.op, "name", "") == "tirx.ptx.griddepcontrol"
+        and str(node.args[0].value) == "wait") else None)
+    return bool(found)
+
+
 @tirx.transform.prim_func_pass(opt_level=0, name="tvm_cascade.WaitFirst")
 def wait_first(func, _mod, _ctx):
     """Prefix each kernel launched as a programmatic dependent with
-    ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``; other functions
-    unchanged. Runs on device functions (after ``SplitHostDevice``)."""
+    ``griddepcontrol.wait`` (unless it places its own: :func:`wait`) and
+    ``griddepcontrol.launch_dependents``; other functions unchanged. Runs on device
+    functions (after ``SplitHostDevice``)."""
     if LAUNCH_TAG not in _launch_params(func):
         return func
-    return func.with_body(tirx.SeqStmt([_griddepcontrol("wait"), _griddepcontrol("launch_dependents"), func.body]))
+    first = [] if _waits(func.body) else [_griddepcontrol("wait")]
+    return func.with_body(tirx.SeqStmt(first + [_griddepcontrol("launch_dependents"), func.body]))

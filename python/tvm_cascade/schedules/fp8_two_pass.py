@@ -20,7 +20,7 @@ one k tile (the two-pass quantisation: each row's abs-max over all of k first):
   wgmmas; the epilogue scales row ``i`` by ``q_scale[i]`` and column ``c`` by
   ``w_scale[c]``; it is launched as a programmatic dependent of the quantisation
   (:func:`.warp_specialized_gemm.build_function`): it launches while the quantisation
-  ends and waits for its results.
+  ends, asks for its first stages of W in L2, and waits for the quantisation's results.
 """
 from __future__ import annotations
 
@@ -186,7 +186,9 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
 
     produce = _producer(k_tiles, stages, x_tile, lambda st: st * x_tile, lambda st: w_base + st * w_tile,
                         (x_tile + w_tile) * 2, x_boxes=1)
-    block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), "float16", produce, consume)
+    # (W's first stages asked for in L2 while the quantisation ends)
+    block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), "float16", produce, consume,
+                        prefetch=min(stages, k_tiles))
 
     @T.macro
     def gemm(q_map, w_map):

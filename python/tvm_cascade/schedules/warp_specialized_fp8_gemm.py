@@ -64,7 +64,7 @@ from tvm.script import tirx as T
 
 from ..algebra.convert import to_tir
 from ..analysis.scope import buffer_params
-from ..cuda import ALL_LANES, sm_count
+from ..cuda import ALL_LANES, dependent_launch, sm_count
 from ..cuda.accumulator_stores import first_column, store_four, trade_halves
 from ..cuda.wgmma import descriptor
 from ..cuda.wgmma_batches import register_fence
@@ -109,6 +109,14 @@ __forceinline__ __device__ unsigned {name}(unsigned a, unsigned b) {{
   unsigned r;
   asm("max.xorsign.abs.{ptx}x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
+}}
+"""
+# A 2-d TMA box (at element {c0, c1} of the tensor map's tensor) asked for in L2.
+_PREFETCH = "tvm_cascade_prefetch_box_2d"
+_PREFETCH_SOURCE = f"""
+__forceinline__ __device__ void {_PREFETCH}(unsigned long long map, int c0, int c1) {{
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {{%1, %2}}];"
+               :: "l"(map), "r"(c0), "r"(c1) : "memory");
 }}
 """
 _PAIR_MAX = "tvm_cascade_pair_max_{}"
@@ -239,14 +247,20 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2):
     return produce
 
 
-def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
+def tiled_block(m, n_tiles, config, elements, dtype, produce, consume, prefetch=0):
     """The macro ``block(x_map, w_map, bx, tx)`` of a kernel of :data:`ROWS` x
     ``config.cols`` output tiles: block ``bx``'s tile (groups of ``config.group`` row
     tiles, rows fastest within a group), its ``config.stages`` stages' ``full`` and
     ``empty`` barriers and ``elements`` of shared memory (of ``dtype``), the producer
     thread's ``produce(x_map, w_map, smem, full, empty, r0, c0)`` and the consumer
     warpgroups' ``consume(smem, full, empty, r0, c0, tx, cw)`` (a consumer whose 64 rows
-    all lie past ``m`` does nothing: a few tokens' tile)."""
+    all lie past ``m`` does nothing: a few tokens' tile).
+
+    ``prefetch``: a kernel launched as a programmatic dependent of the one that writes
+    X first asks for the W boxes of its first ``prefetch`` k tiles in L2, then waits
+    for that kernel (its own ``griddepcontrol.wait``: :mod:`..cuda.dependent_launch`),
+    so W streams in while that kernel ends. (An L2 prefetch reads what any writer left:
+    L2 is where the GPU's memory is coherent.)"""
     stages, group, cols = config.stages, config.group, config.cols
     m_tiles = (m + ROWS - 1) // ROWS
     init_barriers = stage_barriers(stages)
@@ -263,6 +277,12 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume):
         within = bx % (group * n_tiles)
         r0 = (first + within % rows_here) * ROWS
         c0 = within // rows_here * cols
+        if prefetch > 0:
+            if tx == 0:
+                for t in T.unroll(prefetch):
+                    T.evaluate(T.cuda.func_call(_PREFETCH, T.address_of(w_map), t * DEPTH, c0,
+                                                source_code=_PREFETCH_SOURCE, return_type="void"))
+            T.evaluate(dependent_launch.wait())
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
         consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
         init_barriers(full, empty, tx, 128 * consumers)
