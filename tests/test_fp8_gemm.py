@@ -146,13 +146,14 @@ def test_the_skinny_kernel_splits_k_each_split_from_its_tokens_abs_max_before_it
         fp8.skinny_kernel(16, 256, 640, splits=4)
 
 
-def _split_skinny_source(tokens):
-    return _source(fp8.skinny_kernel(tvm.tirx.Var("m", "int64"), 14336, 4096, tokens=tokens, splits=2))
+def _split_skinny_source(tokens, consumers):
+    return _source(fp8.skinny_kernel(tvm.tirx.Var("m", "int64"), 14336, 4096, tokens=tokens, splits=2,
+                                     consumers=consumers))
 
 
-@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("tokens, consumers", [(16, 1), (32, 1), (32, 2)])
 @assembled(_split_skinny_source)
-def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, runs_ahead, request):
+def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, consumers, runs_ahead, request):
     _, report = assembly(runs_ahead, request)
     assert report.count("0 bytes spill stores, 0 bytes spill loads") == 2
     for remark in ("C7511", "C7514", "C7519", "is injected"):
@@ -170,6 +171,30 @@ def test_refusals_say_why(args, config, reason):
     assert reason in fp8.unsupported(*args, config)
     with pytest.raises(ValueError, match=reason):
         fp8.kernel(16, *args, config=config)
+
+
+def test_two_consumer_warpgroups_share_a_block_s_quantised_tokens():
+    """``consumers=2``: blocks of 128 W rows, two consumer warpgroups of 64 and a producer
+    warp, the second warpgroup's wgmma reading W's rows 64 on (8 KiB on in each stage) and
+    storing rows 64 on; a thread quantises 16 elements of a token's tile, so 16 tokens
+    are refused, and two such blocks an SM bound the stages."""
+    m = tvm.tirx.Var("m", "int64")
+    func = fp8.skinny_kernel(m, 14336, 4096, tokens=32, splits=1, consumers=2)
+    (blocks,) = grids(func)
+    tvm.ir.assert_structural_equal(blocks, (m + 32 - 1) // 32 * (14336 // 128))
+    source = _source(func)
+    assert "__launch_bounds__(288)" in source
+    assert "(((int)threadIdx.x) >> 7) * 4096)" in source  # the warpgroup's W rows in shared memory
+    assert fp8.skinny_splits(14336 // 128, 4096 // fp8.DEPTH, sms=132, consumers=2) == 2
+    for kwargs, reason in (
+        (dict(tokens=16, consumers=2), "16 tokens a block shared by 2 consumer warpgroups"),
+        (dict(tokens=32, consumers=3), "3 consumer warpgroups a block: one of (1, 2)"),
+        (dict(tokens=64, stages=4, consumers=2), "4 stages of 64 tokens and 128 W rows"),
+    ):
+        assert reason in fp8.skinny_unsupported(14336, 4096, "float16", "float16", kwargs.get("tokens"),
+                                                kwargs.get("stages", 4), 1, kwargs["consumers"])
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            fp8.skinny_kernel(16, 14336, 4096, **kwargs)
 
 
 @pytest.mark.parametrize("choices, reason", [

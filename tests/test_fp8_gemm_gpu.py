@@ -70,20 +70,27 @@ def _compare(kernel, m, n, k, dtype, out_dtype, tile=fp8.DEPTH):
     assert error(x64 @ (w64 * s64[:, None]).T) < 5e-2
 
 
-@pytest.mark.parametrize("m, n, k, dtype, out_dtype, tokens, stages, splits", [
-    (16, 1024, 4096, "float16", "float16", 16, 4, None),  # split_count's: 8 splits
-    (16, 1024, 4096, "float16", "float16", 16, 4, 1),
-    (1, 256, 512, "float16", "float32", 16, 2, 2),
-    (45, 328, 528, "float16", "float32", 32, 4, 1),  # no whole tiles
-    (45, 328, 528, "float16", "float32", 32, 4, 3),  # ... in splits of 2, 2 and 1 k tiles
-    (100, 512, 1024, "bfloat16", "bfloat16", 64, 3, None),
+@pytest.mark.parametrize("m, n, k, dtype, out_dtype, tokens, stages, splits, consumers", [
+    (16, 1024, 4096, "float16", "float16", 16, 4, None, 1),  # split_count's: 8 splits
+    (16, 1024, 4096, "float16", "float16", 16, 4, 1, 1),
+    (1, 256, 512, "float16", "float32", 16, 2, 2, 1),
+    (45, 328, 528, "float16", "float32", 32, 4, 1, 1),  # no whole tiles
+    (45, 328, 528, "float16", "float32", 32, 4, 3, 1),  # ... in splits of 2, 2 and 1 k tiles
+    (100, 512, 1024, "bfloat16", "bfloat16", 64, 3, None, 1),
+    # two consumer warpgroups a block, sharing the quantised tokens
+    (32, 1024, 4096, "float16", "float16", 32, 4, None, 2),
+    (45, 328, 528, "float16", "float32", 32, 3, 2, 2),  # W's last tile past N in one warpgroup's rows
+    (100, 512, 1024, "bfloat16", "bfloat16", 64, 3, 1, 2),
 ])
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, tokens, stages, splits, symbolic):
+def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, tokens, stages, splits, consumers,
+                                                 symbolic):
     """The kernel for few tokens, whole or with K split (the inputs' large values late
-    in each row: the splits after the first start from the abs-max before them)."""
+    in each row: the splits after the first start from the abs-max before them), of
+    one or two consumer warpgroups a block."""
     _check(m, n, k, dtype, out_dtype, symbolic,
-           lambda rows: fp8.skinny_kernel(rows, n, k, dtype, out_dtype, tokens, stages, splits=splits))
+           lambda rows: fp8.skinny_kernel(rows, n, k, dtype, out_dtype, tokens, stages, splits=splits,
+                                          consumers=consumers))
 
 
 @pytest.mark.parametrize("m, n, k, dtype, out_dtype, config", [

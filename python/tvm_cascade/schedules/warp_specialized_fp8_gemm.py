@@ -75,7 +75,7 @@ from ..primitives.fusion import derive
 from ..primitives.rolling_update import chain_of
 from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target
 from .warp_specialized_gemm import (
-    build_function, split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel,
+    BLOCKS_PER_SM, build_function, split_count, split_of_block, split_refusal, split_sum, stage_barriers, tma_kernel,
 )
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
@@ -734,9 +734,10 @@ def kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()
 
 #: Token counts a block of :func:`skinny_kernel` takes (the wgmma's N).
 TOKEN_CHOICES = (16, 32, 64)
-#: W rows a block of :func:`skinny_kernel` takes (one warpgroup's m64).
+#: W rows a consumer warpgroup of :func:`skinny_kernel` takes (a wgmma's m64).
 W_ROWS = 64
-_SKINNY_THREADS = 160  # a consumer warpgroup and a producer warp
+#: Consumer warpgroups a block of :func:`skinny_kernel` may have (W rows 64 each).
+CONSUMER_CHOICES = (1, 2)
 # Stores to shared memory that TVM's barrier planner does not see: the consumers order
 # them with their own named barrier (a __syncthreads the planner would insert would
 # wait for the producer warp too).
@@ -762,38 +763,50 @@ def _store(kind, pointer, *values):
     )
 
 
-def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1):
+def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1, consumers=1):
     """Why :func:`skinny_kernel` cannot serve this GEMM (M is free), or None."""
     reason = unsupported(n, k, dtype, out_dtype)
     if reason is not None:
         return reason
     if tokens not in TOKEN_CHOICES:
         return f"{tokens} tokens a block: one of {TOKEN_CHOICES}"
-    if stages < 2 or stages * (tokens * DEPTH * 2 + W_ROWS * DEPTH) > SHARED_BYTES // 3:
-        return f"{stages} stages of {tokens} tokens: 2 or more, in a third of the shared memory"
+    if consumers not in CONSUMER_CHOICES:
+        return f"{consumers} consumer warpgroups a block: one of {CONSUMER_CHOICES}"
+    if DEPTH * tokens // (128 * consumers) < 16:
+        # (a thread quantises 16 elements of a token's tile or more: a 16-byte store)
+        return f"{tokens} tokens a block shared by {consumers} consumer warpgroups: 32 or more for 2"
+    # blocks of one consumer warpgroup three an SM, of two two
+    share = 3 if consumers == 1 else 2
+    if stages < 2 or stages * (tokens * DEPTH * 2 + consumers * W_ROWS * DEPTH) > SHARED_BYTES // share:
+        return (f"{stages} stages of {tokens} tokens and {consumers * W_ROWS} W rows: 2 or more, in 1/{share} of the "
+                "shared memory")
     return split_refusal(splits, k, DEPTH)
 
 
-def skinny_splits(n_tiles, k_tiles, sms=None):
+def skinny_splits(n_tiles, k_tiles, sms=None, consumers=1):
     """The skinny kernel's default splits of K: :func:`.warp_specialized_gemm.split_count`'s
     where a token tile's ``n_tiles`` output tiles leave some of ``sms`` SMs idle, else one
     (measured on an H200's 132 SMs at 16 tokens: with 224 tiles one split was faster than
-    two, with 64 tiles six were 1.4x faster than one)."""
+    two, with 64 tiles six were 1.4x faster than one); blocks of ``consumers`` warpgroups
+    aim at that many times fewer blocks an SM."""
     sms = sms or sm_count(tvm.cuda(0))
-    return split_count(n_tiles, k_tiles, sms) if n_tiles < sms else 1
+    return split_count(n_tiles, k_tiles, sms, BLOCKS_PER_SM / consumers) if n_tiles < sms else 1
 
 
-def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None, splits=None):
+def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None, splits=None,
+                  consumers=1):
     """:func:`kernel`'s function for few tokens (decode, small batches): the same
     ``main(X[m, k], W[n, k], w_scale[n], out[m, n])`` and definition, computed as
     ``outᵀ = W · qᵀ`` so that the tokens are the wgmma's N (``tokens`` a block) and W's
-    rows its M (:data:`W_ROWS` a block): blocks of one consumer warpgroup and a producer
-    warp, several to an SM; a block quantises its next k tile while this tile's
-    instructions run. Per k tile, each token's elements are
-    quantised by ``128 / tokens`` threads (a shuffle completes the token's running
-    abs-max) into an e4m3 tile in shared memory, both operands of ``wgmma`` m64n{tokens}k32
-    are read from shared memory into a tile's accumulators, and those are added to the
-    running ones in float32 after the running ones' repair (per column here: a token).
+    rows its M (:data:`W_ROWS` a consumer warpgroup): blocks of ``consumers`` consumer
+    warpgroups and a producer warp, several to an SM; a block quantises its next k tile
+    while this tile's instructions run. Per k tile, each token's elements are
+    quantised by ``128 consumers / tokens`` threads (a shuffle completes the token's
+    running abs-max) into an e4m3 tile in shared memory that the block's warpgroups
+    share (two warpgroups halve the X bytes and the quantisation a W row costs), both
+    operands of ``wgmma`` m64n{tokens}k32 are read from shared memory into a tile's
+    accumulators, and those are added to the running ones in float32 after the running
+    ones' repair (per column here: a token).
 
     ``splits`` blocks (default :func:`skinny_splits`'s) share each
     output tile's k tiles: a block starts from its tokens' abs-max over the k tiles
@@ -803,10 +816,11 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     (``split_k_update``: each split's running sum is in units of its own last scale, so
     the repair of a split's sum is that scale)."""
     t_tiles = (m + tokens - 1) // tokens
-    n_tiles = -(-n // W_ROWS)
+    w_rows = consumers * W_ROWS
+    n_tiles = -(-n // w_rows)
     k_tiles = -(-k // DEPTH)
-    splits = skinny_splits(n_tiles, k_tiles) if splits is None else splits
-    reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits)
+    splits = skinny_splits(n_tiles, k_tiles, consumers=consumers) if splits is None else splits
+    reason = skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits, consumers)
     if reason is not None:
         raise ValueError(reason)
     X, W, w_scale, out = params = params or _params(m, n, k, dtype, out_dtype)
@@ -814,12 +828,13 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
     # shared memory in 16-bit elements: per stage X's two boxes and W's bytes, then two
     # e4m3 tiles of the quantised tokens (all 1024-byte aligned for the 128-byte swizzle)
     box = tokens * DEPTH // 2
-    x_tile, w_tile = 2 * box, W_ROWS * DEPTH // 2
+    x_tile, w_tile = 2 * box, w_rows * DEPTH // 2
     stage = x_tile + w_tile
     q_base = stages * stage
     q_tile = tokens * DEPTH // 2
-    n_acc = tokens // 2  # a thread's accumulators: 64 x tokens over 128 threads
-    per = 128 // tokens  # threads a token
+    n_acc = tokens // 2  # a thread's accumulators: 64 x tokens over a warpgroup's 128 threads
+    threads = 128 * consumers
+    per = threads // tokens  # threads a token
     each = DEPTH // per  # a thread's elements of a token's tile
     abs_max, abs_max_source, pair_max, pair_max_source = _magnitude_helpers(dtype)
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{tokens}k32").f32.e4m3.e4m3
@@ -890,7 +905,8 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
 
     @T.macro
     def consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx):
-        w = T.meta_var(tx // 32)
+        cw = T.meta_var(tx // 128)
+        w = T.meta_var(tx % 128 // 32)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
         part = T.alloc_local((n_acc,), "float32")  # a tile's products, before they join acc
@@ -909,7 +925,7 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         wait(full, 0)
         quantise(smem, factors, xv, qv, pairs, peak, tile_peak, scale, 0, tx)
         T.ptx.fence.proxy.async_.shared__cta()  # the e4m3 tile, written here, read by wgmma
-        T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+        T.ptx.bar.sync(T.uint32(1), T.uint32(threads))
         for t in T.serial(count):
             fence_part(part, 0)
             T.ptx.wgmma.fence.sync.aligned()
@@ -917,7 +933,8 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                 T.evaluate(
                     mma(
                         *[part[i] for i in range(n_acc)],
-                        _k_major(smem, (t % stages) * stage + x_tile, ks), _k_major(smem, q_base + t % 2 * q_tile, ks),
+                        _k_major(smem, (t % stages) * stage + x_tile + cw * W_ROWS * DEPTH // 2, ks),
+                        _k_major(smem, q_base + t % 2 * q_tile, ks),
                         ks > 0, 1, 1,
                     )
                 )
@@ -937,13 +954,13 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
                     for g in T.unroll(2):
                         acc[4 * j + 2 * g + e] = acc[4 * j + 2 * g + e] * f + part[4 * j + 2 * g + e]
             # tile t + 1's e4m3 tile and repairs are whole; tile t's may be overwritten
-            T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+            T.ptx.bar.sync(T.uint32(1), T.uint32(threads))
         if tx % per == 0:
             T.evaluate(_store("f32", last.ptr_to([tx // per]), T.max(peak[0], T.float32(EPS)) / T.float32(FP8_MAX)))
-        T.ptx.bar.sync(T.uint32(1), T.uint32(128))
+        T.ptx.bar.sync(T.uint32(1), T.uint32(threads))
         for j in T.unroll(tokens // 8):
             for g in T.unroll(2):
-                row = T.meta_var(n0 + 16 * w + lane // 4 + 8 * g)
+                row = T.meta_var(n0 + W_ROWS * cw + 16 * w + lane // 4 + 8 * g)
                 for e in T.unroll(2):
                     token = T.meta_var(8 * j + 2 * (lane % 4) + e)
                     if t0 + token < m and row < n:
@@ -965,15 +982,16 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         # token tiles fastest: the blocks that read a tile of W run together
         t0 = bx % t_tiles * tokens
         n_tile, s, first, count = T.meta_var(split_of_block(bx, t_tiles, n_tiles, splits, k_tiles))
-        n0 = n_tile * W_ROWS
-        init_barriers(full, empty, tx, 128)
-        if tx < 128:
+        n0 = n_tile * w_rows
+        init_barriers(full, empty, tx, threads)
+        if tx < threads:
             consume(smem, full, empty, factors, last, t0, n0, first, count, s, tx)
-        elif tx == 128:
+        elif tx == threads:
             produce(x_map, w_map, smem, full, empty, t0, n0, first, count)
 
-    maps = ((X, k, m, k * 2, DEPTH // 2, tokens, 1, 1, dtype), (W, k, n, k, DEPTH, W_ROWS, 1, 1, "float8_e4m3fn"))
-    func = tma_kernel(params, maps, t_tiles * n_tiles * splits, _SKINNY_THREADS, block)
+    maps = ((X, k, m, k * 2, DEPTH // 2, tokens, 1, 1, dtype), (W, k, n, k, DEPTH, w_rows, 1, 1, "float8_e4m3fn"))
+    # the consumers and a producer warp
+    func = tma_kernel(params, maps, t_tiles * n_tiles * splits, threads + 32, block)
     if splits == 1:
         return func
     body = ir.prepend_in_root(split_sum(parts, out), [func.body], [parts])
