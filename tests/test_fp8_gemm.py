@@ -151,7 +151,7 @@ def _split_skinny_source(tokens, consumers):
                                      consumers=consumers))
 
 
-@pytest.mark.parametrize("tokens, consumers", [(16, 1), (32, 1), (32, 2)])
+@pytest.mark.parametrize("tokens, consumers", [(16, 1), (32, 1), (16, 2), (32, 2)])
 @assembled(_split_skinny_source)
 def test_ptxas_keeps_the_split_skinny_kernel_asynchronous(tokens, consumers, runs_ahead, request):
     _, report = assembly(runs_ahead, request)
@@ -176,8 +176,8 @@ def test_refusals_say_why(args, config, reason):
 def test_two_consumer_warpgroups_share_a_block_s_quantised_tokens():
     """``consumers=2``: blocks of 128 W rows, two consumer warpgroups of 64 and a producer
     warp, the second warpgroup's wgmma reading W's rows 64 on (8 KiB on in each stage) and
-    storing rows 64 on; a thread quantises 16 elements of a token's tile, so 16 tokens
-    are refused, and two such blocks an SM bound the stages."""
+    storing rows 64 on; a thread quantises 8 elements of a token's tile at 16 tokens (an
+    8-byte store of them), 16 at 32; two such blocks an SM bound the stages."""
     m = tvm.tirx.Var("m", "int64")
     func = fp8.skinny_kernel(m, 14336, 4096, tokens=32, splits=1, consumers=2)
     (blocks,) = grids(func)
@@ -186,8 +186,9 @@ def test_two_consumer_warpgroups_share_a_block_s_quantised_tokens():
     assert "__launch_bounds__(288)" in source
     assert "(((int)threadIdx.x) >> 7) * 4096)" in source  # the warpgroup's W rows in shared memory
     assert fp8.skinny_splits(14336 // 128, 4096 // fp8.DEPTH, sms=132, consumers=2) == 2
+    assert "st.shared.v2.b32" in _source(fp8.skinny_kernel(m, 14336, 4096, tokens=16, splits=1, consumers=2))
+    assert "st.shared.v2.b32" not in source
     for kwargs, reason in (
-        (dict(tokens=16, consumers=2), "16 tokens a block shared by 2 consumer warpgroups"),
         (dict(tokens=32, consumers=3), "3 consumer warpgroups a block: one of (1, 2)"),
         (dict(tokens=64, stages=4, consumers=2), "4 stages of 64 tokens and 128 W rows"),
     ):

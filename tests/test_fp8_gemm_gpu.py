@@ -79,6 +79,8 @@ def _compare(kernel, m, n, k, dtype, out_dtype, tile=fp8.DEPTH):
     (100, 512, 1024, "bfloat16", "bfloat16", 64, 3, None, 1),
     # two consumer warpgroups a block, sharing the quantised tokens
     (32, 1024, 4096, "float16", "float16", 32, 4, None, 2),
+    (16, 1024, 4096, "float16", "float16", 16, 4, None, 2),  # 8 elements a thread of a token's tile
+    (1, 256, 512, "float16", "float32", 16, 2, 2, 2),
     (45, 328, 528, "float16", "float32", 32, 3, 2, 2),  # W's last tile past N in one warpgroup's rows
     (100, 512, 1024, "bfloat16", "bfloat16", 64, 3, 1, 2),
 ])

@@ -748,6 +748,11 @@ __forceinline__ __device__ void tvm_cascade_st_shared_v4(unsigned address, unsig
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(address), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 """,
+    "v2": """
+__forceinline__ __device__ void tvm_cascade_st_shared_v2(unsigned address, unsigned a, unsigned b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" :: "r"(address), "r"(a), "r"(b) : "memory");
+}
+""",
     "f32": """
 __forceinline__ __device__ void tvm_cascade_st_shared_f32(unsigned address, float a) {
   asm volatile("st.shared.f32 [%0], %1;" :: "r"(address), "f"(a) : "memory");
@@ -772,9 +777,6 @@ def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1, consume
         return f"{tokens} tokens a block: one of {TOKEN_CHOICES}"
     if consumers not in CONSUMER_CHOICES:
         return f"{consumers} consumer warpgroups a block: one of {CONSUMER_CHOICES}"
-    if DEPTH * tokens // (128 * consumers) < 16:
-        # (a thread quantises 16 elements of a token's tile or more: a 16-byte store)
-        return f"{tokens} tokens a block shared by {consumers} consumer warpgroups: 32 or more for 2"
     # blocks of one consumer warpgroup three an SM, of two two
     share = 3 if consumers == 1 else 2
     if stages < 2 or stages * (tokens * DEPTH * 2 + consumers * W_ROWS * DEPTH) > SHARED_BYTES // share:
@@ -885,6 +887,10 @@ def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stag
         for e in T.unroll(each // 4):
             v = T.meta_var([T.Cast("float32", xv[4 * e + i]) * scale[0] for i in range(4)])
             qv[e] = T.cuda.func_call(_QUANTISE, *v, source_code=_QUANTISE_SOURCE, return_type="uint32")
+        if each == 8:  # half a 16-byte chunk
+            c = T.meta_var(first // 16)
+            at = T.meta_var(q_base + t % 2 * q_tile + token * 64 + (c ^ (token % 8)) * 8 + first % 16 // 2)
+            T.evaluate(_store("v2", smem.ptr_to([at]), qv[0], qv[1]))
         for j in T.unroll(each // 16):
             c = T.meta_var(first // 16 + j)
             at = T.meta_var(q_base + t % 2 * q_tile + token * 64 + (c ^ (token % 8)) * 8)
