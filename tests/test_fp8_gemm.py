@@ -2,6 +2,7 @@
 CPU: the repair it takes from ``rolling_update``'s derivation, its numpy definition, the
 CUDA kernel its build makes for sm_90a (through ptxas), and its refusals. The kernel runs
 only on an H100 or H200: numerics in test_fp8_gemm_gpu.py."""
+import functools
 import json
 import re
 
@@ -91,13 +92,13 @@ def test_a_variable_token_count_chooses_its_kernel_at_run_time():
     assert isinstance(first, tvm.tirx.IfThenElse) and isinstance(second, tvm.tirx.IfThenElse)
     tvm.ir.assert_structural_equal([first.condition, second.condition], [m <= 16, m <= 32])
     params = func.params
-    for branch, kernel in ((first.then_case, fp8.skinny_kernel(rows, 256, 512, tokens=16, params=params)),
-                           (second.then_case, fp8.skinny_kernel(rows, 256, 512, tokens=32, params=params)),
+    skinny = functools.partial(fp8.skinny_kernel, rows, 256, 512, params=params, consumers=fp8.SKINNY_CONSUMERS)
+    for branch, kernel in ((first.then_case, skinny(tokens=16)), (second.then_case, skinny(tokens=32)),
                            (second.else_case, fp8.kernel(m, 256, 512, params=params))):
         tvm.ir.assert_structural_equal(func.with_body(branch), kernel, map_free_vars=True)
     source = _source(func)
     assert source.count("__global__") == 6  # three, each declared and defined
-    # 64-bit arguments for the 128-row kernel only (the skinny ones: 160 threads)
+    # 64-bit arguments for the 128-row kernel only (the skinny ones: 288 threads)
     signatures = re.findall(r"__global__ void __launch_bounds__\(([\d, ]+)\) \w+\(([^)]*)\)", source)
     assert len(signatures) == 6 and all(("int64_t" in args) == (bounds == "384, 1") for bounds, args in signatures)
     # TVM's CUDA launcher passes no 64-bit unsigned argument: what the kernels share
@@ -185,7 +186,10 @@ def test_two_consumer_warpgroups_share_a_block_s_quantised_tokens():
     source = _source(func)
     assert "__launch_bounds__(288)" in source
     assert "(((int)threadIdx.x) >> 7) * 4096)" in source  # the warpgroup's W rows in shared memory
-    assert fp8.skinny_splits(14336 // 128, 4096 // fp8.DEPTH, sms=132, consumers=2) == 2
+    # splits where a token tile's rows, in tiles of 64, leave SMs idle
+    assert fp8.skinny_splits(14336 // 128, 4096 // fp8.DEPTH, sms=132, consumers=2) == 1
+    assert fp8.skinny_splits(4096 // 128, 4096 // fp8.DEPTH, sms=132, consumers=2) == fp8.split_count(
+        4096 // 128, 4096 // fp8.DEPTH, sms=132, per_sm=fp8.BLOCKS_PER_SM / 2) > 1
     assert "st.shared.v2.b32" in _source(fp8.skinny_kernel(m, 14336, 4096, tokens=16, splits=1, consumers=2))
     assert "st.shared.v2.b32" not in source
     for kwargs, reason in (
@@ -280,8 +284,15 @@ def test_schedule_annotates_the_form_and_replays_from_json():
     cascade_trace.apply_json_to_schedule(json.loads(json.dumps(cascade_trace.to_plain_json(sch.trace.as_json()))), replayed)
     tvm.ir.assert_structural_equal(replayed.mod, sch.mod)
     assert _source(sch.mod) == _source(fp8.kernel_for(rows, 512, 1024, "float16", "float32"))
-    few = fp8.schedule(cascades.fp8_quant_gemm(20, 512, 1024), "skinny", [32, 3])
-    assert _source(few.mod) == _source(fp8.skinny_kernel(20, 512, 1024, tokens=32, stages=3))
+    few = cascades.fp8_quant_gemm(20, 512, 1024)
+    assert _source(fp8.schedule(few).mod) == _source(fp8.skinny_kernel(20, 512, 1024, tokens=32, consumers=2))
+    assert _source(fp8.schedule(few, "skinny", [32, 3, 2]).mod) == _source(
+        fp8.skinny_kernel(20, 512, 1024, tokens=32, stages=3, consumers=2))
+    # a record of the skinny form's first two choices: one consumer warpgroup
+    assert _source(fp8.schedule(few, "skinny", [32, 3]).mod) == _source(
+        fp8.skinny_kernel(20, 512, 1024, tokens=32, stages=3, consumers=1))
+    with pytest.raises(ValueError, match=re.escape("choices are [tokens, stages, consumers], not [32]")):
+        fp8.schedule(few, "skinny", [32])
 
 
 def test_only_the_op_with_the_kernels_tile_is_recognised():

@@ -112,7 +112,7 @@ def test_two_pass_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, con
            lambda rows: fp8_two_pass.two_pass_kernel(rows, n, k, dtype, out_dtype, config), tile=k)
 
 
-@pytest.mark.parametrize("m, form, choices", [(24, None, None), (300, None, None), (40, "skinny", [64, 3])])
+@pytest.mark.parametrize("m, form, choices", [(24, None, None), (300, None, None), (40, "skinny", [64, 3]), (40, "skinny", [64, 3, 2])])
 def test_a_schedule_of_the_op_builds_the_kernel(m, form, choices):
     """``ops.fp8_quant_gemm`` scheduled (:func:`fp8.schedule`: the default form or a given
     one) and built by :func:`fp8.build`, as MetaSchedule's candidates are."""

@@ -260,7 +260,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         """On an H100 or H200, an ``ops.fp8_quant_gemm`` as the kernels of
         :mod:`~tvm_cascade.schedules.warp_specialized_fp8_gemm` that can serve it: 128-row
         tiles (columns and row-tile grouping sampled) and, for up to 64 static tokens,
-        the skinny form (tokens a block sampled); for a variable token count, the form
+        the skinny form (tokens and consumer warpgroups a block sampled); for a variable token count, the form
         that picks among the skinny kernels and the 128-row one at run time; for the
         op with one k tile (the two-pass quantisation), the two kernels of
         :mod:`~tvm_cascade.schedules.fp8_two_pass` (columns, stages and grouping
@@ -270,7 +270,7 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
                  ("two_pass", (fp8.COLS_CHOICES, fp8.TWO_PASS_STAGE_CHOICES, fp8.GROUP_CHOICES))]
         if isinstance(problem.m, int) and problem.m <= max(fp8.TOKEN_CHOICES):
             tokens = tuple(t for t in fp8.TOKEN_CHOICES if t < 2 * max(problem.m, 16))
-            forms.append(("skinny", (tokens, (4 if max(tokens) < 64 else 3,))))
+            forms.append(("skinny", (tokens, (4 if max(tokens) < 64 else 3,), fp8.CONSUMER_CHOICES)))
         if not isinstance(problem.m, int):
             forms.append(("by_tokens", tuple((t,) for t in fp8.RUN_TIME_TOKENS)))
         proposals = []

@@ -334,7 +334,8 @@ def tile_store(out, w_scale, m, n, cols):
 #: ...: a trace's dead-code elimination keeps a sampled value only where an instruction
 #: takes it itself, not inside a list), ``[cols, stages, group]``
 #: (:class:`Fp8GemmConfig`) for "tiles" and "two_pass" (one k tile: X quantised by a
-#: kernel of its own first, :mod:`.fp8_two_pass`), ``[tokens, stages]`` for "skinny", and for
+#: kernel of its own first, :mod:`.fp8_two_pass`), ``[tokens, stages, consumers]`` for "skinny"
+#: (records of ``[tokens, stages]`` mean one consumer warpgroup, as before the choice), and for
 #: "by_tokens" (a variable token count) the skinny kernels' tokens a block, ascending,
 #: each taking the counts up to it at run time, the 128-row kernel the rest
 #: (:func:`by_tokens`). On the block, not a loop: MetaSchedule's postprocessors bind and
@@ -395,7 +396,7 @@ def default_choices(problem: Fp8QuantGemm):
     if not isinstance(m, int):
         return "by_tokens", list(RUN_TIME_TOKENS)
     if m <= SKINNY_TOKENS:
-        return "skinny", [16 if m <= 16 else 32, 4]
+        return "skinny", [16 if m <= 16 else 32, 4, SKINNY_CONSUMERS]
     config = Fp8GemmConfig()
     return "tiles", [config.cols, config.stages, config.group]
 
@@ -456,13 +457,17 @@ def unsupported_choices(problem, form, choices):
         cols, stages, group = (int(c) for c in choices)
         return unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
     if form == "skinny":
-        tokens, stages = (int(c) for c in choices)
-        return skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
+        if len(choices) not in (2, 3):
+            return f"the skinny form's choices are [tokens, stages, consumers], not {list(choices)}"
+        tokens, stages, consumers = _skinny_choices(choices)
+        return skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages,
+                                  consumers=consumers)
     if form == "by_tokens":
         tokens = [int(c) for c in choices]
         if not tokens or tokens != sorted(set(tokens)):
             return f"by_tokens takes the skinny kernels' tokens a block in ascending order, not {tokens}"
-        reasons = [skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, t, 4) for t in tokens]
+        reasons = [skinny_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, t, 4,
+                                      consumers=SKINNY_CONSUMERS) for t in tokens]
         return next((r for r in reasons if r is not None), unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype))
     return f"the fp8 GEMM's forms are {FORMS}, not {form!r}"
 
@@ -479,8 +484,14 @@ def _kernel(problem, form, choices):
         return kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
     if form == "by_tokens":
         return by_tokens(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, [int(c) for c in choices])
-    tokens, stages = (int(c) for c in choices)
-    return skinny_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages)
+    tokens, stages, consumers = _skinny_choices(choices)
+    return skinny_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages,
+                         consumers=consumers)
+
+
+def _skinny_choices(choices):
+    tokens, stages, *consumers = (int(c) for c in choices)
+    return tokens, stages, consumers[0] if consumers else 1
 
 
 def build(mod, target):
@@ -547,6 +558,10 @@ def _problem_of_params(func, kernel_dtypes=False) -> Optional[Fp8QuantGemm]:
 #: The most tokens :func:`kernel_for` gives :func:`skinny_kernel` (measured: see
 #: RESULTS.md, "fp8 quantisation + GEMM").
 SKINNY_TOKENS = 32
+#: The consumer warpgroups a block of :func:`kernel_for`'s skinny kernels has (on an
+#: H200, 1-32 tokens, N x K 14336 x 4096, 4096 x 14336 and 4096 x 4096: two were 1.05-1.34x
+#: faster than one, each with its default splits).
+SKINNY_CONSUMERS = 2
 
 
 #: The two-pass form's choices in :func:`kernel_for`, and the stages a design space
@@ -581,7 +596,7 @@ def by_tokens(m, n, k, dtype="float16", out_dtype="float16", tokens=RUN_TIME_TOK
     def launches(rows):
         body = many
         for most in sorted(tokens, reverse=True):
-            skinny = skinny_kernel(rows, n, k, dtype, out_dtype, tokens=most, params=params)
+            skinny = skinny_kernel(rows, n, k, dtype, out_dtype, tokens=most, params=params, consumers=SKINNY_CONSUMERS)
             body = tvm.tirx.IfThenElse(m <= most, skinny.body, body)
         return body
 
@@ -787,12 +802,14 @@ def skinny_unsupported(n, k, dtype, out_dtype, tokens, stages, splits=1, consume
 
 def skinny_splits(n_tiles, k_tiles, sms=None, consumers=1):
     """The skinny kernel's default splits of K: :func:`.warp_specialized_gemm.split_count`'s
-    where a token tile's ``n_tiles`` output tiles leave some of ``sms`` SMs idle, else one
-    (measured on an H200's 132 SMs at 16 tokens: with 224 tiles one split was faster than
-    two, with 64 tiles six were 1.4x faster than one); blocks of ``consumers`` warpgroups
-    aim at that many times fewer blocks an SM."""
+    where a token tile's ``n_tiles`` output tiles of ``consumers`` x 64 W rows, counted as
+    64-row tiles, leave some of ``sms`` SMs idle, else one (measured on an H200's 132 SMs:
+    at 16 tokens, one warpgroup, 224 tiles one split was faster than two and with 64 tiles
+    six 1.4x faster than one; two warpgroups' 112 tiles of N = 14336 one split 1.06-1.17x
+    faster than two at 24 and 32 tokens); blocks of ``consumers`` warpgroups aim at that
+    many times fewer blocks an SM."""
     sms = sms or sm_count(tvm.cuda(0))
-    return split_count(n_tiles, k_tiles, sms, BLOCKS_PER_SM / consumers) if n_tiles < sms else 1
+    return split_count(n_tiles, k_tiles, sms, BLOCKS_PER_SM / consumers) if n_tiles * consumers < sms else 1
 
 
 def skinny_kernel(m, n, k, dtype="float16", out_dtype="float16", tokens=16, stages=4, params=None, splits=None,
