@@ -16,8 +16,8 @@ from .configs import Config
 
 TVM_CASCADE = "tvm-cascade"
 TVM_CASCADE_RUNTIME = "tvm-cascade-runtime"
-#: Dynamo's recompile limits: at the default (8) every further FlexAttention shape or
-#: score_mod silently falls back to an unfused eager path.
+#: Dynamo's recompile limits: at the default (8) every further shape (FlexAttention's
+#: score_mod too) silently falls back to an unfused eager path.
 DYNAMO_RECOMPILE_LIMIT = 256
 #: SDPA backends that are given ``attn_mask`` for ALiBi and the sliding window.
 MASK_BACKENDS = {"EFFICIENT_ATTENTION"}
@@ -147,22 +147,31 @@ def sdpa(backend: str):
 _compiled_flex = None
 
 
+def compiled_per_shape(fn):
+    """``torch.compile`` of ``fn`` specialised to each shape it meets (``dynamic=False``,
+    Dynamo's recompile limits raised to :data:`DYNAMO_RECOMPILE_LIMIT`): by default a
+    second shape recompiles it for symbolic sizes, and what a peer runs would then
+    depend on the shapes run before it in the process."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    for name in (
+        "cache_size_limit",
+        "recompile_limit",
+        "accumulated_cache_size_limit",
+        "accumulated_recompile_limit",
+    ):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), DYNAMO_RECOMPILE_LIMIT))
+    return torch.compile(fn, dynamic=False)
+
+
 def _flex_attention():
     global _compiled_flex
     if _compiled_flex is None:
-        import torch
-        import torch._dynamo.config as dynamo_config
         from torch.nn.attention.flex_attention import flex_attention
 
-        for name in (
-            "cache_size_limit",
-            "recompile_limit",
-            "accumulated_cache_size_limit",
-            "accumulated_recompile_limit",
-        ):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, max(getattr(dynamo_config, name), DYNAMO_RECOMPILE_LIMIT))
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = compiled_per_shape(flex_attention)
     return _compiled_flex
 
 
