@@ -31,6 +31,7 @@ def _kernel(layout, heads_q=4, heads_kv=2, head_dim=16, variant="causal", dtype=
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@in_a_process_ahead
 def test_variants_every_layout(layout, variant):
     if layout in UNIFORM_LAYOUTS:
         lengths = [([5, 5], [12, 12]), ([1, 1, 1], [9, 9, 9]), ([13], [13])]

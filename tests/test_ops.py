@@ -9,6 +9,7 @@ import tvm
 import tvm_ffi
 from tvm import te
 
+from ahead import in_a_process_ahead
 from tvm_cascade import ops
 from tvm_cascade.ops import reference as ref
 from tvm_cascade.ops import testing as tt
@@ -94,6 +95,7 @@ def test_attention_normalize_before_pv(variant, phase, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("phase", ["prefill", "decode", "decode1"])
 @pytest.mark.parametrize("variant", sorted(ops.VARIANTS))
+@in_a_process_ahead
 def test_attention_padded_to_whole_tiles(variant, phase, dtype):
     """``pad_to`` computes over lengths rounded up to whole tiles (here 16 rows, 32 keys:
     24 -> 32 rows, 24/40/33 -> 32/64/64 keys) and gives the unpadded result."""

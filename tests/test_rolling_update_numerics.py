@@ -25,6 +25,7 @@ from tvm import te
 from tvm.s_tir.schedule import ScheduleError
 
 import tvm_cascade  # noqa: F401  (installs Schedule.rolling_update)
+from ahead import in_a_process_ahead
 from tvm_cascade import FusionError, ops
 from tvm_cascade.ops import reference as R
 from tvm_cascade.ops import testing as tt
@@ -154,6 +155,7 @@ def _grid():
 
 
 @pytest.mark.parametrize("variant,shape,tile,dtype,nb", _grid())
+@in_a_process_ahead
 def test_attention_grid(variant, shape, tile, dtype, nb):
     sch, _, _ = check_attention(shape, variant=variant, dtype=dtype, tile=tile, nb=nb, seed=zlib.crc32(repr((variant, shape)).encode()) % 1000)
     _assert_well_formed(sch.mod)

@@ -40,6 +40,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tvm_cascade  # noqa: F401  (installs Schedule.split_k_update)
+from ahead import in_a_process_ahead
 from tvm_cascade import ops
 from tvm_cascade import trace as ctrace
 from tvm_cascade.ops import reference as R
@@ -243,6 +244,7 @@ def _grid():
 
 
 @pytest.mark.parametrize("variant,shape,chunks,dtype,nb", _grid())
+@in_a_process_ahead
 def test_attention_grid(variant, shape, chunks, dtype, nb):
     check_attention(
         shape, variant=variant, dtype=dtype, chunks=chunks, nb=nb,
@@ -379,6 +381,7 @@ def test_causal_prefill_masks_whole_chunks(dtype):
     "shape,chunks", [((1, 4, 2, 4, 40, 16), 8), ((2, 4, 1, 1, 37, 16), 8)], ids=["prefill", "decode"]
 )
 @pytest.mark.parametrize("nb", [False, True], ids=["pv_then_div", "nb"])
+@in_a_process_ahead
 def test_all_keys_masked_gives_mean_of_v(shape, chunks, dtype, nb):
     """window=0: every key of every row is masked (score = lowest finite fp32); every
     chunk is fully masked; the output is finite and equals the mean of V."""
