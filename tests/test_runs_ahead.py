@@ -1,6 +1,6 @@
 """The suite's runs ahead (``runs_ahead.py``): tests whose runs name one shared key get
-one run between them; a forked run is its script's run in a new interpreter, its exit
-status its own."""
+one run between them; a forked run is its script's run as the interpreter would run it,
+in a process forked from a preloaded one, its exit status its own."""
 import multiprocessing
 import os
 import subprocess
