@@ -341,9 +341,10 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
     gemm = source[source.rindex('extern "C" __global__'):]
     gemm = gemm[gemm.index("{"):]  # its body
     before_wait = gemm[:gemm.index(WAITS[0])]
-    # the 4 stages' W boxes (k 0, 128, 256, 384) asked for in L2, by one thread, before the wait
+    # the 6 stages' W boxes (k 0, 128, ..., 640) asked for in L2, by one thread, before the wait
+    assert fp8.TWO_PASS_CONFIG.stages == 6
     assert re.findall(r"tvm_cascade_prefetch_box_2d\(\(\(unsigned long long\)\(&\(w_map\)\)\), (\d+),", before_wait) == [
-        "0", "128", "256", "384"]
+        "0", "128", "256", "384", "512", "640"]
     assert not any(f"{name}_ptr" in before_wait for name in ("q_scale", "w_scale", "out", "X", "q"))
     assert gemm.count(WAITS[0]) == 1
     for mark in ("cvt.rn.satfinite.e4m3x2.f32", "__fdiv_rn", "cp.async.bulk.tensor.2d",

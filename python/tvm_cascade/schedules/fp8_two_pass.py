@@ -32,7 +32,7 @@ from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
 from .warp_specialized import THREADS
 from .warp_specialized_fp8_gemm import (
-    _QUANTISE, _QUANTISE_SOURCE, DEPTH, EPS, FP8_MAX, ROWS, Fp8GemmConfig, _k_major, _params, _producer, tile_store,
+    _QUANTISE, _QUANTISE_SOURCE, DEPTH, EPS, FP8_MAX, ROWS, TWO_PASS_CONFIG, _k_major, _params, _producer, tile_store,
     tiled_block, unsupported,
 )
 
@@ -43,14 +43,14 @@ _VECTOR = 8
 _WARPS = QUANTISE_THREADS // 32
 
 
-def two_pass_unsupported(n, k, dtype, out_dtype, config=Fp8GemmConfig()):
+def two_pass_unsupported(n, k, dtype, out_dtype, config=TWO_PASS_CONFIG):
     """Why :func:`two_pass_kernel` cannot serve this GEMM (M is free), or None."""
     if k % _VECTOR:
         return f"the quantisation kernel loads rows in 16-byte pieces: K = {k} is not a multiple of {_VECTOR}"
     return unsupported(n, k, dtype, out_dtype, config, x_bytes=1)
 
 
-def two_pass_kernel(m, n, k, dtype="float16", out_dtype="float16", config=Fp8GemmConfig()):
+def two_pass_kernel(m, n, k, dtype="float16", out_dtype="float16", config=TWO_PASS_CONFIG):
     """The two kernels' PrimFunc ``main(X[m, k], W[n, k], w_scale[n], out[m, n])``
     (:func:`~.warp_specialized_fp8_gemm.kernel`'s parameters; ``m`` an int or a
     variable), their workspace allocated in it."""
