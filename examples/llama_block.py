@@ -243,7 +243,8 @@ def main():
     for batch, seq, past in shapes:
         key = (batch,) if args.target == "llvm" else (batch, seq, "past" if seq == 1 and not args.static_past else past)
         exports.setdefault(key, []).append((batch, seq, past))
-    tol = {"float16": 2e-2, "bfloat16": 1e-1}.get(args.dtype, 2e-4)
+    # bfloat16 keeps 3 fewer mantissa bits than float16: the same block's bound, 8x.
+    tol = {"float16": 2e-2, "bfloat16": 8 * 2e-2}.get(args.dtype, 2e-4)
     alone = _standalone_kernel(args) if args.time and args.target == "cuda" else None
     for export, run in exports.items():
         mod, params = build(args, *export[1:], batch=export[0])
