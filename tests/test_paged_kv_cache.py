@@ -167,27 +167,34 @@ def test_scenario_with_rope_inside_attention(pipeline, scenario, model):
     pkv.SCENARIOS[scenario](model)
 
 
+@pytest.fixture(scope="module")
+def library_only_rope_cache():
+    """The cache module of :data:`LIBRARY` with RoPE before attention (head dim 64) whose
+    TVM kernels, the library's fallbacks, compute nothing; built once for the module."""
+    from tvm_cascade.library import kv_cache as library  # pylint: disable=import-outside-toplevel
+    from tvm_cascade.library import rope_inside  # pylint: disable=import-outside-toplevel
+    from tvm_cascade.relax import kv_cache as relax_kv  # pylint: disable=import-outside-toplevel
+
+    build = relax_kv.cache_kernel
+    with pytest.MonkeyPatch.context() as patch:
+        def without_tvms(kind, *args, fallback, **options):
+            patch.setattr(library, "rotation_of", lambda _: rope_inside.rotation_of(fallback))
+            return build(kind, *args, fallback=fallback.with_body(tvm.tirx.Evaluate(0)), **options)
+
+        patch.setattr(relax_kv, "cache_kernel", without_tvms)
+        return pkv.compile_paged_kv_cache(TARGET, _pipeline(LIBRARY), head_dim=64, **ROPE)
+
+
 @pytest.mark.parametrize("scenario", ["prefill_decode", "sliding_window"])
 @_built_ahead(lambda scenario: ("default", {"head_dim": 64, **ROPE}))
-def test_rope_that_the_runtime_moves_inside_attention(scenario, monkeypatch, model):
+def test_rope_that_the_runtime_moves_inside_attention(scenario, library_only_rope_cache, model):
     """RoPE before attention (``RopeMode.NORMAL``) in a cache created with sliding window
     support: the runtime rotates inside attention, at the positions it keeps for a
     window (which the reference does not model), through the sliding-window kernels and
     the ragged prefill. Those of the library serve every such call: with TVM's kernels,
     their fallbacks, made to compute nothing, the outputs equal the default pipeline's
     (TVM's kernels) step by step."""
-    from tvm_cascade.library import kv_cache as library  # pylint: disable=import-outside-toplevel
-    from tvm_cascade.library import rope_inside  # pylint: disable=import-outside-toplevel
-    from tvm_cascade.relax import kv_cache as relax_kv  # pylint: disable=import-outside-toplevel
-
-    build = relax_kv.cache_kernel
-
-    def without_tvms(kind, *args, fallback, **options):
-        monkeypatch.setattr(library, "rotation_of", lambda _: rope_inside.rotation_of(fallback))
-        return build(kind, *args, fallback=fallback.with_body(tvm.tirx.Evaluate(0)), **options)
-
-    monkeypatch.setattr(relax_kv, "cache_kernel", without_tvms)
-    library_only = pkv.compile_paged_kv_cache(TARGET, _pipeline(LIBRARY), head_dim=64, **ROPE)
+    library_only = library_only_rope_cache
     runs = [pkv.SCENARIOS[scenario](each, cache_options={"support_sliding_window": True}, reference=False)
             for each in (library_only, model)]
     assert len(runs[0].outputs) == len(runs[1].outputs) > 0
