@@ -224,7 +224,9 @@ def test_layers_of_sliding_windows(pipeline, model):
     assert report.steps > 0 and report.tokens > 0
 
 
-@_built_ahead(lambda: ("default", {"head_dim": 64, "layer_window": 40}))
+# (test_layers_of_sliding_windows[default]'s module, compiled here once for both)
+@_built_ahead(lambda: ("default", {"head_dim": 64, "layer_window": 40, "rope_mode": pkv.RopeMode.NORMAL}),
+              ahead=lambda pipeline: False)
 def test_a_window_shows_in_the_layers_outputs(model):
     """The sliding layer's reference is not the full layer's: a checker that takes the
     window away fails where the sequence has outgrown it."""
