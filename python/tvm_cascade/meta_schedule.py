@@ -274,13 +274,11 @@ class CascadeFusion(ms.schedule_rule.PyScheduleRule):
         if not isinstance(problem.m, int):
             forms.append(("by_tokens", tuple((t,) for t in fp8.RUN_TIME_TOKENS)))
         proposals = []
-        firsts_of = {"tiles": fp8.Fp8GemmConfig(), "two_pass": fp8.TWO_PASS_CONFIG}
         for form, options in forms:
             if fp8.unsupported_choices(problem, form, [max(o) for o in options]) is not None:
                 continue
             proposal = sch.copy()
-            own = firsts_of.get(form)
-            firsts = (own.cols, own.stages, own.group) if own else (None,) * len(options)
+            firsts = fp8.config_choices(form) if form in ("tiles", "two_pass") else (None,) * len(options)
             fp8.apply_schedule(proposal, form, [
                 sample_uniform(proposal, o, f if f in o else None) for o, f in zip(options, firsts)
             ])

@@ -391,14 +391,19 @@ def default_choices(problem: Fp8QuantGemm):
     """The form and choices :func:`kernel_for` takes for ``problem``."""
     m = problem.m
     if problem.one_tile() and problem.k > DEPTH:
-        config = TWO_PASS_CONFIG
-        return "two_pass", [config.cols, config.stages, config.group]
+        return "two_pass", config_choices("two_pass")
     if not isinstance(m, int):
         return "by_tokens", list(RUN_TIME_TOKENS)
     if m <= SKINNY_TOKENS:
         return "skinny", [16 if m <= 16 else 32, 4, SKINNY_CONSUMERS]
-    config = Fp8GemmConfig()
-    return "tiles", [config.cols, config.stages, config.group]
+    return "tiles", config_choices("tiles")
+
+
+def config_choices(form: str) -> list:
+    """The default choices ``[cols, stages, group]`` of the ``"tiles"`` form
+    (:class:`Fp8GemmConfig`'s) or the ``"two_pass"`` form (:data:`TWO_PASS_CONFIG`'s)."""
+    config = TWO_PASS_CONFIG if form == "two_pass" else Fp8GemmConfig()
+    return [config.cols, config.stages, config.group]
 
 
 def schedule(func, form: Optional[str] = None, choices=None) -> tvm.s_tir.Schedule:
