@@ -123,21 +123,28 @@ def attention_in_module(compiled, args, func="main", calls=20):
     return _event_median(calls, run)
 
 
-def standalone_attention(kernel, tensors, calls=20):
-    """Median ms of ``kernel`` (``kernels.attention_kernel``) on torch ``tensors``, timed
-    as :func:`attention_in_module` times it in a module, with the L2 cache flushed before
-    each call by reading 256 MiB, as the benchmarks do (in a module the kernels before it
-    have evicted its inputs, or written them: a repeated call alone would find them in
-    the cache)."""
+def standalone_attention(kernel, tensors, calls=20, written=False):
+    """Median ms of ``kernel`` (``kernels.attention_kernel``) on torch ``tensors`` (q, k,
+    v, ...), timed as :func:`attention_in_module` times it in a module, with the L2 cache
+    flushed before each call by reading 256 MiB, as the benchmarks do (a repeated call
+    alone would find its inputs in the cache); or, ``written``, with K and V written just
+    before (copied from copies of themselves), as in a module whose K/V a concatenation
+    or a cache update has just written: their dirty lines' write-back to HBM then runs
+    during the call (``python -m benchmarks.attention_cache_state``)."""
     import torch
 
     plan = kernel.plan(*tensors)
     out = kernel(*tensors, plan=plan)
     flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     total = torch.empty((), dtype=torch.int64, device="cuda")
+    copies = [t.clone() for t in tensors[1:3]]
 
     def run(begin, end):
-        torch.sum(flush, dim=0, out=total)
+        if written:
+            for t, copy in zip(tensors[1:3], copies):
+                t.copy_(copy)
+        else:
+            torch.sum(flush, dim=0, out=total)
         begin()
         kernel(*tensors, out=out, plan=plan)
         end()
@@ -147,9 +154,12 @@ def standalone_attention(kernel, tensors, calls=20):
 
 def report_attention(compiled, args, func, kernel, tensors):
     """Print the attention kernel's time in the cascade module beside ``kernel``'s alone
-    on torch ``tensors`` of the same shapes."""
-    inside, alone = attention_in_module(compiled, args, func), standalone_attention(kernel, tensors)
-    print(f"  attention: in the module {inside:.4f} ms, standalone {alone:.4f} ms ({inside / alone:.2f}x)", flush=True)
+    on torch ``tensors`` of the same shapes, after an L2 flush and after its K/V are
+    written."""
+    inside = attention_in_module(compiled, args, func)
+    alone, written = (standalone_attention(kernel, tensors, written=w) for w in (False, True))
+    print(f"  attention: in the module {inside:.4f} ms, standalone {alone:.4f} ms ({inside / alone:.2f}x), "
+          f"standalone after its K/V are written {written:.4f} ms ({inside / written:.2f}x)", flush=True)
 
 
 def report(label, outs, expected, tol, times):
