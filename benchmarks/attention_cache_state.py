@@ -6,6 +6,7 @@ with one of a quarter and all of the keys a chunk. A sleep kernel is queued befo
 ``examples/compare.py`` times the kernel in the block. The output is checked against float32 SDPA first.
 
 usage (CUDA): python -m benchmarks.attention_cache_state [--shapes 32x1023,32x8191]
+(without a CUDA GPU it says it is skipping and exits 0)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import statistics
 
+from .attention import skip_without_gpu
 from .timing import l2_flush
 from tvm_cascade.kernels import attention_kernel
 from tvm_cascade.library import MaskTensor
@@ -36,11 +38,13 @@ def _timed(kernel, tensors, out, plan, before, calls=30):
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="32x1023,32x8191", help="batch x past keys, ...")
     parser.add_argument("--dtype", default="float16")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if skip_without_gpu("benchmarks.attention_cache_state"):
+        return 0
     import torch
 
     dtype = getattr(torch, args.dtype)
@@ -78,7 +82,8 @@ def main():
             times = ", ".join(f"{state} {_timed(kernel, tensors, out, each, before):.4f}"
                               for state, before in states.items())
             print(f"  {name}: {times} ms", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

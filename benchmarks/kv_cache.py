@@ -44,6 +44,9 @@ SHAPES = (
     ("decode 16x8000 llama3-8b", "decode", [1] * 16, [8000] * 16, 32, 8, 128),
     ("decode 32x4096 llama3-8b", "decode", [1] * 32, [4096] * 32, 32, 8, 128),
     ("decode 1x16000 llama3-8b", "decode", [1], [16000], 32, 8, 128),
+    ("decode 1x1024 llama3-8b", "decode", [1], [1024], 32, 8, 128),
+    ("decode 32x1024 llama3-8b", "decode", [1] * 32, [1024] * 32, 32, 8, 128),
+    ("decode 32x16000 llama3-8b", "decode", [1] * 32, [16000] * 32, 32, 8, 128),
     ("decode 16x(1000..8000) mha d64", "decode", [1] * 16, [1000 + 467 * i for i in range(16)], 32, 32, 64),
     ("decode window 16x(4 sink + 4092) llama3-8b", "decode_window", [1] * 16, [4096] * 16, 32, 8, 128),
 )

@@ -496,6 +496,7 @@ def _run_without_gpu(_, command):
         ["benchmarks.scaled_gemm", "--only", "16 x"],
         ["benchmarks.fp8_gemm", "--only", "16 x"],
         ["benchmarks.kv_cache"],
+        ["benchmarks.attention_cache_state"],
     ],
 )
 @runs(_run_without_gpu)
