@@ -135,16 +135,21 @@ def standalone_attention(kernel, tensors, calls=20, written=False):
 
     plan = kernel.plan(*tensors)
     out = kernel(*tensors, plan=plan)
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    total = torch.empty((), dtype=torch.int64, device="cuda")
-    copies = [t.clone() for t in tensors[1:3]] if written else []
+    if written:
+        copies = [t.clone() for t in tensors[1:3]]
 
-    def run(begin, end):
-        if written:
+        def before():
             for t, copy in zip(tensors[1:3], copies):
                 t.copy_(copy)
-        else:
+    else:
+        flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+        total = torch.empty((), dtype=torch.int64, device="cuda")
+
+        def before():
             torch.sum(flush, dim=0, out=total)
+
+    def run(begin, end):
+        before()
         begin()
         kernel(*tensors, out=out, plan=plan)
         end()
