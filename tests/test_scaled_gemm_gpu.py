@@ -56,6 +56,13 @@ def test_rmsnorm_gemm(m, n, k):
     # persistent blocks taking two tiles or more each
     (2048, 4096, 1024, "kn", "float16", WarpSpecializedGemmConfig(), "float16"),
     (1100, 2048, 512, "nk", "bfloat16", WarpSpecializedGemmConfig(), "bfloat16"),
+    # clusters of two blocks sharing W tiles: rounds of pairs of row tiles, an odd number
+    # of row tiles (the last pair's second past M), partial tiles, one 64-column panel
+    (2048, 4096, 1024, "kn", "float16", WarpSpecializedGemmConfig(cluster=2), "float16"),
+    (1100, 2048, 512, "nk", "bfloat16", WarpSpecializedGemmConfig(cluster=2), "bfloat16"),
+    (200, 328, 520, "kn", "float32", WarpSpecializedGemmConfig(cluster=2), "float16"),
+    (77, 200, 1032, "nk", "float16", WarpSpecializedGemmConfig(cols=64, stages=3, group=2, cluster=2), "float16"),
+    (256, 512, 512, "kn", "float16", WarpSpecializedGemmConfig(cols=64, cluster=2), "float16"),
 ])
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_warp_specialized_rmsnorm_gemm(m, n, k, layout, out_dtype, config, dtype, symbolic):

@@ -94,15 +94,18 @@ def test_few_rows_take_the_kernel_for_few_rows_and_a_variable_count_picks_at_run
     assert "m64n16k16_f32_f16_f16" in both and "m64n256k16_f32_f16_f16" in both and both.count("__global__") == 6
 
 
-def _schedule_source(layout, dtype, rows, k):
+def _schedule_source(layout, dtype, rows, k, cluster):
     rows = tvm.tirx.Var("m", "int32") if rows is None else rows
     return _source(ws.schedule(cascades.rmsnorm_gemm(rows, 328 if layout == "nk" else 1024, k, dtype=dtype,
-                                                     weight_layout=layout)))
+                                                     weight_layout=layout), WarpSpecializedGemmConfig(cluster=cluster)))
 
 
-@pytest.mark.parametrize("layout, dtype, rows, k", [("kn", "float16", 2048, 4096), ("nk", "bfloat16", None, 520)])
+@pytest.mark.parametrize("layout, dtype, rows, k, cluster", [
+    ("kn", "float16", 2048, 4096, 1), ("nk", "bfloat16", None, 520, 1),
+    ("kn", "float16", 2048, 4096, 2), ("nk", "bfloat16", None, 520, 2),
+])
 @assembled(_schedule_source)
-def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(layout, dtype, rows, k, runs_ahead, request):
+def test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous(layout, dtype, rows, k, cluster, runs_ahead, request):
     """Through nvcc (no GPU needed): no register spills, setmaxnreg honoured, the wgmma
     instructions asynchronous (not serialised, no warpgroup waits injected)."""
     _, report = assembly(runs_ahead, request)
@@ -197,3 +200,35 @@ def test_blocks_are_persistent(m, n, grid):
     extent = launched(ws.kernel(rows, n, 4096))
     assert int(tvm.sym.Analyzer().simplify(substitute(extent, {rows: tvm.tirx.IntImm("int32", m)}))) == min(grid, sms)
 
+
+
+@pytest.mark.parametrize("layout, cols, panels", [("kn", 256, 4), ("kn", 64, 1), ("nk", 256, 1)])
+def test_a_cluster_of_two_blocks_shares_each_w_tile(layout, cols, panels):
+    """With ``cluster=2`` the blocks go in clusters of two, each taking one row tile of
+    a pair over the same columns: each block copies its own X tile and its share of the
+    W tile into both blocks (TMA multicast to both: as [K, N] the 64-column panels taken
+    in turn, as [N, K] half the rows each), every consumer thread releases a stage in
+    both blocks (a remote mbarrier arrival), and the blocks meet at cluster barriers
+    after initialisation and before leaving. The annotation carries the cluster size;
+    the default (1) is not annotated and builds the kernel without clusters."""
+    func = cascades.rmsnorm_gemm(2048, 14336, 4096, dtype="float16", weight_layout=layout)
+    sch = ws.schedule(func, WarpSpecializedGemmConfig(cols=cols, cluster=2))
+    assert ws.chosen_config(sch.mod).cluster == 2
+    assert ws.CLUSTER not in str(ws.schedule(func).mod)
+    source = _source(sch)
+    producer = source[source.index("setmaxnreg_dec_sync_aligned_u32_40();"):source.index("setmaxnreg_inc_sync_aligned_u32_232();")]
+    multicasts = re.findall(r"bytes_multicast__cluster\((.*?)\);\n", producer)
+    assert len(multicasts) == panels and all(call.endswith("(ushort)3") for call in multicasts)
+    if layout == "nk":  # each block's half of the rows, at its place in the stage
+        assert "tvm_builtin_cluster_ctaid_x()) * 8192" in multicasts[0] and "cluster_ctaid_x()) * 128)" in multicasts[0]
+    elif panels > 1:  # panel p from block p % 2
+        assert producer.count("tvm_builtin_cluster_ctaid_x()) == 0") == producer.count("cluster_ctaid_x()) == 1") == 2
+    assert producer.count("bytes(") == 1  # X: the block's own rows, not multicast
+    assert "mbarrier.arrive.shared::cluster.b64" in source and "mapa.shared::cluster.u32" in source
+    assert source.count("barrier_cluster_arrive_cluster_arrive();") == 2
+    assert re.search(r"init_shared_b64\(.*empty_ptr.*\(uint\)512\)", source)
+    tiles = 2048 // ws.ROWS // 2 * (14336 // cols)
+    assert launched(ws.kernel(2048, 14336, 4096, layout=layout, config=WarpSpecializedGemmConfig(cols=cols, cluster=2))) \
+        == 2 * min(tiles, sm_count(tvm.cuda(0)) // 2)
+    with pytest.raises(ValueError, match="clusters of 1 or 2 blocks, not 4"):
+        ws.schedule(func, WarpSpecializedGemmConfig(cluster=4))

@@ -141,6 +141,27 @@ class WarpSpecializedConfig:
     cluster: int = 1
 
 
+def stage_release(cluster):
+    """The macro ``release(empty, st, rank)``: a consumer thread is done with stage
+    ``st`` (in a cluster of two, in both blocks: the peer's producer fills this block's
+    stage too, so the thread also arrives on the peer's ``empty``, located by ``mapa``
+    from block ``rank``)."""
+
+    @T.macro
+    def release(empty, st, rank):
+        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([st]), T.uint32(1))
+        if cluster > 1:
+            remote = T.alloc_local((1,), "uint32")
+            T.evaluate(
+                T.ptx.mapa.shared__cluster.u32(
+                    remote[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([st])), T.uint32(1) - T.Cast("uint32", rank)
+                )
+            )
+            T.ptx.mbarrier.arrive.shared__cluster.b64(remote[0])
+
+    return release
+
+
 def serves_target(target):
     """Whether ``target`` is a GPU this kernel runs on (sm_90, sm_90a)."""
     target = tvm.target.Target(target)
@@ -713,19 +734,7 @@ def kernel(tiles, variant, config=WarpSpecializedConfig(), scale=None):
         else:
             out[tiles.out_index(b, h, row, column)] = T.Cast(dtype, value)
 
-    @T.macro
-    def release(empty, st, rank):
-        """This consumer thread is done with stage ``st`` (in both blocks of a cluster:
-        the peer's producer fills this block's stage too)."""
-        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([st]), T.uint32(1))
-        if cluster > 1:
-            remote = T.alloc_local((1,), "uint32")
-            T.evaluate(
-                T.ptx.mapa.shared__cluster.u32(
-                    remote[0], T.cuda.cvta_generic_to_shared(empty.ptr_to([st])), T.uint32(1) - T.Cast("uint32", rank)
-                )
-            )
-            T.ptx.mbarrier.arrive.shared__cluster.b64(remote[0])
+    release = stage_release(cluster)
 
     @T.macro
     def locate(located, b, hk, t):

@@ -32,6 +32,14 @@ Output tiles go in groups of ``group`` row tiles, rows fastest, so that the bloc
 running together share their W columns and X rows in L2. The producer loads a block's
 next tile's first k tiles during the consumers' epilogue of its last.
 
+With ``cluster=2`` two blocks form a cluster that takes two row tiles of one column tile
+at a time: each block's producer copies its own X tile and half of the W tile (as
+``[K, N]`` every other 64-column panel, as ``[N, K]`` half the rows) by TMA multicast
+into both blocks, so W leaves L2 once per cluster instead of once per block (a 128 x 256
+tile's k tile reads 48 KB a block alone, 32 KB in a cluster); every consumer thread
+releases a stage in both blocks (``mapa`` and a remote mbarrier arrival), and the blocks
+meet at cluster barriers after initialisation and before leaving.
+
 Reached as a schedule of ``ops.rmsnorm_gemm`` (:func:`schedule`: the traced
 ``defer_row_scales``, then the choices of :class:`WarpSpecializedGemmConfig` annotated
 on the GEMM block), which :func:`build` lowers to this kernel, as
@@ -60,7 +68,7 @@ from ..primitives import ir
 from ..primitives.row_scales import find_gemm
 # (the producer and two consumer warpgroups, the shared memory of an sm_90 block: as the
 # attention kernel's)
-from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a
+from .warp_specialized import PTX_TYPE, SHARED_BYTES, THREADS, TMA_COPY, serves_target, sm90a, stage_release
 
 #: Rows of the output per thread block (two consumer warpgroups of 64).
 ROWS = 128
@@ -77,6 +85,8 @@ COLS = "tvm_cascade.warp_specialized_gemm_cols"
 STAGES = "tvm_cascade.warp_specialized_gemm_stages"
 GROUP = "tvm_cascade.warp_specialized_gemm_group"
 REGISTERS = "tvm_cascade.warp_specialized_gemm_registers"
+#: The cluster size, annotated where it is not 1 (:attr:`WarpSpecializedGemmConfig.cluster`).
+CLUSTER = "tvm_cascade.warp_specialized_gemm_cluster"
 #: The choices a design space samples (:class:`~tvm_cascade.meta_schedule.CascadeFusion`).
 COLS_CHOICES = (128, 256)
 STAGE_CHOICES = (3, 4)
@@ -119,6 +129,10 @@ class WarpSpecializedGemmConfig:
     group: int = 16  # row tiles taken together (L2 reuse)
     producer_registers: int = 40
     consumer_registers: int = 232
+    # Blocks that share each W tile: with 2, a cluster takes two row tiles of one column
+    # tile and each block fetches half of every W tile into both (TMA multicast), so the
+    # blocks read W from L2 half as often (:func:`kernel`).
+    cluster: int = 1
 
     def shared_bytes(self) -> int:
         """The dynamic shared memory of the kernel's stages: each stage's X and W tiles."""
@@ -196,24 +210,27 @@ def schedule(func, config: Optional[WarpSpecializedGemmConfig] = None) -> tvm.s_
         raise ValueError(reason)
     sch = tvm.s_tir.Schedule(func)
     registers = (config.producer_registers, config.consumer_registers)
-    apply_schedule(sch, problem, config.cols, config.stages, config.group, registers)
+    apply_schedule(sch, problem, config.cols, config.stages, config.group, registers, config.cluster)
     return sch
 
 
 def apply_schedule(
     sch, problem: RmsNormGemm, cols, stages, group,
     registers=(WarpSpecializedGemmConfig.producer_registers, WarpSpecializedGemmConfig.consumer_registers),
+    cluster=1,
 ) -> None:
     """On ``sch``, a schedule of the ``ops.rmsnorm_gemm`` that ``problem`` describes: the
     traced ``defer_row_scales`` of its GEMM, then the kernel's choices (ints, or values a
-    design space sampled), its eps and W's layout annotated on the GEMM block
-    (:data:`PROBLEM`), which :func:`build` reads."""
+    design space sampled; the cluster size annotated only where it is not 1), its eps and
+    W's layout annotated on the GEMM block (:data:`PROBLEM`), which :func:`build` reads."""
     gemm_block, _ = find_gemm(sch.mod["main"])
     sch.defer_row_scales(sch.get_sblock(gemm_block.name_hint))
     gemm = sch.get_sblock(gemm_block.name_hint)
     sch.annotate(gemm, PROBLEM, [problem.eps, problem.layout])
     for key, value in ((COLS, cols), (STAGES, stages), (GROUP, group), (REGISTERS, list(registers))):
         sch.annotate(gemm, key, value)
+    if cluster != 1:
+        sch.annotate(gemm, CLUSTER, cluster)
 
 
 def lowers(mod) -> bool:
@@ -230,7 +247,8 @@ def chosen_config(mod) -> Optional[WarpSpecializedGemmConfig]:
 
 def _config(notes) -> WarpSpecializedGemmConfig:
     return WarpSpecializedGemmConfig(
-        int(notes[COLS]), int(notes[STAGES]), int(notes[GROUP]), *(int(r) for r in notes[REGISTERS])
+        int(notes[COLS]), int(notes[STAGES]), int(notes[GROUP]), *(int(r) for r in notes[REGISTERS]),
+        int(notes[CLUSTER]) if CLUSTER in notes else 1,
     )
 
 
@@ -304,7 +322,8 @@ def kernel_for(problem: RmsNormGemm, config=WarpSpecializedGemmConfig()) -> tvm.
 
 
 def _choices(block):
-    return {key: block.annotations[key] for key in (PROBLEM, COLS, STAGES, GROUP, REGISTERS)}
+    return {key: block.annotations[key] for key in (PROBLEM, COLS, STAGES, GROUP, REGISTERS, CLUSTER)
+            if key in block.annotations}
 
 
 def _problem_of_params(func, eps, layout) -> Optional[RmsNormGemm]:
@@ -339,6 +358,8 @@ def unsupported(n, k, layout, dtype, out_dtype, config=WarpSpecializedGemmConfig
         return f"{config.cols} columns a block: a multiple of 64 up to 256 (wgmma's N)"
     if config.shared_bytes() > SHARED_BYTES:
         return f"{config.stages} stages of {config.cols} columns need {config.shared_bytes()} bytes of shared memory"
+    if config.cluster not in (1, 2):
+        return f"the warp-specialised scaled GEMM shares W tiles in clusters of 1 or 2 blocks, not {config.cluster}"
     return None
 
 
@@ -386,21 +407,33 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
     part_k, part_n = k % DEPTH != 0, n % cols != 0
     ptx = PTX_TYPE[dtype]
     mma = getattr(getattr(getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k16").f32, ptx), ptx)
-    group = config.group
+    group, cluster = config.group, config.cluster
     # Persistent blocks, one per SM (or per output tile where there are fewer), each
     # taking output tiles in turn: a tile's first k tiles load during the last one's
-    # epilogue, and γ is read once a block.
-    total = m_tiles * n_tiles
-    blocks = ir.minimum(total, sm_count(tvm.cuda(0)))
-    rounds = (total + blocks - 1) // blocks
+    # epilogue, and γ is read once a block. A cluster takes a unit at a time: `cluster`
+    # consecutive row tiles of one column tile, a row tile a block.
+    spans = (m_tiles + cluster - 1) // cluster if cluster > 1 else m_tiles
+    units = spans * n_tiles
+    clusters = ir.minimum(units, sm_count(tvm.cuda(0)) // cluster)
+    blocks = clusters * cluster if cluster > 1 else clusters
+    rounds = (units + clusters - 1) // clusters
+    span_group = max(group // cluster, 1)
+    multicast, mask = (".multicast::cluster", (T.uint16(0b11),)) if cluster > 1 else ("", ())
 
-    def tile_at(index):
-        """(first row, first column) of output tile ``index``: groups of ``group`` row
-        tiles, rows fastest within a group."""
-        first = index // (group * n_tiles) * group
-        rows_here = T.min(m_tiles - first, group)
-        within = index % (group * n_tiles)
-        return (first + within % rows_here) * ROWS, within // rows_here * cols
+    def tile_at(unit, rank):
+        """(first row, first column) of block ``rank``'s output tile of ``unit``: groups of
+        ``group`` row tiles, rows fastest within a group."""
+        first = unit // (span_group * n_tiles) * span_group
+        rows_here = T.min(spans - first, span_group)
+        within = unit % (span_group * n_tiles)
+        row_tile = (first + within % rows_here) * cluster + rank if cluster > 1 else first + within % rows_here
+        return row_tile * ROWS, within // rows_here * cols
+
+    def unit_of(j, bx):
+        """The unit block ``bx``'s cluster takes in round ``j``."""
+        return j * clusters + (bx // cluster if cluster > 1 else bx)
+
+    release = stage_release(cluster)
 
     def w_operand(smem, st, ks):
         if kn:
@@ -473,7 +506,7 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
-    def step(smem, full, empty, acc, A, ss, xv, gv, half, t, base, cw, w, lane):
+    def step(smem, full, empty, acc, A, ss, xv, gv, half, t, base, cw, w, lane, rank):
         # Tile t's instructions run while tile t + 1's operand is read into the other set;
         # the set tile t - 1 read is free once at most one batch is in flight. The ring's
         # k tile `base + t` (`base`: the k tiles of the block's earlier output tiles).
@@ -484,13 +517,13 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         T.ptx.wgmma.wait_group.sync.aligned(1)
         fence_a(A, 16 * (1 - half))
         if t > 0:
-            T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(base + t - 1) % stages]), T.uint32(1))
+            release(empty, (base + t - 1) % stages, rank)
         if t + 1 < k_tiles:
             wait(full, base + t + 1)
             operand(smem, A, ss, xv, gv, 1 - half, t + 1, (base + t + 1) % stages, cw, w, lane)
 
     @T.macro
-    def consume(smem, full, empty, bx, tx, cw):
+    def consume(smem, full, empty, bx, tx, cw, rank):
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
@@ -501,8 +534,8 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
         four = T.alloc_local((4,), "float32")
         ov = T.alloc_local((4,), out_dtype)
         for j in T.serial(rounds):
-            if j * blocks + bx < total:
-                r0, c0 = T.meta_var(tile_at(j * blocks + bx))
+            if unit_of(j, bx) < units:
+                r0, c0 = T.meta_var(tile_at(unit_of(j, bx), rank))
                 base = T.meta_var(j * k_tiles)
                 for i in T.unroll(n_acc):
                     acc[i] = T.float32(0)
@@ -514,11 +547,11 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                 for pair in T.serial((k_tiles + 1) // 2):
                     for half in T.unroll(2):
                         if pair * 2 + half < k_tiles:
-                            step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, base, cw, w, lane)
+                            step(smem, full, empty, acc, A, ss, xv, gv, half, pair * 2 + half, base, cw, w, lane, rank)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_accumulators(acc, 0)
                 # (the producer fills the stages with the next tile's k tiles during the epilogue)
-                T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(base + k_tiles - 1) % stages]), T.uint32(1))
+                release(empty, (base + k_tiles - 1) % stages, rank)
                 for g in T.unroll(2):
                     ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 1, 32)
                     ss[g] = ss[g] + T.cuda.__shfl_xor_sync(T.uint32(ALL_LANES), ss[g], 2, 32)
@@ -533,10 +566,12 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                         store_four(out, ov, four, row, col, m, n, part_n)
 
     @T.macro
-    def produce(x_map, w_map, smem, full, empty, bx):
+    def produce(x_map, w_map, smem, full, empty, bx, rank):
+        # In a cluster each block fetches its own X tile and half of the W tile, the
+        # latter into both blocks (each block's `full` awaits the whole W tile's bytes).
         for j in T.serial(rounds):
-            if j * blocks + bx < total:
-                r0, c0 = T.meta_var(tile_at(j * blocks + bx))
+            if unit_of(j, bx) < units:
+                r0, c0 = T.meta_var(tile_at(unit_of(j, bx), rank))
                 for t in T.serial(k_tiles):
                     # the ring's k tile j * k_tiles + t
                     st = T.meta_var((j * k_tiles + t) % stages)
@@ -545,20 +580,28 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                     T.ptx[_TMA](smem.ptr_to([st * x_tile]), T.address_of(x_map), T.int32(t * DEPTH), r0, full.ptr_to([st]))
                     if kn:
                         for p in T.unroll(panels):
-                            T.ptx[_TMA](
-                                smem.ptr_to([w_base + st * w_tile + p * DEPTH * 64]), T.address_of(w_map), c0 + p * 64,
-                                T.int32(t * DEPTH), full.ptr_to([st]),
-                            )
-                    else:
+                            if cluster == 1 or p % cluster == rank:
+                                T.ptx[_TMA + multicast](
+                                    smem.ptr_to([w_base + st * w_tile + p * DEPTH * 64]), T.address_of(w_map),
+                                    c0 + p * 64, T.int32(t * DEPTH), full.ptr_to([st]), *mask,
+                                )
+                    elif cluster == 1:
                         T.ptx[_TMA](
                             smem.ptr_to([w_base + st * w_tile]), T.address_of(w_map), T.int32(t * DEPTH), c0,
                             full.ptr_to([st]),
+                        )
+                    else:
+                        # rows of W ([n, k]) in halves, each block's at its place in the tile
+                        T.ptx[_TMA + multicast](
+                            smem.ptr_to([w_base + st * w_tile + rank * (cols // cluster) * DEPTH]),
+                            T.address_of(w_map), T.int32(t * DEPTH), c0 + rank * (cols // cluster),
+                            full.ptr_to([st]), *mask,
                         )
 
     init_barriers = stage_barriers(stages)
 
     @T.macro
-    def block(x_map, w_map, bx, tx):
+    def block(x_map, w_map, bx, tx, rank):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         smem = T.alloc_buffer((smem_elements,), dtype, scope="shared.dyn", align=1024)
@@ -574,21 +617,30 @@ def kernel(m, n, k, eps=1e-6, layout="kn", out_dtype="float16", config=WarpSpeci
                         smem.vstore([g_base + piece * 8], gamma.vload([piece * 8], f"{dtype}x8"))
                     else:
                         smem.vstore([g_base + piece * 8], T.Broadcast(T.Cast(dtype, 0), 8))
-        init_barriers(full, empty, tx, 256)
+        # every consumer thread of the cluster releases every stage
+        init_barriers(full, empty, tx, 256 * cluster)
+        if cluster > 1:
+            # The peer's multicasts and arrivals need this block's barriers initialised.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
-                produce(x_map, w_map, smem, full, empty, bx)
+                produce(x_map, w_map, smem, full, empty, bx, rank)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
-            consume(smem, full, empty, bx, tx, warpgroup - 1)
+            consume(smem, full, empty, bx, tx, warpgroup - 1, rank)
+        if cluster > 1:
+            # No block leaves while its peer may still fill its stages or arrive on its barriers.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
 
     if kn:
         w_dims, w_box = (n, k, n * 2), (64, DEPTH)
     else:
-        w_dims, w_box = (k, n, k * 2), (DEPTH, cols)
+        w_dims, w_box = (k, n, k * 2), (DEPTH, cols // cluster)
     maps = ((X, k, m, k * 2, DEPTH, ROWS, 1, 1, dtype), (W, *w_dims, *w_box, 1, 1, dtype))
-    return tma_kernel([X, gamma, W, out], maps, blocks, THREADS, block)
+    return tma_kernel([X, gamma, W, out], maps, blocks, THREADS, block, cluster)
 
 
 def stage_barriers(stages):
@@ -683,12 +735,13 @@ def split_sum(parts, out, factor=None):
     return adds.body
 
 
-def tma_kernel(params, maps, blocks, threads, block):
+def tma_kernel(params, maps, blocks, threads, block, cluster=None):
     """The PrimFunc ``main`` over ``params`` that encodes two 2-d TMA maps with 128-byte
     swizzled boxes (``maps``: each the tensor, then ``tensormap_encode_tiled``'s extents,
     row stride, box and element strides, the contiguous axis first, then the element
     dtype) and runs the macro ``block(x_map, w_map, bx, tx)`` in ``blocks`` blocks of
-    ``threads`` threads."""
+    ``threads`` threads; given ``cluster``, ``block(x_map, w_map, bx, tx, rank)`` in
+    clusters of that many blocks (``rank`` the block's in its cluster, 0 without)."""
     (x, *x_args, x_dtype), (w, *w_args, w_dtype) = maps
 
     @T.prim_func(private=True, check_well_formed=False)
@@ -698,7 +751,15 @@ def tma_kernel(params, maps, blocks, threads, block):
         T.evaluate(T.tensormap_encode_tiled(x_map, x.data, *x_args, descriptor_dtype=x_dtype, rank=2, swizzle=3))
         T.evaluate(T.tensormap_encode_tiled(w_map, w.data, *w_args, descriptor_dtype=w_dtype, rank=2, swizzle=3))
         bx = T.launch_thread("blockIdx.x", blocks)
-        tx = T.launch_thread("threadIdx.x", threads)
-        block(x_map, w_map, bx, tx)
+        if cluster is not None and cluster > 1:
+            rank = T.launch_thread("clusterCtaIdx.x", cluster)
+            tx = T.launch_thread("threadIdx.x", threads)
+            block(x_map, w_map, bx, tx, rank)
+        elif cluster is not None:
+            tx = T.launch_thread("threadIdx.x", threads)
+            block(x_map, w_map, bx, tx, 0)
+        else:
+            tx = T.launch_thread("threadIdx.x", threads)
+            block(x_map, w_map, bx, tx)
 
     return tvm.tirx.PrimFunc(params, main.body).with_attr("global_symbol", "main")
