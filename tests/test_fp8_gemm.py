@@ -362,22 +362,25 @@ def test_the_op_with_one_k_tile_runs_as_two_kernels():
         fp8.kernel_for(16, 64, 1024, tile=256)
 
 
-def _two_pass_source(k):
+def _two_pass_source(k, cluster):
     from tvm_cascade.schedules import fp8_two_pass
 
-    return _source(fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, k, "bfloat16", "float32",
-                                                fp8.Fp8GemmConfig(stages=6)))
+    config = fp8._two_pass_config([128, 6, 16, cluster])
+    return _source(fp8_two_pass.two_pass_kernel(tvm.tirx.Var("m", "int64"), 328, k, "bfloat16", "float32", config))
 
 
-@pytest.mark.parametrize("k", [4096, 4352, 4224])  # k tiles in runs of 8, 2, 1
+# k tiles in runs of 8, 2, 1; clusters of two blocks sharing W tiles
+@pytest.mark.parametrize("k, cluster", [(4096, 1), (4352, 1), (4224, 1), (4096, 2)])
 @assembled(_two_pass_source)
-def test_ptxas_keeps_the_two_pass_gemm_asynchronous(k, runs_ahead, request):
+def test_ptxas_keeps_the_two_pass_gemm_asynchronous(k, cluster, runs_ahead, request):
     """As :func:`test_ptxas_honours_setmaxnreg_and_keeps_wgmma_asynchronous`, for the
     two kernels of the op with one k tile (six stages, partial tiles of M and N): the
-    GEMM's runs of k tiles overlap a tile's wgmmas with the tile before's additions."""
+    GEMM's runs of k tiles overlap a tile's wgmmas with the tile before's additions;
+    no kernel spills (in a cluster, with the producer's 32 registers)."""
     source, report = assembly(runs_ahead, request)
     assert ("wgmma.wait_group.sync.aligned 1;" in source) == (k != 4224)
-    assert "0 bytes spill stores, 0 bytes spill loads" in report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == 2 and all(count == "0" for pair in spills for count in pair), report
     for remark in ("C7508", "C7511", "C7514", "C7519", "is injected"):
         assert remark not in report, report
 
@@ -445,3 +448,36 @@ def test_metaschedule_proposes_the_run_time_choice_for_a_variable_token_count():
     assert sorted(samples) == ["by_tokens", "tiles"]
     source = tvm.get_global_func(BUILD_FUNC)(samples["by_tokens"].mod, target, None).imports[0].inspect_source()
     assert source.count("__global__") == 10
+
+
+def test_a_two_pass_gemm_in_clusters_of_two_shares_each_w_tile():
+    """The two-pass form's fourth choice, 2: the GEMM's blocks go in clusters of two over
+    two row tiles of one column tile (a grid of whole pairs), each copying its own
+    quantised rows and half the W tile's rows into both blocks (TMA multicast, its map's
+    box half the tile), each stage's ``empty`` awaiting both blocks' consumer threads
+    (remote arrivals), cluster barriers after initialisation and before leaving, the
+    producer with 32 registers. Three choices (or a fourth of 1) build the kernel
+    without clusters."""
+    from tvm_cascade.schedules import fp8_two_pass
+
+    problem = fp8.fp8_quant_gemm_of(cascades.fp8_quant_gemm(300, 1024, 1024, tile=1024))
+    sch = fp8.schedule(problem.function(), "two_pass", [128, 6, 16, 2])
+    source = _source(sch.mod)
+    assert _source(fp8.schedule(problem.function(), "two_pass", [128, 6, 16, 1]).mod) == _source(
+        fp8.schedule(problem.function()).mod)
+    gemm = source[source.rindex('extern "C" __global__'):]
+    copies = re.findall(r"complete_tx__bytes(_multicast__cluster)?\((.*?)\);\n", gemm)
+    assert [bool(multicast) for multicast, _ in copies] == [False, True]
+    # the W half: 64 rows (4096 16-bit elements) on from the block's rank, mask 0b11
+    assert "cluster_ctaid_x()) * 4096)" in copies[1][1] and "cluster_ctaid_x()) * 64)" in copies[1][1]
+    assert copies[1][1].endswith("(ushort)3")
+    assert "arrive_shared__cluster_b64(" in gemm and "mapa_u32_shared__cluster_u32(" in gemm
+    assert gemm.count("barrier_cluster_arrive_cluster_arrive();") == 2
+    assert "setmaxnreg_dec_sync_aligned_u32_32();" in gemm
+    assert re.search(r"init_shared_b64\(.*empty_ptr\[0\].*\(condval(_\d+)? \* 128\) \+ \(condval(_\d+)? \* 128\)", gemm)
+    func = fp8_two_pass.two_pass_kernel(300, 1024, 1024, config=fp8._two_pass_config([128, 6, 16, 2]))
+    assert grids(func)[-1] == 2 * 2 * 8  # 3 row tiles in 2 pairs, 8 column tiles
+    encodes = [c for c in func.script().splitlines() if "tensormap_encode_tiled(w_map" in c]
+    assert len(encodes) == 1 and "1024, 1024, 1024, 128, 64, 1, 1" in encodes[0]
+    with pytest.raises(ValueError, match="clusters of 1 or 2 blocks, not 3"):
+        fp8.schedule(problem.function(), "two_pass", [128, 6, 16, 3])

@@ -101,6 +101,13 @@ def test_skinny_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, token
     (200, 328, 528, "float16", "float32", fp8.Fp8GemmConfig(stages=3, group=2)),  # no whole tiles
     (300, 512, 1024, "bfloat16", "bfloat16", fp8.Fp8GemmConfig(stages=6)),
     (128, 384, 4096, "bfloat16", "float32", fp8.Fp8GemmConfig(cols=64, stages=7)),
+    # clusters of two blocks sharing W tiles: one pair of row tiles, an odd number (the
+    # last pair's second past M), partial tiles, many pairs, 64 columns (32-row halves)
+    (256, 512, 1024, "float16", "float16", fp8._two_pass_config([128, 6, 16, 2])),
+    (300, 512, 1024, "bfloat16", "bfloat16", fp8._two_pass_config([128, 6, 16, 2])),
+    (200, 328, 528, "float16", "float32", fp8._two_pass_config([128, 3, 2, 2])),
+    (2048, 1024, 2048, "float16", "float16", fp8._two_pass_config([128, 6, 16, 2])),
+    (256, 384, 1024, "float16", "float16", fp8._two_pass_config([64, 6, 16, 2])),
 ])
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_two_pass_fp8_gemm_matches_its_definition(m, n, k, dtype, out_dtype, config, symbolic):

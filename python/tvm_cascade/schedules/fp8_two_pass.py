@@ -21,6 +21,11 @@ one k tile (the two-pass quantisation: each row's abs-max over all of k first):
   ``w_scale[c]``; it is launched as a programmatic dependent of the quantisation
   (:func:`.warp_specialized_gemm.build_function`): it launches while the quantisation
   ends, asks for its first stages of W in L2, and waits for the quantisation's results.
+
+With ``config.cluster`` 2 (the form's fourth choice) the GEMM's blocks go in clusters
+of two over two row tiles of one column tile, each block fetching half the W tile's
+rows into both by TMA multicast (:func:`~.warp_specialized_fp8_gemm.tiled_block`): a k
+tile's copies from L2 fall from 32 KB a block to 24.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from tvm.script import tirx as T
 from ..cuda import ALL_LANES
 from ..cuda.wgmma_batches import register_fence
 from ..primitives.ir import prepend_in_root
-from .warp_specialized import THREADS
+from .warp_specialized import THREADS, stage_release
 from .warp_specialized_fp8_gemm import (
     _QUANTISE, _QUANTISE_SOURCE, DEPTH, EPS, FP8_MAX, ROWS, TWO_PASS_CONFIG, _k_major, _params, _producer, tile_store,
     tiled_block, unsupported,
@@ -47,6 +52,8 @@ def two_pass_unsupported(n, k, dtype, out_dtype, config=TWO_PASS_CONFIG):
     """Why :func:`two_pass_kernel` cannot serve this GEMM (M is free), or None."""
     if k % _VECTOR:
         return f"the quantisation kernel loads rows in 16-byte pieces: K = {k} is not a multiple of {_VECTOR}"
+    if config.cluster not in (1, 2):
+        return f"the two-pass GEMM shares W tiles in clusters of 1 or 2 blocks, not {config.cluster}"
     return unsupported(n, k, dtype, out_dtype, config, x_bytes=1)
 
 
@@ -71,7 +78,7 @@ def two_pass_kernel(m, n, k, dtype="float16", out_dtype="float16", config=TWO_PA
         w_map = T.tvm_stack_alloca("tensormap", 1)
         T.evaluate(T.tensormap_encode_tiled(q_map, q.data, k, m, k, DEPTH, ROWS, 1, 1,
                                             descriptor_dtype="float8_e4m3fn", rank=2, swizzle=3))
-        T.evaluate(T.tensormap_encode_tiled(w_map, W.data, k, n, k, DEPTH, config.cols, 1, 1,
+        T.evaluate(T.tensormap_encode_tiled(w_map, W.data, k, n, k, DEPTH, config.cols // config.cluster, 1, 1,
                                             descriptor_dtype="float8_e4m3fn", rank=2, swizzle=3))
         gemm(q_map, w_map)
 
@@ -122,7 +129,7 @@ def _quantise(X, q, q_scale, m, k, dtype):
 
 def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
     """The GEMM kernel's macro ``gemm(q_map, w_map)`` over the quantised rows."""
-    cols, stages = config.cols, config.stages
+    cols, stages, cluster = config.cols, config.stages, config.cluster
     m_tiles = (m + ROWS - 1) // ROWS
     n_tiles = -(-n // cols)
     k_tiles = -(-k // DEPTH)
@@ -134,22 +141,23 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
     mma = getattr(T.ptx.wgmma.mma_async.sync.aligned, f"m64n{cols}k32").f32.e4m3.e4m3
     fence_accumulators = register_fence(n_acc)
     store_tile = tile_store(out, w_scale, m, n, cols)
+    release = stage_release(cluster)
 
     @T.macro
     def wait(bar, t):
         T.cuda.mbarrier_wait(bar.ptr_to([t % stages]), (t // stages) & 1)
 
     @T.macro
-    def join(acc, part, empty, t, which):
+    def join(acc, part, empty, t, which, rank):
         """k tile ``t``'s products, done in set ``which`` of ``part``: its stage released
-        and the products added to ``acc``."""
+        (in both blocks of a cluster) and the products added to ``acc``."""
         fence_accumulators(part, which * n_acc)
-        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([t % stages]), T.uint32(1))
+        release(empty, t % stages, rank)
         for i in T.unroll(n_acc):
             acc[i] = acc[i] + part[which * n_acc + i]
 
     @T.macro
-    def consume(smem, full, empty, r0, c0, tx, cw):
+    def consume(smem, full, empty, r0, c0, tx, cw, rank=0):
         w = T.meta_var((tx // 32) % 4)
         lane = T.meta_var(tx % 32)
         acc = T.alloc_local((n_acc,), "float32")
@@ -177,23 +185,29 @@ def _gemm(q, q_scale, W, w_scale, out, m, n, k, config):
                 T.ptx.wgmma.commit_group.sync.aligned()
                 if v > 0:
                     T.ptx.wgmma.wait_group.sync.aligned(1)
-                    join(acc, part, empty, t - 1, (v - 1) % 2)
+                    join(acc, part, empty, t - 1, (v - 1) % 2, rank)
             T.ptx.wgmma.wait_group.sync.aligned(0)
-            join(acc, part, empty, u * run + run - 1, (run - 1) % 2)
+            join(acc, part, empty, u * run + run - 1, (run - 1) % 2, rank)
         for g in T.unroll(2):
             scale[g] = q_scale[T.min(r0 + 64 * cw + 16 * w + lane // 4 + 8 * g, m - 1)]
         store_tile(acc, scale, r0, c0, cw, w, lane)
 
     produce = _producer(k_tiles, stages, x_tile, lambda st: st * x_tile, lambda st: w_base + st * w_tile,
-                        (x_tile + w_tile) * 2, x_boxes=1)
+                        (x_tile + w_tile) * 2, x_boxes=1, w_rows=cols // cluster if cluster > 1 else None)
     # (W's first stages asked for in L2 while the quantisation ends)
     block = tiled_block(m, n_tiles, config, stages * (x_tile + w_tile), "float16", produce, consume,
                         prefetch=min(stages, k_tiles))
 
     @T.macro
     def gemm(q_map, w_map):
-        with T.launch_thread("blockIdx.x", m_tiles * n_tiles) as bx:
-            tx = T.launch_thread("threadIdx.x", THREADS)
-            block(q_map, w_map, bx, tx)
+        if cluster > 1:
+            with T.launch_thread("blockIdx.x", (m_tiles + cluster - 1) // cluster * cluster * n_tiles) as bx:
+                rank = T.launch_thread("clusterCtaIdx.x", cluster)
+                tx = T.launch_thread("threadIdx.x", THREADS)
+                block(q_map, w_map, bx, tx, rank)
+        else:
+            with T.launch_thread("blockIdx.x", m_tiles * n_tiles) as bx:
+                tx = T.launch_thread("threadIdx.x", THREADS)
+                block(q_map, w_map, bx, tx)
 
     return gemm

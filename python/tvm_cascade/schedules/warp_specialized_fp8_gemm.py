@@ -148,6 +148,10 @@ class Fp8GemmConfig:
     # (240 x 256 + 24 x 128 registers fill the register file; ptxas spills at 232)
     producer_registers: int = 24
     consumer_registers: int = 240
+    # Blocks that share each W tile (the two-pass form's GEMM: :mod:`.fp8_two_pass`): with
+    # 2, a cluster takes two row tiles of one column tile, each block fetching half the
+    # W tile into both by TMA multicast.
+    cluster: int = 1
 
     def shared_bytes(self, x_bytes: int = 2) -> int:
         """The dynamic shared memory of the kernel's stages: each stage's X tile (of
@@ -221,15 +225,18 @@ def _params(m, n, k, dtype, out_dtype):
     ]
 
 
-def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2):
+def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2, w_rows=None):
     """The producer thread's macro ``produce(x_map, w_map, smem, full, empty, r0, c0,
-    first=0, count=k_tiles)``: each of ``count`` k tiles from tile ``first``, its
+    first=0, count=k_tiles, rank=0)``: each of ``count`` k tiles from tile ``first``, its
     ``x_boxes`` X boxes (from row ``r0``: two of 16-bit X, one of e4m3) and W box (from
     row ``c0``) into stage ``st``'s places in ``smem``, ``x_at(st)`` and ``w_at(st)``
-    (16-bit elements), ``expect`` bytes a stage."""
+    (16-bit elements), ``expect`` bytes a stage. With ``w_rows`` (a cluster of two
+    blocks over one column tile), block ``rank`` fetches W's rows ``c0 + rank * w_rows``
+    onwards (a box of ``w_rows`` rows) into both blocks (TMA multicast)."""
+    multicast = w_rows is not None
 
     @T.macro
-    def produce(x_map, w_map, smem, full, empty, r0, c0, first=0, count=k_tiles):
+    def produce(x_map, w_map, smem, full, empty, r0, c0, first=0, count=k_tiles, rank=0):
         for t in T.serial(count):
             st = T.meta_var(t % stages)
             kt = T.meta_var(first + t)
@@ -240,9 +247,16 @@ def _producer(k_tiles, stages, box, x_at, w_at, expect, x_boxes=2):
                     smem.ptr_to([x_at(st) + h * box]), T.address_of(x_map), T.int32(kt * DEPTH + h * DEPTH // x_boxes),
                     T.Cast("int32", r0), full.ptr_to([st]),
                 )
-            T.ptx[_TMA](
-                smem.ptr_to([w_at(st)]), T.address_of(w_map), T.int32(kt * DEPTH), T.Cast("int32", c0), full.ptr_to([st])
-            )
+            if multicast:
+                # (a row of W is DEPTH bytes: half a 16-bit element's row of the stage)
+                T.ptx[_TMA + ".multicast::cluster"](
+                    smem.ptr_to([w_at(st) + rank * w_rows * DEPTH // 2]), T.address_of(w_map), T.int32(kt * DEPTH),
+                    T.Cast("int32", c0 + rank * w_rows), full.ptr_to([st]), T.uint16(0b11),
+                )
+            else:
+                T.ptx[_TMA](
+                    smem.ptr_to([w_at(st)]), T.address_of(w_map), T.int32(kt * DEPTH), T.Cast("int32", c0), full.ptr_to([st])
+                )
 
     return produce
 
@@ -260,40 +274,74 @@ def tiled_block(m, n_tiles, config, elements, dtype, produce, consume, prefetch=
     X first asks for the W boxes of its first ``prefetch`` k tiles in L2, then waits
     for that kernel (its own ``griddepcontrol.wait``: :mod:`..cuda.dependent_launch`),
     so W streams in while that kernel ends. (An L2 prefetch reads what any writer left:
-    L2 is where the GPU's memory is coherent.)"""
-    stages, group, cols = config.stages, config.group, config.cols
+    L2 is where the GPU's memory is coherent.)
+
+    With ``config.cluster`` 2 the blocks go in clusters of two over two row tiles of one
+    column tile (block ``rank`` the row tile ``2 u + rank`` of unit ``u = bx // 2``):
+    ``block(x_map, w_map, bx, tx, rank)`` passes ``rank`` on to ``produce`` and
+    ``consume`` (which share the W tile: :func:`_producer`'s ``w_rows``), each stage's
+    ``empty`` awaits both blocks' consumers, and the blocks meet at cluster barriers
+    after initialisation and before leaving."""
+    stages, group, cols, cluster = config.stages, config.group, config.cols, config.cluster
     m_tiles = (m + ROWS - 1) // ROWS
+    spans = (m_tiles + cluster - 1) // cluster if cluster > 1 else m_tiles
+    span_group = max(group // cluster, 1)
     init_barriers = stage_barriers(stages)
 
+    def consumers_of(r0):
+        """The consumer warpgroups of the tile from row ``r0``: the second only where
+        its 64 rows reach into ``m``."""
+        return T.if_then_else(r0 + 64 < m, 2, 1)
+
     @T.macro
-    def block(x_map, w_map, bx, tx):
+    def block(x_map, w_map, bx, tx, rank=0):
         # __launch_bounds__(384, 1): ptxas must know the registers at entry to honour setmaxnreg
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         smem = T.alloc_buffer((elements,), dtype, scope="shared.dyn", align=1024)
         full = T.alloc_shared((stages,), "uint64")
         empty = T.alloc_shared((stages,), "uint64")
-        first = bx // (group * n_tiles) * group
-        rows_here = T.min(m_tiles - first, group)
-        within = bx % (group * n_tiles)
-        r0 = (first + within % rows_here) * ROWS
+        unit = T.meta_var(bx // cluster if cluster > 1 else bx)
+        first = unit // (span_group * n_tiles) * span_group
+        rows_here = T.min(spans - first, span_group)
+        within = unit % (span_group * n_tiles)
+        r0 = ((first + within % rows_here) * cluster + rank) * ROWS if cluster > 1 else (first + within % rows_here) * ROWS
         c0 = within // rows_here * cols
         if prefetch > 0:
             if tx == 0:
                 for t in T.unroll(prefetch):
-                    T.evaluate(T.cuda.func_call(_PREFETCH, T.address_of(w_map), t * DEPTH, c0,
+                    # (in a cluster, the W rows this block fetches: its map's box is theirs)
+                    T.evaluate(T.cuda.func_call(_PREFETCH, T.address_of(w_map), t * DEPTH,
+                                                c0 + rank * (cols // cluster) if cluster > 1 else c0,
                                                 source_code=_PREFETCH_SOURCE, return_type="void"))
             T.evaluate(dependent_launch.wait())
         warpgroup = T.cuda.__shfl_sync(T.uint32(ALL_LANES), tx // 128, 0, 32)
-        consumers = T.meta_var(T.if_then_else(r0 + 64 < m, 2, 1))
-        init_barriers(full, empty, tx, 128 * consumers)
+        consumers = T.meta_var(consumers_of(r0))
+        if cluster > 1:
+            # every consumer thread of the cluster releases every stage
+            init_barriers(full, empty, tx, 128 * (consumers + consumers_of(r0 + (1 - 2 * rank) * ROWS)))
+            # The peer's multicasts and arrivals need this block's barriers initialised.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
+        else:
+            init_barriers(full, empty, tx, 128 * consumers)
         if warpgroup == 0:
             T.ptx.setmaxnreg.dec.sync.aligned.u32(config.producer_registers)
             if tx == 0:
-                produce(x_map, w_map, smem, full, empty, r0, c0)
+                if cluster > 1:
+                    produce(x_map, w_map, smem, full, empty, r0, c0, rank=rank)
+                else:
+                    produce(x_map, w_map, smem, full, empty, r0, c0)
         else:
             T.ptx.setmaxnreg.inc.sync.aligned.u32(config.consumer_registers)
             if warpgroup <= consumers:
-                consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+                if cluster > 1:
+                    consume(smem, full, empty, r0, c0, tx, warpgroup - 1, rank)
+                else:
+                    consume(smem, full, empty, r0, c0, tx, warpgroup - 1)
+        if cluster > 1:
+            # No block leaves while its peer may still fill its stages or arrive on its barriers.
+            T.ptx.barrier.cluster.arrive()
+            T.ptx.barrier.cluster.wait()
 
     return block
 
@@ -334,7 +382,7 @@ def tile_store(out, w_scale, m, n, cols):
 #: ...: a trace's dead-code elimination keeps a sampled value only where an instruction
 #: takes it itself, not inside a list), ``[cols, stages, group]``
 #: (:class:`Fp8GemmConfig`) for "tiles" and "two_pass" (one k tile: X quantised by a
-#: kernel of its own first, :mod:`.fp8_two_pass`), ``[tokens, stages, consumers]`` for "skinny"
+#: kernel of its own first, :mod:`.fp8_two_pass`; a fourth, the cluster size, where not 1), ``[tokens, stages, consumers]`` for "skinny"
 #: (records of ``[tokens, stages]`` mean one consumer warpgroup, as before the choice), and for
 #: "by_tokens" (a variable token count) the skinny kernels' tokens a block, ascending,
 #: each taking the counts up to it at run time, the 128-row kernel the rest
@@ -453,9 +501,7 @@ def unsupported_choices(problem, form, choices):
                     f"not {problem.tile} of {problem.k}")
         from .fp8_two_pass import two_pass_unsupported  # (it builds on this module)
 
-        cols, stages, group = (int(c) for c in choices)
-        return two_pass_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype,
-                                    Fp8GemmConfig(cols, stages, group))
+        return two_pass_unsupported(problem.n, problem.k, problem.dtype, problem.out_dtype, _two_pass_config(choices))
     if problem.tile != DEPTH and form in FORMS:
         return f"the one-kernel forms quantise k tiles of {DEPTH}, not {problem.tile}"
     if form == "tiles":
@@ -481,9 +527,8 @@ def _kernel(problem, form, choices):
     if form == "two_pass":
         from .fp8_two_pass import two_pass_kernel  # (it builds on this module)
 
-        cols, stages, group = (int(c) for c in choices)
         return two_pass_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype,
-                               Fp8GemmConfig(cols, stages, group))
+                               _two_pass_config(choices))
     if form == "tiles":
         cols, stages, group = (int(c) for c in choices)
         return kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, Fp8GemmConfig(cols, stages, group))
@@ -492,6 +537,21 @@ def _kernel(problem, form, choices):
     tokens, stages, consumers = _skinny_choices(choices)
     return skinny_kernel(problem.m, problem.n, problem.k, problem.dtype, problem.out_dtype, tokens, stages,
                          consumers=consumers)
+
+
+#: The producer warpgroup's registers in a cluster of two: its multicast copies need
+#: more than 24 (ptxas spills 292 bytes at 24, none at 32); 240 x 256 + 32 x 128 fill
+#: the register file.
+CLUSTER_PRODUCER_REGISTERS = 32
+
+
+def _two_pass_config(choices):
+    """The two-pass form's config of its choices ``[cols, stages, group]``, and its
+    cluster size where a fourth is given (else 1)."""
+    cols, stages, group, *cluster = (int(c) for c in choices)
+    if cluster and cluster[0] > 1:
+        return Fp8GemmConfig(cols, stages, group, producer_registers=CLUSTER_PRODUCER_REGISTERS, cluster=cluster[0])
+    return Fp8GemmConfig(cols, stages, group)
 
 
 def _skinny_choices(choices):
